@@ -1,0 +1,1 @@
+"""One module per CLI command; each parses, calls one library function and renders the result."""

@@ -1,0 +1,58 @@
+"""Options shared by several commands, declared once."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+class ByteSize(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            self.fail(f"{value!r} is not a size like 5GiB, 500MB or 1000000", param, ctx)
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if n <= 0:
+            self.fail("must be positive", param, ctx)
+        return n
+
+
+def parse_partition(value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated layer counts, e.g. 24,24,23,23") from None
+
+
+tp_option = click.option(
+    "--tp", "tp", type=click.IntRange(min=1), default=1, show_default=True, envvar="RESHARD_TP",
+    help="Tensor-parallel size: vLLM's --tensor-parallel-size.",
+)  # fmt: skip
+pp_option = click.option(
+    "--pp", "pp", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Pipeline-parallel size: vLLM's --pipeline-parallel-size.",
+)  # fmt: skip
+ep_option = click.option(
+    "--ep/--no-ep", "ep", default=False, show_default=True,
+    help="Expert-parallel layout (vLLM's --enable-expert-parallel): MoE experts whole, spread over the ranks.",
+)  # fmt: skip
+dtype_option = click.option(
+    "--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
+    help="Model dtype vLLM will run with. auto: config.json's torch_dtype (float32 becomes bfloat16, as vLLM on GPUs).",
+)  # fmt: skip
+revision_option = click.option("--revision", help="Hub branch, tag or commit (repo ids only).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout; no progress.")
+partition_option = click.option(
+    "--pp-layer-partition", "pp_partition", metavar="N,N,...",
+    help="Layers per pipeline stage, as VLLM_PP_LAYER_PARTITION (give vLLM the same value).",
+)  # fmt: skip

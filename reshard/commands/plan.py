@@ -1,0 +1,70 @@
+"""`reshard plan SOURCE`."""
+
+from __future__ import annotations
+
+import click
+
+from reshard.commands.options import (
+    dtype_option,
+    ep_option,
+    json_option,
+    parse_partition,
+    partition_option,
+    pp_option,
+    revision_option,
+    tp_option,
+)
+from reshard.console import emit_json, human_bytes, stdout
+
+
+@click.command("plan")
+@click.argument("source")
+@tp_option
+@pp_option
+@ep_option
+@dtype_option
+@partition_option
+@revision_option
+@click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor of every rank.")
+@click.option("--out-dir", default="OUT_DIR", show_default=True, help="Folder name used in the serve line.")
+@json_option
+def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, out_dir, as_json):  # noqa: ANN001
+    """Show what each rank will hold, without writing or downloading weights.
+
+    For a Hub repo id only config.json and the safetensors headers are fetched, so a model's
+    per-GPU footprint is known before it is downloaded.
+    """
+    from reshard.plan import build_plan
+    from reshard.source import open_checkpoint
+
+    ckpt = open_checkpoint(source, revision, headers_only=True)
+    plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=parse_partition(pp_partition))
+    summary = plan.summary()
+    summary["serve"] = plan.serve_command(out_dir)
+    summary["source_bytes"] = ckpt.total_bytes
+    if as_json:
+        if not show_tensors:
+            for r in summary["ranks"]:
+                r.pop("tensors")
+        emit_json(summary)
+        return
+    from rich.table import Table
+
+    q = summary["quantization"]
+    stdout.print(
+        f"{summary['architecture']}  tp={plan.tp} pp={plan.pp} ep={'on' if plan.ep else 'off'}  "
+        f"dtype={summary['dtype']}  quantization={q['method'] + (' block ' + str(q['weight_block_size']) if q['weight_block_size'] else '') if q else 'none'}"
+    )
+    table = Table("pp", "tp", "keys", "bytes", "files")
+    for r in summary["ranks"]:
+        table.add_row(str(r["pp_rank"]), str(r["tp_rank"]), str(r["keys"]), human_bytes(r["bytes"]), str(len(r["files"])))
+    stdout.print(table)
+    if show_tensors:
+        for r in summary["ranks"]:
+            stdout.print(f"rank pp={r['pp_rank']} tp={r['tp_rank']}:")
+            for t in r["tensors"]:
+                stdout.print(f"  {t['name']}  {t['dtype']}  {t['shape']}")
+    stdout.print(f"source {human_bytes(ckpt.total_bytes)}, output {human_bytes(plan.total_bytes)}")
+    for note in plan.notes:
+        stdout.print(f"note: {note}")
+    stdout.print(summary["serve"])

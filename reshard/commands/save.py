@@ -1,0 +1,74 @@
+"""`reshard save SOURCE OUT_DIR`."""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import click
+
+from reshard.commands.options import (
+    ByteSize,
+    dtype_option,
+    ep_option,
+    json_option,
+    parse_partition,
+    partition_option,
+    pp_option,
+    revision_option,
+    tp_option,
+)
+from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.plan import DEFAULT_MAX_PART
+
+
+@click.command("save")
+@click.argument("source")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@tp_option
+@pp_option
+@ep_option
+@dtype_option
+@partition_option
+@click.option("--max-part-size", type=ByteSize(), default=DEFAULT_MAX_PART, show_default="5GiB",
+              help="Split each rank's tensors into files of at most this size.")  # fmt: skip
+@revision_option
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where each piece is materialised before writing; cpu needs no GPU.")  # fmt: skip
+@click.option("--overwrite", is_flag=True, help="Replace the reshard files of a non-empty OUT_DIR.")
+@json_option
+def save_cmd(source, out_dir, tp, pp, ep, dtype, pp_partition, max_part_size, revision, device, overwrite, as_json):  # noqa: ANN001
+    """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR.
+
+    SOURCE is a local checkpoint folder or a Hugging Face repo id (downloaded through the HF cache;
+    HF_HOME and HF_HUB_OFFLINE apply). Files are written under temporary names and published at the
+    end, the manifest reshard.json last: a folder without it is incomplete.
+    """
+    from reshard.save import save
+
+    t0 = time.monotonic()
+    with ExitStack() as stack:
+
+        def on_plan(plan):  # noqa: ANN001, ANN202
+            return stack.enter_context(byte_progress(plan.total_bytes, "writing", quiet=as_json))
+
+        result = save(
+            source, out_dir, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size,
+            revision=revision, device=device, overwrite=overwrite,
+            pp_partition=parse_partition(pp_partition), on_plan=on_plan,
+        )  # fmt: skip
+    seconds = time.monotonic() - t0
+    m = result.manifest
+    if as_json:
+        emit_json({
+            "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / "reshard.json"),
+            "layout": m["layout"], "files": len(m["files"]), "bytes": m["total_bytes"],
+            "seconds": round(seconds, 3), "serve": m["serve"], "run_id": m["run_id"],
+        })  # fmt: skip
+        return
+    stdout.print(
+        f"wrote {len(m['files'])} files, {human_bytes(m['total_bytes'])} in {seconds:.1f} s "
+        f"({result.plan.tp * result.plan.pp} ranks) to {out_dir}"
+    )
+    stdout.print(m["serve"])

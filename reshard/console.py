@@ -1,0 +1,68 @@
+"""Where output goes: results on stdout, progress and logs on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+
+stderr = Console(stderr=True, highlight=False)
+stdout = Console(highlight=False, soft_wrap=True)
+
+
+def progress_disabled() -> bool:
+    return os.environ.get("RESHARD_DISABLE_PROGRESS", "").lower() in ("1", "true", "yes")
+
+
+def emit_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1) + "\n")
+    sys.stdout.flush()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+@contextmanager
+def byte_progress(total: int, label: str, *, quiet: bool) -> Iterator[Callable[[int], None]]:
+    """A callback advancing a bytes progress bar on stderr (rich on a terminal, plain lines else)."""
+    if quiet or progress_disabled() or total <= 0:
+        yield lambda n: None
+        return
+    if stderr.is_terminal:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        cols = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+        with Progress(*cols, console=stderr, transient=False) as bar:
+            task = bar.add_task(label, total=total)
+            yield lambda n: bar.advance(task, n)
+        return
+    state = {"done": 0, "shown": 0.0, "start": time.monotonic()}
+
+    def advance(n: int) -> None:
+        state["done"] += n
+        now = time.monotonic()
+        if now - state["shown"] >= 5 or state["done"] >= total:
+            state["shown"] = now
+            rate = state["done"] / max(now - state["start"], 1e-9)
+            pct = 100 * state["done"] / total
+            print(f"{label}: {human_bytes(state['done'])} / {human_bytes(total)} ({pct:.0f}%, {human_bytes(rate)}/s)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    yield advance

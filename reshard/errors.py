@@ -1,0 +1,51 @@
+"""Errors that reach the user: one line, a hint that says what to do, a documented exit code."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    INTERNAL = 1  # a bug in reshard: rerun with RESHARD_DEBUG=1 and report it
+    USAGE = 2  # bad command line (click's own code)
+    UNSUPPORTED = 3  # architecture, quantization or layout reshard/vLLM cannot produce
+    BAD_SOURCE = 4  # source missing, incomplete or corrupt
+    BAD_OUTPUT = 5  # output folder refused (not empty, inside source, disk full, permissions)
+    LAYOUT_MISMATCH = 6  # verify: the folder is not the layout asked for / recorded
+    CORRUPT = 7  # verify: missing, truncated or altered files
+    INTERRUPTED = 130  # Ctrl-C; partial output removed
+
+
+class ReshardError(Exception):
+    """Base of every expected failure. `hint` says what the user can do about it."""
+
+    exit_code: ExitCode = ExitCode.INTERNAL
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class UnsupportedError(ReshardError):
+    exit_code = ExitCode.UNSUPPORTED
+
+
+class SourceError(ReshardError):
+    exit_code = ExitCode.BAD_SOURCE
+
+
+class OutputError(ReshardError):
+    exit_code = ExitCode.BAD_OUTPUT
+
+
+class LayoutMismatchError(ReshardError):
+    exit_code = ExitCode.LAYOUT_MISMATCH
+
+
+class CorruptError(ReshardError):
+    exit_code = ExitCode.CORRUPT

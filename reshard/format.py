@@ -1,0 +1,168 @@
+"""The safetensors file format, read and written by hand (no torch).
+
+A file is: 8-byte little-endian header length N, N bytes of JSON (padded with spaces to a multiple
+of 8), then the tensor bytes back to back. Each JSON entry gives dtype, shape and
+`data_offsets` [begin, end) relative to the start of the data section.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from reshard.errors import SourceError
+
+# safetensors dtype code -> bytes per element
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+# user-facing names (torch's) <-> safetensors codes
+DTYPE_NAMES: dict[str, str] = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
+}
+DTYPE_CODES: dict[str, str] = {v: k for k, v in DTYPE_NAMES.items()}
+
+# A header larger than this is treated as corrupt (real ones are a few MB at most).
+MAX_HEADER = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor of a safetensors file, as its header describes it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str  # file name, relative to the checkpoint folder
+    offset: int  # absolute byte offset of the first byte in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+    """Parse and validate a safetensors header.
+
+    Returns (tensors by name, `__metadata__`, size of the file). Raises SourceError naming the file
+    on any inconsistency: truncation, a length field larger than the file, bad JSON, unknown dtypes,
+    offsets outside the file, holes or overlaps.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SourceError(f"{path}: truncated safetensors file ({size} bytes)", _REDOWNLOAD)
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER:
+                raise SourceError(
+                    f"{path}: corrupt safetensors header (header length {n} but file has {size} bytes)",
+                    _REDOWNLOAD,
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read ({e.strerror})") from e
+    try:
+        obj = json.loads(raw)
+        if not isinstance(obj, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SourceError(f"{path}: corrupt safetensors header ({e})", _REDOWNLOAD) from e
+    meta = obj.pop("__metadata__", None) or {}
+    start = 8 + n
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name, entry in obj.items():
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SourceError(f"{path}: corrupt header entry for {name!r}", _REDOWNLOAD) from e
+        if dtype not in ITEMSIZE:
+            raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if end - begin != nbytes or begin < 0:
+            raise SourceError(
+                f"{path}: tensor {name!r} spans {end - begin} bytes but its shape needs {nbytes}",
+                _REDOWNLOAD,
+            )
+        if start + end > size:
+            raise SourceError(
+                f"{path}: truncated: tensor {name!r} ends at byte {start + end}, file has {size}",
+                _REDOWNLOAD,
+            )
+        tensors[name] = TensorInfo(name, dtype, shape, path.name, start + begin, nbytes)
+        spans.append((begin, end, name))
+    spans.sort()
+    pos = 0
+    for begin, end, name in spans:
+        if begin != pos and end > begin:
+            raise SourceError(f"{path}: tensor {name!r} overlaps or leaves a hole", _REDOWNLOAD)
+        pos = max(pos, end)
+    return tensors, {str(k): str(v) for k, v in meta.items()}, size
+
+
+_REDOWNLOAD = "the file is damaged or partly downloaded: download it again"
+
+
+def encode_header(
+    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> bytes:
+    """Encode a header for tensors laid out back to back in the given order.
+
+    `entries` are (name, dtype code, shape). Returns the 8-byte length plus the padded JSON; the
+    data section is expected to follow immediately.
+    """
+    obj: dict[str, object] = {}
+    if metadata:
+        obj["__metadata__"] = metadata
+    pos = 0
+    for name, dtype, shape in entries:
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,646 @@
+"""Build the plan: for every rank, every output tensor and the source bytes it is made of.
+
+Pure metadata in (config.json + safetensors headers), a `Plan` value out. No torch, no tensor bytes.
+An output tensor is the concatenation, in row-major order, of its pieces: hyper-rectangular slices
+of source tensors (optionally up-sampled, for refined FP8 block scales) and constant fills (vocab
+padding rows, attention buffers).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from reshard import VLLM_LAYOUT, __version__
+from reshard.errors import SourceError, UnsupportedError
+from reshard.format import DTYPE_CODES, DTYPE_NAMES, ITEMSIZE, TensorInfo
+from reshard.rules import Architecture, Kind, Module, get_architecture
+from reshard.source import Checkpoint
+
+VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
+DEFAULT_MAX_PART = 5 * 1024**3  # as vLLM's save_sharded_state example
+TP_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+PP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """source[start[0]:stop[0], start[1]:stop[1], ...], after up-sampling each dim by `up`."""
+
+    source: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    up: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """`count` elements equal to `value`."""
+
+    value: float
+    count: int
+
+    @property
+    def numel(self) -> int:
+        return self.count
+
+
+Piece = Slice | Fill
+
+
+@dataclass(frozen=True, slots=True)
+class OutTensor:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str
+    tp_rank: int
+    pp_rank: int
+    part: int
+    tensors: tuple[OutTensor, ...]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Quant:
+    """The checkpoint's weight quantization, as vLLM reads it."""
+
+    method: str  # "fp8"
+    block: tuple[int, int] | None  # weight_block_size, or None for per-tensor scales
+    static_activations: bool
+    ignored: tuple[str, ...]
+
+    @property
+    def scale_name(self) -> str:
+        return "weight_scale_inv" if self.block else "weight_scale"
+
+    def to_json(self) -> dict:
+        return {
+            "method": self.method,
+            "weight_block_size": list(self.block) if self.block else None,
+            "activation_scheme": "static" if self.static_activations else "dynamic",
+        }
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    tie: bool
+    num_experts: int = 0
+    moe_intermediate: int = 0
+
+
+@dataclass
+class Plan:
+    """What `save` writes. Serialisable; built before any tensor byte is read."""
+
+    source: dict
+    architecture: str
+    tp: int
+    pp: int
+    ep: bool
+    dtype: str  # model dtype, safetensors code
+    quant: Quant | None
+    files: list[OutFile]
+    layer_ranges: list[tuple[int, int]]  # per pipeline stage: [first, last) layer
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pattern(self) -> str:
+        return PP_PATTERN if self.pp > 1 else TP_PATTERN
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+    def serve_command(self, out_dir: str) -> str:
+        parts = [f"vllm serve {out_dir} --load-format sharded_state"]
+        parts.append(f"--tensor-parallel-size {self.tp}")
+        if self.pp > 1:
+            parts.append(f"--pipeline-parallel-size {self.pp}")
+        if self.ep:
+            parts.append("--enable-expert-parallel")
+        parts.append(f"--dtype {DTYPE_CODES[self.dtype]}")
+        return " ".join(parts)
+
+    def layout(self) -> dict:
+        return {
+            "vllm_layout": VLLM_LAYOUT,
+            "architecture": self.architecture,
+            "tp": self.tp,
+            "pp": self.pp,
+            "ep": self.ep,
+            "dtype": DTYPE_CODES[self.dtype],
+            "quantization": self.quant.to_json() if self.quant else None,
+            "pattern": self.pattern,
+        }
+
+    def ranks(self) -> dict[tuple[int, int], list[OutFile]]:
+        out: dict[tuple[int, int], list[OutFile]] = {}
+        for f in self.files:
+            out.setdefault((f.pp_rank, f.tp_rank), []).append(f)
+        return out
+
+    def summary(self) -> dict:
+        """Per-rank key count and bytes, plus the layout: what `reshard plan --json` prints."""
+        ranks = []
+        for (pp_rank, tp_rank), files in sorted(self.ranks().items()):
+            tensors = [t for f in files for t in f.tensors]
+            ranks.append(
+                {
+                    "pp_rank": pp_rank,
+                    "tp_rank": tp_rank,
+                    "files": [f.name for f in files],
+                    "keys": len(tensors),
+                    "bytes": sum(t.nbytes for t in tensors),
+                    "tensors": [
+                        {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in tensors
+                    ],
+                }
+            )
+        return {
+            "reshard_version": __version__,
+            "source": self.source,
+            **self.layout(),
+            "total_bytes": self.total_bytes,
+            "ranks": ranks,
+            "notes": self.notes,
+        }
+
+
+def build_plan(
+    ckpt: Checkpoint,
+    *,
+    tp: int,
+    pp: int = 1,
+    ep: bool = False,
+    dtype: str = "auto",
+    max_part_size: int = DEFAULT_MAX_PART,
+    pp_partition: list[int] | None = None,
+) -> Plan:
+    """Plan every rank's files for vLLM's sharded_state loader.
+
+    Args:
+        ckpt: source metadata (config + headers).
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        ep: vLLM's --enable-expert-parallel layout for MoE experts.
+        dtype: "auto" (config's torch_dtype; float32 becomes bfloat16, as vLLM on GPUs) or a name.
+        max_part_size: split a rank's tensors into parts of at most this many bytes.
+        pp_partition: layers per stage (VLLM_PP_LAYER_PARTITION); default as vLLM.
+
+    Raises:
+        UnsupportedError: unknown architecture or a layout vLLM would refuse.
+        SourceError: a tensor the rules need is missing, or has the wrong shape.
+    """
+    if tp < 1 or pp < 1:
+        raise UnsupportedError("--tp and --pp must be at least 1")
+    arch_name, arch = get_architecture(ckpt.config)
+    planner = _Planner(ckpt, arch, tp=tp, ep=ep, dtype=_model_dtype(ckpt.config, dtype))
+    ranges = pp_ranges(planner.dims.num_layers, pp, pp_partition)
+    per_rank = planner.run(ranges)
+    files = _assign_files(per_rank, tp=tp, pp=pp, max_part_size=max_part_size)
+    return Plan(
+        source=ckpt.ref,
+        architecture=arch_name,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        dtype=planner.dtype,
+        quant=planner.quant,
+        files=files,
+        layer_ranges=ranges,
+        notes=planner.notes,
+    )
+
+
+def _model_dtype(config: dict, dtype: str) -> str:
+    if dtype != "auto":
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise UnsupportedError(f"--dtype {dtype}: use auto, bfloat16, float16 or float32")
+        return DTYPE_NAMES[dtype]
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    name = str(name).removeprefix("torch.")
+    if name == "float32":
+        name = "bfloat16"  # vLLM's auto dtype on GPUs downcasts float32 checkpoints
+    if name not in ("bfloat16", "float16"):
+        raise UnsupportedError(f"config.json torch_dtype {name!r} is not supported; pass --dtype")
+    return DTYPE_NAMES[name]
+
+
+def pp_ranges(num_layers: int, pp: int, partition: list[int] | None = None) -> list[tuple[int, int]]:
+    """Layers of each pipeline stage, as vLLM's get_pp_indices (distributed/utils.py)."""
+    if partition is not None:
+        if len(partition) != pp:
+            raise UnsupportedError(f"--pp-layer-partition has {len(partition)} entries for --pp {pp}")
+        if sum(partition) != num_layers:
+            raise UnsupportedError(
+                f"--pp-layer-partition sums to {sum(partition)}, the model has {num_layers} layers"
+            )
+        sizes = list(partition)
+    else:
+        if pp > num_layers:
+            raise UnsupportedError(f"--pp {pp} is larger than the number of layers ({num_layers})")
+        sizes = [num_layers // pp] * pp
+        for i in range(num_layers % pp):
+            sizes[-2 - i] += 1  # extra layers go to the stages before the last, backwards
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def _dims(config: dict, arch: Architecture) -> Dims:
+    def need(key: str) -> int:
+        if key not in config or config[key] is None:
+            raise SourceError(f"config.json lacks {key!r}, which {arch.names[0]} needs")
+        return int(config[key])
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    return Dims(
+        hidden=hidden,
+        num_layers=need("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        vocab=need("vocab_size"),
+        tie=bool(config.get("tie_word_embeddings", False)),
+        num_experts=int(config.get(arch.experts_key) or 0) if arch.moe_mlp else 0,
+        moe_intermediate=int(config.get(arch.moe_intermediate_key) or 0) if arch.moe_mlp else 0,
+    )
+
+
+def _quant(config: dict) -> Quant | None:
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", ""))
+    if method != "fp8":
+        raise UnsupportedError(
+            f"quantization {method!r} is not supported", "supported: fp8 (block and per-tensor)"
+        )
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if len(block) != 2:
+            raise UnsupportedError(f"weight_block_size must have 2 dimensions, got {block}")
+        block = (int(block[0]), int(block[1]))
+    static = qc.get("activation_scheme", "dynamic") == "static"
+    if block and static:
+        raise UnsupportedError("block FP8 with a static activation scheme is refused by vLLM")
+    ignored = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
+    return Quant("fp8", block, static, tuple(ignored))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+class _Planner:
+    def __init__(self, ckpt: Checkpoint, arch: Architecture, *, tp: int, ep: bool, dtype: str):
+        self.ckpt = ckpt
+        self.arch = arch
+        self.tp = tp
+        self.ep = ep
+        self.dtype = dtype
+        self.dims = _dims(ckpt.config, arch)
+        self.quant = _quant(ckpt.config)
+        self.used: set[str] = set()
+        self.notes: list[str] = []
+        self._check_attention()
+
+    # ---- inputs -------------------------------------------------------------------------------
+
+    def src(self, name: str, why: str) -> TensorInfo:
+        t = self.ckpt.tensors.get(name)
+        if t is None:
+            raise SourceError(
+                f"checkpoint lacks tensor {name!r} (needed for vLLM's {why})",
+                "the checkpoint is incomplete or not of the architecture its config.json names",
+            )
+        self.used.add(name)
+        return t
+
+    def has(self, name: str) -> bool:
+        return name in self.ckpt.tensors
+
+    def flag(self, value: bool | str) -> bool:
+        return bool(self.ckpt.config.get(value, False)) if isinstance(value, str) else value
+
+    def quantized(self, module: Module, hf_prefixes: list[str]) -> bool:
+        if not self.quant or not module.quant:
+            return False
+        skipped = [p in self.quant.ignored or self._expert_ignored(p) for p in hf_prefixes]
+        if any(skipped) and not all(skipped):
+            raise UnsupportedError(
+                f"some but not all shards of {hf_prefixes[0]} are quantized; vLLM refuses this"
+            )
+        return not all(skipped)
+
+    def _expert_ignored(self, prefix: str) -> bool:
+        return any("experts" in i and prefix in i for i in self.quant.ignored) if self.quant else False
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def _check_attention(self) -> None:
+        d, tp = self.dims, self.tp
+        if d.num_heads % tp:
+            raise UnsupportedError(
+                f"num_attention_heads={d.num_heads} is not divisible by --tp {tp}",
+                f"use a --tp that divides it: {_divisors(d.num_heads)}",
+            )
+        if (d.num_kv_heads >= tp and d.num_kv_heads % tp) or (
+            d.num_kv_heads < tp and tp % d.num_kv_heads
+        ):
+            raise UnsupportedError(
+                f"num_key_value_heads={d.num_kv_heads} and --tp {tp} do not divide each other",
+                "vLLM needs one to divide the other",
+            )
+        padded = _cdiv(d.vocab, VOCAB_PADDING) * VOCAB_PADDING
+        if padded % tp:
+            raise UnsupportedError(
+                f"padded vocabulary {padded} (vocab_size {d.vocab}) is not divisible by --tp {tp}"
+            )
+
+    def split(self, size: int, what: str) -> int:
+        if size % self.tp:
+            raise UnsupportedError(
+                f"{what} = {size} is not divisible by --tp {self.tp}",
+                f"use a --tp that divides it: {_divisors(size)}",
+            )
+        return size // self.tp
+
+    # ---- walk -------------------------------------------------------------------------------
+
+    def run(self, ranges: list[tuple[int, int]]) -> dict[tuple[int, int], list[OutTensor]]:
+        arch, d = self.arch, self.dims
+        out: dict[tuple[int, int], list[OutTensor]] = {}
+        last = len(ranges) - 1
+        top = {m.name: m for m in arch.top}
+        for pp_rank, (first, stop) in enumerate(ranges):
+            per_tp: list[list[OutTensor]] = [[] for _ in range(self.tp)]
+            for m in arch.top:
+                if not self._top_on_stage(m, pp_rank, last):
+                    continue
+                if d.tie and any(t.tied == m.name for t in arch.top if self._top_on_stage(t, pp_rank, last)):
+                    continue  # tied: vLLM's state dict keeps only the lm_head alias
+                self.module(m, "", per_tp, top)
+            for layer in range(first, stop):
+                prefix = f"model.layers.{layer}."
+                mods = arch.layer + (
+                    arch.moe_mlp
+                    if arch.is_moe_layer and arch.is_moe_layer(self.ckpt.config, layer)
+                    else arch.dense_mlp
+                )
+                for m in mods:
+                    self.module(m, prefix, per_tp, top)
+            for r in range(self.tp):
+                out[(pp_rank, r)] = per_tp[r]
+        self._check_unused(ranges)
+        return out
+
+    def _top_on_stage(self, m: Module, pp_rank: int, last: int) -> bool:
+        if self.arch.top_on_every_stage:
+            return True
+        if m.name.endswith("embed_tokens"):
+            return pp_rank == 0 or (self.dims.tie and pp_rank == last)
+        return pp_rank == last
+
+    def _check_unused(self, ranges: list[tuple[int, int]]) -> None:
+        if ranges[0][0] != 0 or ranges[-1][1] != self.dims.num_layers:
+            return
+        extra = [
+            n
+            for n in self.ckpt.tensors
+            if n not in self.used and not any(n.endswith(s) for s in self.arch.ignore)
+        ]
+        if self.dims.tie:
+            extra = [n for n in extra if n != "lm_head.weight"]  # vLLM skips it when tied
+        if extra:
+            raise SourceError(
+                f"{len(extra)} checkpoint tensor(s) match no rule of {self.arch.names[0]}, e.g. {extra[0]!r}",
+                "the checkpoint does not match its config.json architecture",
+            )
+
+    # ---- modules ----------------------------------------------------------------------------
+
+    def module(self, m: Module, prefix: str, per_tp: list[list[OutTensor]], top: dict) -> None:
+        target = prefix + m.name
+        if m.kind is Kind.ATTENTION:
+            return self.attention(target, per_tp)
+        if m.kind is Kind.EXPERTS:
+            return self.experts(m, prefix, target, per_tp)
+        if m.kind is Kind.VOCAB:
+            source = m.tied if (m.tied and self.dims.tie) else m.name
+            return self.vocab(target, prefix + source, per_tp)
+        return self.linear(m, prefix, target, per_tp)
+
+    def attention(self, target: str, per_tp: list[list[OutTensor]]) -> None:
+        for r in range(self.tp):
+            for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
+                per_tp[r].append(OutTensor(f"{target}.{s}", "F32", (), (Fill(1.0, 1),)))
+            if self.quant:  # Fp8KVCacheMethod parameters, deleted after loading
+                for s in ("k_scale", "v_scale", "q_scale", "prob_scale"):
+                    per_tp[r].append(OutTensor(f"{target}.{s}", self.dtype, (), (Fill(-1.0, 1),)))
+
+    def vocab(self, target: str, source: str, per_tp: list[list[OutTensor]]) -> None:
+        t = self.src(f"{source}.weight", target)
+        v, h = self.dims.vocab, t.shape[1] if len(t.shape) == 2 else 0
+        if t.shape[0] != v:
+            raise SourceError(f"{t.name} has {t.shape[0]} rows, config vocab_size is {v}")
+        rows = _cdiv(v, VOCAB_PADDING) * VOCAB_PADDING // self.tp
+        for r in range(self.tp):
+            a, b = min(r * rows, v), min((r + 1) * rows, v)
+            pieces: list[Piece] = []
+            if b > a:
+                pieces.append(_rows(t, a, b))
+            if rows - (b - a):
+                pieces.append(Fill(0.0, (rows - (b - a)) * h))
+            per_tp[r].append(OutTensor(f"{target}.weight", self.dtype, (rows, h), tuple(pieces)))
+
+    def linear(self, m: Module, prefix: str, target: str, per_tp: list[list[OutTensor]]) -> None:
+        slots = [prefix + s for s in m.slots]
+        weights = [self.src(f"{s}.weight", target) for s in slots]
+        if m.quant is False and m.kind is Kind.REPLICATE:
+            # norms and other plain parameters: whole, model dtype
+            for r in range(self.tp):
+                per_tp[r].append(OutTensor(f"{target}.weight", self.dtype, weights[0].shape, (_whole(weights[0]),)))
+            return
+        quant = self.quantized(m, slots)
+        in_size = weights[0].shape[1]
+        outs = [w.shape[0] for w in weights]
+        bias = self.flag(m.bias)
+        if m.kind is Kind.ROW:
+            in_r = self.split(in_size, f"input size of {target}")
+        for r in range(self.tp):
+            rows = self.slot_rows(m, target, outs, r)  # per slot: (start, stop, shard index)
+            cols = (r * in_r, (r + 1) * in_r) if m.kind is Kind.ROW else (0, in_size)
+            wdtype = "F8_E4M3" if quant else self.dtype
+            pieces = tuple(Slice(w.name, (a, cols[0]), (b, cols[1])) for w, (a, b, _) in zip(weights, rows, strict=True))
+            shape = (sum(b - a for a, b, _ in rows), cols[1] - cols[0])
+            per_tp[r].append(OutTensor(f"{target}.weight", wdtype, shape, pieces))
+            if quant:
+                for w in weights:
+                    if w.dtype != "F8_E4M3":
+                        raise SourceError(f"{w.name} is {w.dtype}, but config.json says it is FP8")
+                per_tp[r].extend(self.linear_scales(m, target, slots, outs, rows, in_size, cols))
+            if bias:
+                bs = [self.src(f"{s}.bias", target) for s in slots]
+                if m.kind in (Kind.ROW, Kind.REPLICATE):
+                    bp = tuple(_whole(b) for b in bs)
+                    n = sum(b.shape[0] for b in bs)
+                else:
+                    bp = tuple(_rows(b, a, e) for b, (a, e, _) in zip(bs, rows, strict=True))
+                    n = sum(e - a for a, e, _ in rows)
+                per_tp[r].append(OutTensor(f"{target}.bias", self.dtype, (n,), bp))
+
+    def slot_rows(self, m: Module, target: str, outs: list[int], r: int) -> list[tuple[int, int, int]]:
+        if m.kind in (Kind.ROW, Kind.REPLICATE):
+            return [(0, o, 0) for o in outs]
+        if m.kind is Kind.QKV:
+            d = self.dims
+            q, k, v = outs
+            if q != d.num_heads * d.head_dim or k != d.num_kv_heads * d.head_dim:
+                raise SourceError(
+                    f"{target}: q/k rows {q}/{k} do not match heads x head_dim from config.json"
+                )
+            qn = q // self.tp
+            if self.tp >= d.num_kv_heads:
+                kv_per_rank, shard = 1, r // (self.tp // d.num_kv_heads)
+            else:
+                kv_per_rank, shard = d.num_kv_heads // self.tp, r
+            kn, vn = kv_per_rank * (k // d.num_kv_heads), kv_per_rank * (v // d.num_kv_heads)
+            return [(r * qn, (r + 1) * qn, r), (shard * kn, (shard + 1) * kn, shard), (shard * vn, (shard + 1) * vn, shard)]
+        out = []
+        for i, o in enumerate(outs):
+            n = self.split(o, f"output size of {target} (slot {i})")
+            out.append((r * n, (r + 1) * n, r))
+        return out
+
+    def linear_scales(
+        self,
+        m: Module,
+        target: str,
+        slots: list[str],
+        outs: list[int],
+        rows: list[tuple[int, int, int]],
+        in_size: int,
+        cols: tuple[int, int],
+    ) -> list[OutTensor]:
+        q = self.quant
+        assert q is not None
+        scales = [self.src(f"{s}.{q.scale_name}", target) for s in slots]
+        out: list[OutTensor] = []
+        if q.block:
+            bn, bk = q.block
+            tp_split = m.kind in (Kind.COLUMN, Kind.MERGED, Kind.QKV) and self.tp > 1
+            in_r = cols[1] - cols[0]
+            if m.kind is Kind.ROW and self.tp > 1 and in_r % bk:
+                raise UnsupportedError(
+                    f"{target}: per-rank input size {in_r} is not divisible by the FP8 block {bk}",
+                    "vLLM refuses this split; use a smaller --tp",
+                )
+            nc = _cdiv(in_r, bk)
+            c0 = (cols[0] // in_r) * nc  # row-parallel: this rank's block columns
+            pieces = []
+            for i, (s, (a, b, shard), o) in enumerate(zip(scales, rows, outs, strict=True)):
+                part = b - a
+                checked = tp_split or (len(slots) > 1 and i < len(slots) - 1)
+                if checked and part % bn:
+                    raise UnsupportedError(
+                        f"{target}: per-rank output size {part} is not divisible by the FP8 block {bn}",
+                        "vLLM refuses this split; use a smaller --tp",
+                    )
+                if s.shape != (_cdiv(o, bn), _cdiv(in_size, bk)):
+                    raise SourceError(
+                        f"{s.name} has shape {list(s.shape)}, block {list(q.block)} of a "
+                        f"[{o}, {in_size}] weight needs {[_cdiv(o, bn), _cdiv(in_size, bk)]}"
+                    )
+                nr = _cdiv(part, bn)
+                pieces.append(Slice(s.name, (shard * nr, c0), (shard * nr + nr, c0 + nc)))
+            n_rows = sum(p.stop[0] - p.start[0] for p in pieces)
+            if n_rows != _cdiv(sum(b - a for a, b, _ in rows), bn):
+                raise UnsupportedError(f"{target}: FP8 block scales do not tile the fused weight")
+            out.append(OutTensor(f"{target}.{q.scale_name}", "F32", (n_rows, nc), tuple(pieces)))
+        else:
+            out.append(OutTensor(f"{target}.weight_scale", "F32", (len(slots),), tuple(_scalar(s) for s in scales)))
+            if q.static_activations:
+                ins = [self.src(f"{s}.input_scale", target) for s in slots]
+                out.append(OutTensor(f"{target}.input_scale", "F32", (len(slots),), tuple(_scalar(s) for s in ins)))
+        return out
+
+    def experts(self, m: Module, prefix: str, target: str, per_tp: list[list[OutTensor]]) -> None:
+        raise UnsupportedError("mixture-of-experts layers are not supported yet")
+
+
+def _whole(t: TensorInfo) -> Slice:
+    return Slice(t.name, (0,) * len(t.shape), t.shape)
+
+
+def _rows(t: TensorInfo, a: int, b: int) -> Slice:
+    return Slice(t.name, (a,) + (0,) * (len(t.shape) - 1), (b, *t.shape[1:]))
+
+
+def _scalar(t: TensorInfo) -> Slice:
+    if t.numel != 1:
+        raise SourceError(f"{t.name} should hold one value, has shape {list(t.shape)}")
+    return _whole(t)
+
+
+_NUM = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in _NUM.split(name))
+
+
+def _assign_files(
+    per_rank: dict[tuple[int, int], list[OutTensor]], *, tp: int, pp: int, max_part_size: int
+) -> list[OutFile]:
+    files = []
+    for (pp_rank, tp_rank), tensors in sorted(per_rank.items()):
+        # Widest dtypes first keeps every tensor aligned to its element size (as safetensors does);
+        # then by name, so that all ranks share one order and sources are read roughly in order.
+        ordered = sorted(tensors, key=lambda t: (-ITEMSIZE[t.dtype], natural_key(t.name)))
+        parts: list[list[OutTensor]] = [[]]
+        size = 0
+        for t in ordered:
+            if parts[-1] and size + t.nbytes > max_part_size:
+                parts.append([])
+                size = 0
+            parts[-1].append(t)
+            size += t.nbytes
+        for part, chunk in enumerate(parts):
+            if pp > 1:
+                name = PP_PATTERN.format(pp_rank=pp_rank, tp_rank=tp_rank, part=part)
+            else:
+                name = TP_PATTERN.format(rank=tp_rank, part=part)
+            files.append(OutFile(name, tp_rank, pp_rank, part, tuple(chunk)))
+    return files

@@ -1,0 +1,34 @@
+"""Registry of supported architectures, keyed by config.json `architectures[0]`."""
+
+from __future__ import annotations
+
+from reshard.errors import UnsupportedError
+from reshard.rules.llama import LLAMA, QWEN2, QWEN3
+from reshard.rules.spec import Architecture, Kind, Module
+
+ARCHITECTURES: dict[str, Architecture] = {}
+
+
+def register(arch: Architecture) -> Architecture:
+    for name in arch.names:
+        ARCHITECTURES[name] = arch
+    return arch
+
+
+for _arch in (LLAMA, QWEN2, QWEN3):
+    register(_arch)
+
+
+def get_architecture(config: dict) -> tuple[str, Architecture]:
+    names = config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return name, ARCHITECTURES[name]
+    shown = ", ".join(names) if names else "none given in config.json"
+    raise UnsupportedError(
+        f"unsupported architecture ({shown})",
+        "supported: " + ", ".join(sorted(ARCHITECTURES)),
+    )
+
+
+__all__ = ["ARCHITECTURES", "Architecture", "Kind", "Module", "get_architecture", "register"]

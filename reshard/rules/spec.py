@@ -1,0 +1,84 @@
+"""The vocabulary of split rules: what kind of layer a vLLM module is, and where its HF tensors live.
+
+An architecture is a table of `Module`s; the planner turns each kind into per-rank tensors. Nothing
+here knows about bytes or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Kind(str, Enum):
+    REPLICATE = "replicate"  # whole tensor on every rank (norms, router gates, replicated linears)
+    COLUMN = "column"  # output rows split across ranks; bias split the same way
+    ROW = "row"  # input columns split across ranks; bias whole on every rank
+    VOCAB = "vocab"  # embedding / lm_head rows, padded to a multiple of 64, then split
+    QKV = "qkv"  # fused [q; k; v] rows; KV heads replicated when tp > num_kv_heads
+    MERGED = "merged"  # fused column slots, e.g. [gate; up]
+    EXPERTS = "experts"  # routed MoE experts -> w13 [gate; up] and w2 (down), by TP or EP
+    ATTENTION = "attention"  # attention layer buffers; no source tensor
+
+
+@dataclass(frozen=True)
+class Module:
+    """One vLLM module and where its weights come from in the HF checkpoint.
+
+    Attributes:
+        name: vLLM path, relative to the decoder layer (`self_attn.qkv_proj`) or the model root.
+        kind: how the module is split.
+        sources: HF paths of its slots, in order (q, k, v / gate, up); empty means `(name,)`.
+            For EXPERTS: the HF prefix of the experts list (`mlp.experts`).
+        bias: whether the module has a bias: a literal, or the config key that says so.
+        quant: whether the checkpoint's weight quantization can apply (a Linear that vLLM builds
+            with the quant config). False for embeddings, norms and routers built without it.
+        expert_names: EXPERTS only: the HF names of (gate, up, down) under each expert.
+        tied: VOCAB only: when config.tie_word_embeddings, the module whose weight it shares.
+    """
+
+    name: str
+    kind: Kind
+    sources: tuple[str, ...] = ()
+    bias: bool | str = False
+    quant: bool = True
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    tied: str | None = None
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return self.sources or (self.name,)
+
+
+def replicate(name: str, source: str | None = None, *, quant: bool = False) -> Module:
+    return Module(name, Kind.REPLICATE, (source,) if source else (), quant=quant)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Split rules of one model family, as data.
+
+    Attributes:
+        names: the `architectures` values of config.json it covers.
+        top: modules outside the decoder layers (embedding, final norm, lm_head).
+        layer: modules of every decoder layer, under `model.layers.{L}.`.
+        dense_mlp: the MLP of a dense layer.
+        moe_mlp: the MLP of a mixture-of-experts layer.
+        is_moe_layer: which layers use `moe_mlp` (config, layer index) -> bool.
+        ignore: HF tensor-name suffixes that vLLM skips (e.g. rotary inv_freq).
+        experts_key / moe_intermediate_key: config keys of the expert count and expert width.
+        top_on_every_stage: with pipeline parallelism, embedding/norm/lm_head on every stage.
+    """
+
+    names: tuple[str, ...]
+    top: tuple[Module, ...]
+    layer: tuple[Module, ...]
+    dense_mlp: tuple[Module, ...] = ()
+    moe_mlp: tuple[Module, ...] = ()
+    is_moe_layer: Callable[[dict, int], bool] | None = None
+    ignore: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    experts_key: str = "num_experts"
+    moe_intermediate_key: str = "moe_intermediate_size"
+    top_on_every_stage: bool = False
+    notes: tuple[str, ...] = field(default=())
