@@ -42,7 +42,7 @@ def _register() -> None:
 _register()
 
 
-def _sigterm(signum, frame) -> None:  # noqa: ANN001
+def _sigterm(signum, frame) -> None:
     raise KeyboardInterrupt
 
 

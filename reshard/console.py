@@ -48,7 +48,13 @@ def byte_progress(total: int, label: str, *, quiet: bool) -> Iterator[Callable[[
             TransferSpeedColumn,
         )
 
-        cols = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+        cols = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+        )
         with Progress(*cols, console=stderr, transient=False) as bar:
             task = bar.add_task(label, total=total)
             yield lambda n: bar.advance(task, n)

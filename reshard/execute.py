@@ -8,6 +8,7 @@ it becomes; nothing is assembled whole.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -60,10 +61,8 @@ class _FileWriter:
         return Written(self.path.name, self.size, self.sha.hexdigest())
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.f.close()
-        except OSError:
-            pass
 
 
 def _write_error(path: Path, e: OSError) -> OutputError:
@@ -141,7 +140,7 @@ class Caster:
         self.device = device
         self._torch = None
 
-    def torch(self):  # noqa: ANN201 - lazily imported module
+    def torch(self):
         if self._torch is None:
             import torch
 
@@ -168,7 +167,7 @@ class Caster:
 class _Holder:
     """One rank's copy of the tensor being written, and how far its pieces have been emitted."""
 
-    __slots__ = ("tensor", "writer", "cursor")
+    __slots__ = ("cursor", "tensor", "writer")
 
     def __init__(self, tensor: OutTensor, writer: _FileWriter) -> None:
         self.tensor = tensor
@@ -280,9 +279,8 @@ class Executor:
                 if prev is not None:
                     if rank[p.source] < rank[prev.source]:
                         return False
-                    if p.source == prev.source:
-                        if p.up or _bounds(p)[0][0] < _bounds(prev)[1][0]:
-                            return False
+                    if p.source == prev.source and (p.up or _bounds(p)[0][0] < _bounds(prev)[1][0]):
+                        return False
                 prev = p
         return True
 
@@ -325,7 +323,7 @@ class Executor:
                     break
                 r0, r1 = max(a[0], c0), min(b[0], c1)
                 if r1 > r0:
-                    idx = (slice(r0 - c0, r1 - c0),) + tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True))
+                    idx = (slice(r0 - c0, r1 - c0), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
                     self._write(h, arr[idx], src_dtype)
                 if b[0] <= c1:
                     h.cursor += 1
@@ -360,7 +358,7 @@ class Executor:
                 row_bytes = info.nbytes // shape[0]
                 raw = self.reader.read(info, a[0] * row_bytes, (b[0] - a[0]) * row_bytes)
                 arr = np.frombuffer(raw, np.uint8).reshape((b[0] - a[0], *shape[1:], ITEMSIZE[info.dtype]))
-                idx = (slice(None),) + tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True))
+                idx = (slice(None), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
             self._write(h, arr[idx], info.dtype)
         h.cursor = len(h.tensor.pieces)
 

@@ -133,9 +133,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]
 _REDOWNLOAD = "the file is damaged or partly downloaded: download it again"
 
 
-def encode_header(
-    entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
-) -> bytes:
+def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
     """Encode a header for tensors laid out back to back in the given order.
 
     `entries` are (name, dtype code, shape). Returns the 8-byte length plus the padded JSON; the

@@ -14,7 +14,7 @@ FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
 
 
-def build_manifest(plan, written, *, run_id: str, created: str, out_dir: str, copied: list[str]) -> dict:  # noqa: ANN001
+def build_manifest(plan, written, *, run_id: str, created: str, out_dir: str, copied: list[str]) -> dict:
     sums = {w.name: w for w in written}
     files = []
     for f in plan.files:

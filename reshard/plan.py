@@ -105,7 +105,6 @@ class Dims:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
     vocab: int
     tie: bool
     num_experts: int = 0
@@ -175,9 +174,7 @@ class Plan:
                     "files": [f.name for f in files],
                     "keys": len(tensors),
                     "bytes": sum(t.nbytes for t in tensors),
-                    "tensors": [
-                        {"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in tensors
-                    ],
+                    "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in tensors],
                 }
             )
         return {
@@ -256,9 +253,7 @@ def pp_ranges(num_layers: int, pp: int, partition: list[int] | None = None) -> l
         if len(partition) != pp:
             raise UnsupportedError(f"--pp-layer-partition has {len(partition)} entries for --pp {pp}")
         if sum(partition) != num_layers:
-            raise UnsupportedError(
-                f"--pp-layer-partition sums to {sum(partition)}, the model has {num_layers} layers"
-            )
+            raise UnsupportedError(f"--pp-layer-partition sums to {sum(partition)}, the model has {num_layers} layers")
         sizes = list(partition)
     else:
         if pp > num_layers:
@@ -286,10 +281,9 @@ def _dims(config: dict, arch: Architecture) -> Dims:
         num_layers=need("num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
         vocab=need("vocab_size"),
         tie=bool(config.get("tie_word_embeddings", False)),
-        num_experts=int(config.get(arch.experts_key) or 0) if arch.moe_mlp else 0,
+        num_experts=next((int(config[k]) for k in arch.experts_key if config.get(k)), 0) if arch.moe_mlp else 0,
         moe_intermediate=int(config.get(arch.moe_intermediate_key) or 0) if arch.moe_mlp else 0,
     )
 
@@ -300,9 +294,7 @@ def _quant(config: dict) -> Quant | None:
         return None
     method = str(qc.get("quant_method", ""))
     if method != "fp8":
-        raise UnsupportedError(
-            f"quantization {method!r} is not supported", "supported: fp8 (block and per-tensor)"
-        )
+        raise UnsupportedError(f"quantization {method!r} is not supported", "supported: fp8 (block and per-tensor)")
     block = qc.get("weight_block_size")
     if block is not None:
         if len(block) != 2:
@@ -359,9 +351,7 @@ class _Planner:
             return False
         skipped = [p in self.quant.ignored or self._expert_ignored(p) for p in hf_prefixes]
         if any(skipped) and not all(skipped):
-            raise UnsupportedError(
-                f"some but not all shards of {hf_prefixes[0]} are quantized; vLLM refuses this"
-            )
+            raise UnsupportedError(f"some but not all shards of {hf_prefixes[0]} are quantized; vLLM refuses this")
         return not all(skipped)
 
     def _expert_ignored(self, prefix: str) -> bool:
@@ -376,18 +366,14 @@ class _Planner:
                 f"num_attention_heads={d.num_heads} is not divisible by --tp {tp}",
                 f"use a --tp that divides it: {_divisors(d.num_heads)}",
             )
-        if (d.num_kv_heads >= tp and d.num_kv_heads % tp) or (
-            d.num_kv_heads < tp and tp % d.num_kv_heads
-        ):
+        if (d.num_kv_heads >= tp and d.num_kv_heads % tp) or (d.num_kv_heads < tp and tp % d.num_kv_heads):
             raise UnsupportedError(
                 f"num_key_value_heads={d.num_kv_heads} and --tp {tp} do not divide each other",
                 "vLLM needs one to divide the other",
             )
         padded = _cdiv(d.vocab, VOCAB_PADDING) * VOCAB_PADDING
         if padded % tp:
-            raise UnsupportedError(
-                f"padded vocabulary {padded} (vocab_size {d.vocab}) is not divisible by --tp {tp}"
-            )
+            raise UnsupportedError(f"padded vocabulary {padded} (vocab_size {d.vocab}) is not divisible by --tp {tp}")
 
     def split(self, size: int, what: str) -> int:
         if size % self.tp:
@@ -415,9 +401,7 @@ class _Planner:
             for layer in range(first, stop):
                 prefix = f"model.layers.{layer}."
                 mods = arch.layer + (
-                    arch.moe_mlp
-                    if arch.is_moe_layer and arch.is_moe_layer(self.ckpt.config, layer)
-                    else arch.dense_mlp
+                    arch.moe_mlp if arch.is_moe_layer and arch.is_moe_layer(self.ckpt.config, layer) else arch.dense_mlp
                 )
                 for m in mods:
                     self.module(m, prefix, per_tp, top)
@@ -437,9 +421,7 @@ class _Planner:
         if ranges[0][0] != 0 or ranges[-1][1] != self.dims.num_layers:
             return
         extra = [
-            n
-            for n in self.ckpt.tensors
-            if n not in self.used and not any(n.endswith(s) for s in self.arch.ignore)
+            n for n in self.ckpt.tensors if n not in self.used and not any(n.endswith(s) for s in self.arch.ignore)
         ]
         if self.dims.tie:
             extra = [n for n in extra if n != "lm_head.weight"]  # vLLM skips it when tied
@@ -503,7 +485,9 @@ class _Planner:
             rows = self.slot_rows(m, target, outs, r)  # per slot: (start, stop, shard index)
             cols = (r * in_r, (r + 1) * in_r) if m.kind is Kind.ROW else (0, in_size)
             wdtype = "F8_E4M3" if quant else self.dtype
-            pieces = tuple(Slice(w.name, (a, cols[0]), (b, cols[1])) for w, (a, b, _) in zip(weights, rows, strict=True))
+            pieces = tuple(
+                Slice(w.name, (a, cols[0]), (b, cols[1])) for w, (a, b, _) in zip(weights, rows, strict=True)
+            )
             shape = (sum(b - a for a, b, _ in rows), cols[1] - cols[0])
             per_tp[r].append(OutTensor(f"{target}.weight", wdtype, shape, pieces))
             if quant:
@@ -527,9 +511,10 @@ class _Planner:
         if m.kind is Kind.QKV:
             d = self.dims
             q, k, v = outs
-            if q != d.num_heads * d.head_dim or k != d.num_kv_heads * d.head_dim:
+            # head sizes from the weights: vLLM's Qwen2 ignores config.head_dim, others use it
+            if q % d.num_heads or k % d.num_kv_heads or v % d.num_kv_heads:
                 raise SourceError(
-                    f"{target}: q/k rows {q}/{k} do not match heads x head_dim from config.json"
+                    f"{target}: q/k/v rows {q}/{k}/{v} do not split into {d.num_heads}/{d.num_kv_heads} heads"
                 )
             qn = q // self.tp
             if self.tp >= d.num_kv_heads:
@@ -537,7 +522,11 @@ class _Planner:
             else:
                 kv_per_rank, shard = d.num_kv_heads // self.tp, r
             kn, vn = kv_per_rank * (k // d.num_kv_heads), kv_per_rank * (v // d.num_kv_heads)
-            return [(r * qn, (r + 1) * qn, r), (shard * kn, (shard + 1) * kn, shard), (shard * vn, (shard + 1) * vn, shard)]
+            return [
+                (r * qn, (r + 1) * qn, r),
+                (shard * kn, (shard + 1) * kn, shard),
+                (shard * vn, (shard + 1) * vn, shard),
+            ]
         out = []
         for i, o in enumerate(outs):
             n = self.split(o, f"output size of {target} (slot {i})")
@@ -597,7 +586,112 @@ class _Planner:
         return out
 
     def experts(self, m: Module, prefix: str, target: str, per_tp: list[list[OutTensor]]) -> None:
-        raise UnsupportedError("mixture-of-experts layers are not supported yet")
+        d, tp = self.dims, self.tp
+        num, inter, hidden = d.num_experts, d.moe_intermediate, d.hidden
+        base = prefix + m.slots[0]
+        gate, up, down = m.expert_names
+        moe_tp = 1 if self.ep else tp
+        if self.arch.tp_at_most_experts and tp > num:
+            raise UnsupportedError(f"--tp {tp} is greater than the number of experts {num}; vLLM refuses this")
+        if self.ep and num < tp:
+            raise UnsupportedError(f"--ep with --tp {tp} needs at least {tp} experts, the model has {num}")
+        if inter % moe_tp:
+            raise UnsupportedError(
+                f"moe intermediate size {inter} is not divisible by --tp {tp}",
+                f"use --ep, or a --tp that divides it: {_divisors(inter)}",
+            )
+        ip = inter // moe_tp
+        quant = self.quantized(m, [base])
+        block = self.moe_block(target, ip, moe_tp) if quant and self.quant and self.quant.block else None
+        wdtype = "F8_E4M3" if quant else self.dtype
+
+        def t(e: int, proj: str, param: str) -> TensorInfo:
+            info = self.src(f"{base}.{e}.{proj}.{param}", f"{target} (expert {e})")
+            return info
+
+        for r in range(tp):
+            experts = self.local_experts(r) if self.ep else range(num)
+            off = 0 if self.ep else r * ip
+            w13, w2 = [], []
+            for e in experts:
+                g, u, dn = t(e, gate, "weight"), t(e, up, "weight"), t(e, down, "weight")
+                for w, shape in ((g, (inter, hidden)), (u, (inter, hidden)), (dn, (hidden, inter))):
+                    if w.shape != shape:
+                        raise SourceError(f"{w.name} has shape {list(w.shape)}, expected {list(shape)}")
+                    if quant and w.dtype != "F8_E4M3":
+                        raise SourceError(f"{w.name} is {w.dtype}, but config.json says it is FP8")
+                w13 += [_rows(g, off, off + ip), _rows(u, off, off + ip)]
+                w2.append(Slice(dn.name, (0, off), (hidden, off + ip)))
+            n = len(experts)
+            per_tp[r].append(OutTensor(f"{target}.w13_weight", wdtype, (n, 2 * ip, hidden), tuple(w13)))
+            per_tp[r].append(OutTensor(f"{target}.w2_weight", wdtype, (n, hidden, ip), tuple(w2)))
+            if not quant:
+                continue
+            q = self.quant
+            assert q is not None
+            if block:
+                (bn, bk), upf = block
+                nr13, nc13 = _cdiv(ip, bn), _cdiv(hidden, bk)
+                nr2, nc2 = _cdiv(hidden, bn), _cdiv(ip, bk)
+                s13, s2 = [], []
+                for e in experts:
+                    for proj in (gate, up):
+                        s = t(e, proj, q.scale_name)
+                        rows = s.shape[0] * upf[0]
+                        start = (rows // moe_tp) * (0 if self.ep else r)
+                        if rows // moe_tp != nr13 or s.shape[1] * upf[1] != nc13:
+                            raise UnsupportedError(f"{s.name}: FP8 block scales do not tile this split")
+                        s13.append(Slice(s.name, (start, 0), (start + nr13, nc13), upf if upf != (1, 1) else None))
+                    s = t(e, down, q.scale_name)
+                    cols = s.shape[1] * upf[1]
+                    start = (cols // moe_tp) * (0 if self.ep else r)
+                    if cols // moe_tp != nc2 or s.shape[0] * upf[0] != nr2:
+                        raise UnsupportedError(f"{s.name}: FP8 block scales do not tile this split")
+                    s2.append(Slice(s.name, (0, start), (nr2, start + nc2), upf if upf != (1, 1) else None))
+                per_tp[r].append(OutTensor(f"{target}.w13_{q.scale_name}", "F32", (n, 2 * nr13, nc13), tuple(s13)))
+                per_tp[r].append(OutTensor(f"{target}.w2_{q.scale_name}", "F32", (n, nr2, nc2), tuple(s2)))
+            else:
+                s13 = [_scalar(t(e, proj, "weight_scale")) for e in experts for proj in (gate, up)]
+                s2 = [_scalar(t(e, down, "weight_scale")) for e in experts]
+                per_tp[r].append(OutTensor(f"{target}.w13_weight_scale", "F32", (n, 2), tuple(s13)))
+                per_tp[r].append(OutTensor(f"{target}.w2_weight_scale", "F32", (n,), tuple(s2)))
+                if q.static_activations:
+                    # one slot per expert; vLLM keeps the last of gate/up it loads (up sorts last)
+                    i13 = [_scalar(t(e, up, "input_scale")) for e in experts]
+                    i2 = [_scalar(t(e, down, "input_scale")) for e in experts]
+                    for e in experts:
+                        self.used.add(f"{base}.{e}.{gate}.input_scale")
+                    per_tp[r].append(OutTensor(f"{target}.w13_input_scale", "F32", (n,), tuple(i13)))
+                    per_tp[r].append(OutTensor(f"{target}.w2_input_scale", "F32", (n,), tuple(i2)))
+
+    def local_experts(self, r: int) -> range:
+        """vLLM's linear expert placement (expert_map_manager.determine_expert_map)."""
+        num, size = self.dims.num_experts, self.tp
+        base, rem = divmod(num, size)
+        count = base + 1 if r < rem else base
+        start = r * base + min(r, rem)
+        return range(start, start + count)
+
+    def moe_block(self, target: str, ip: int, moe_tp: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The FP8 block grid of the MoE scales and the up-sampling factors (oracle/fp8.py)."""
+        assert self.quant and self.quant.block
+        bn, bk = self.quant.block
+        if ip % bn == 0 and (moe_tp == 1 or ip % bk == 0):
+            return (bn, bk), (1, 1)
+        f = math.gcd(bn, bk, ip, self.dims.hidden)
+        if f >= 32:
+            note = (
+                f"FP8 MoE block scales refined from [{bn}, {bk}] to [{f}, {f}] for the per-rank "
+                f"intermediate size {ip}, as vLLM 0.32 does"
+            )
+            if note not in self.notes:
+                self.notes.append(note)
+            return (f, f), (bn // f, bk // f)
+        what = "output_size of gate's and up's weight" if ip % bn else "input_size of down's weight"
+        raise UnsupportedError(
+            f"{target}: {what} = {ip} per rank is not divisible by the FP8 block {bn}, and no finer block >= 32 fits",
+            "use --ep, or a smaller --tp",
+        )
 
 
 def _whole(t: TensorInfo) -> Slice:

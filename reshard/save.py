@@ -120,7 +120,7 @@ def _check_device(device: str) -> None:
 
     try:
         torch.empty(1, device=device)
-    except Exception as e:  # noqa: BLE001 - any backend failure is a user-facing "not available"
+    except Exception as e:
         raise OutputError(f"--device {device} is not available here ({e})", "use --device cpu") from e
 
 

@@ -106,9 +106,7 @@ def read_config(root: Path) -> dict:
         with open(root / "config.json") as f:
             return json.load(f)
     except FileNotFoundError:
-        raise SourceError(
-            f"{root}: no config.json", "SOURCE must be a Hugging Face checkpoint folder"
-        ) from None
+        raise SourceError(f"{root}: no config.json", "SOURCE must be a Hugging Face checkpoint folder") from None
     except (OSError, ValueError) as e:
         raise SourceError(f"{root / 'config.json'}: cannot parse ({e})") from e
 

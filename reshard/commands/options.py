@@ -13,7 +13,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 class ByteSize(click.ParamType):
     name = "SIZE"
 
-    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201
+    def convert(self, value, param, ctx):
         if isinstance(value, int):
             return value
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))

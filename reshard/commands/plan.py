@@ -28,7 +28,7 @@ from reshard.console import emit_json, human_bytes, stdout
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor of every rank.")
 @click.option("--out-dir", default="OUT_DIR", show_default=True, help="Folder name used in the serve line.")
 @json_option
-def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, out_dir, as_json):  # noqa: ANN001
+def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, out_dir, as_json):
     """Show what each rank will hold, without writing or downloading weights.
 
     For a Hub repo id only config.json and the safetensors headers are fetched, so a model's
@@ -57,7 +57,9 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, ou
     )
     table = Table("pp", "tp", "keys", "bytes", "files")
     for r in summary["ranks"]:
-        table.add_row(str(r["pp_rank"]), str(r["tp_rank"]), str(r["keys"]), human_bytes(r["bytes"]), str(len(r["files"])))
+        table.add_row(
+            str(r["pp_rank"]), str(r["tp_rank"]), str(r["keys"]), human_bytes(r["bytes"]), str(len(r["files"]))
+        )
     stdout.print(table)
     if show_tensors:
         for r in summary["ranks"]:

@@ -38,7 +38,7 @@ from reshard.plan import DEFAULT_MAX_PART
               help="Where each piece is materialised before writing; cpu needs no GPU.")  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace the reshard files of a non-empty OUT_DIR.")
 @json_option
-def save_cmd(source, out_dir, tp, pp, ep, dtype, pp_partition, max_part_size, revision, device, overwrite, as_json):  # noqa: ANN001
+def save_cmd(source, out_dir, tp, pp, ep, dtype, pp_partition, max_part_size, revision, device, overwrite, as_json):
     """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR.
 
     SOURCE is a local checkpoint folder or a Hugging Face repo id (downloaded through the HF cache;
@@ -50,7 +50,7 @@ def save_cmd(source, out_dir, tp, pp, ep, dtype, pp_partition, max_part_size, re
     t0 = time.monotonic()
     with ExitStack() as stack:
 
-        def on_plan(plan):  # noqa: ANN001, ANN202
+        def on_plan(plan):
             return stack.enter_context(byte_progress(plan.total_bytes, "writing", quiet=as_json))
 
         result = save(

@@ -7,6 +7,6 @@ import click
 
 @click.command("verify")
 @click.argument("out_dir")
-def verify_cmd(out_dir):  # noqa: ANN001
+def verify_cmd(out_dir):
     """Check an output folder against its manifest."""
     raise click.UsageError("verify is not implemented yet")

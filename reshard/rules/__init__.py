@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from reshard.errors import UnsupportedError
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
+from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.spec import Architecture, Kind, Module
 
 ARCHITECTURES: dict[str, Architecture] = {}
@@ -15,7 +16,7 @@ def register(arch: Architecture) -> Architecture:
     return arch
 
 
-for _arch in (LLAMA, QWEN2, QWEN3):
+for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL):
     register(_arch)
 
 

@@ -67,7 +67,9 @@ class Architecture:
         moe_mlp: the MLP of a mixture-of-experts layer.
         is_moe_layer: which layers use `moe_mlp` (config, layer index) -> bool.
         ignore: HF tensor-name suffixes that vLLM skips (e.g. rotary inv_freq).
-        experts_key / moe_intermediate_key: config keys of the expert count and expert width.
+        experts_key / moe_intermediate_key: config keys of the expert count (first found) and
+            of the expert width.
+        tp_at_most_experts: vLLM refuses a tensor-parallel size above the number of experts.
         top_on_every_stage: with pipeline parallelism, embedding/norm/lm_head on every stage.
     """
 
@@ -78,7 +80,8 @@ class Architecture:
     moe_mlp: tuple[Module, ...] = ()
     is_moe_layer: Callable[[dict, int], bool] | None = None
     ignore: tuple[str, ...] = ("rotary_emb.inv_freq",)
-    experts_key: str = "num_experts"
+    experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
     moe_intermediate_key: str = "moe_intermediate_size"
+    tp_at_most_experts: bool = False
     top_on_every_stage: bool = False
     notes: tuple[str, ...] = field(default=())

@@ -1,0 +1,70 @@
+"""The hand-written safetensors header: identical to the library's, and strict when reading."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from reshard.errors import SourceError
+from reshard.format import encode_header, read_header
+
+
+def test_header_bytes_equal_safetensors_library():
+    tensors = {
+        "a": torch.randn(7),
+        "z": torch.tensor(1.0),
+        "b": torch.randn(3, 5).bfloat16(),
+        "c": torch.zeros(2, 2, dtype=torch.float8_e4m3fn),
+    }
+    raw = save(tensors, metadata={"format": "pt"})
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__")
+    order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+    mine = encode_header([(k, header[k]["dtype"], tuple(header[k]["shape"])) for k in order], meta)
+    assert mine == raw[: 8 + n]
+
+
+def _write(tmp_path, raw: bytes):
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(raw)
+    return p
+
+
+def test_read_header_roundtrip(tmp_path):
+    raw = save({"w": torch.ones(4, 3, dtype=torch.bfloat16), "s": torch.tensor(2.0)})
+    tensors, meta, size = read_header(_write(tmp_path, raw))
+    assert size == len(raw)
+    assert tensors["w"].shape == (4, 3) and tensors["w"].dtype == "BF16" and tensors["w"].nbytes == 24
+    assert tensors["s"].shape == () and tensors["s"].nbytes == 4
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda raw: raw[:5], "truncated"),
+        (lambda raw: struct.pack("<Q", 10**9) + raw[8:], "header length"),
+        (lambda raw: raw[:8] + b"x" + raw[9:], "corrupt"),
+        (lambda raw: raw[:-3], "truncated"),
+    ],
+    ids=["short", "hostile-length", "bad-json", "cut-data"],
+)
+def test_read_header_rejects_damage(tmp_path, mutate, message):
+    raw = save({"w": torch.ones(4, 3), "v": torch.ones(2)})
+    with pytest.raises(SourceError, match=message):
+        read_header(_write(tmp_path, mutate(raw)))
+
+
+def test_read_header_rejects_overlap(tmp_path):
+    obj = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    raw = json.dumps(obj).encode()
+    raw += b" " * (-len(raw) % 8)
+    with pytest.raises(SourceError, match="overlaps"):
+        read_header(_write(tmp_path, struct.pack("<Q", len(raw)) + raw + bytes(12)))

@@ -1,0 +1,171 @@
+"""Planning from headers alone: real model shapes, divisibility rules, and refusals."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+from synthetic import LLAMA_3_70B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
+
+from reshard.errors import SourceError, UnsupportedError
+from reshard.plan import Fill, build_plan, pp_ranges
+
+
+def rank_tensors(plan, tp_rank, pp_rank=0):
+    return {t.name: t for f in plan.files if (f.tp_rank, f.pp_rank) == (tp_rank, pp_rank) for t in f.tensors}
+
+
+def test_llama_70b_tp8_plans_from_headers_fast():
+    ckpt = synthetic_checkpoint(LLAMA_3_70B, files=30)
+    t0 = time.perf_counter()
+    plan = build_plan(ckpt, tp=8)
+    seconds = time.perf_counter() - t0
+    assert seconds < 5, f"planning took {seconds:.2f} s"  # a sanity bound; the figure is in the benchmark
+    r3 = rank_tensors(plan, 3)
+    # 80 layers x (2 norms + qkv + o + gate_up + down + 4 attention buffers) + embed + norm + lm_head
+    assert len(r3) == 80 * 10 + 3
+    assert r3["model.layers.0.self_attn.qkv_proj.weight"].shape == (1024 + 128 + 128, 8192)
+    assert r3["model.layers.0.self_attn.o_proj.weight"].shape == (8192, 1024)
+    assert r3["model.layers.0.mlp.gate_up_proj.weight"].shape == (2 * 3584, 8192)
+    assert r3["model.layers.0.mlp.down_proj.weight"].shape == (8192, 3584)
+    assert r3["lm_head.weight"].shape == (16032, 8192)
+    assert r3["model.layers.7.self_attn.attn._k_scale"].shape == ()
+    # every rank holds an eighth of the sharded bytes plus the replicated ones
+    sizes = {sum(t.nbytes for t in rank_tensors(plan, r).values()) for r in range(8)}
+    assert len(sizes) == 1
+    # 5 GiB parts
+    assert max(f.data_bytes for f in plan.files) <= 5 * 1024**3
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them():
+    cfg = {**LLAMA_3_70B, "num_hidden_layers": 1, "num_key_value_heads": 4}
+    plan = build_plan(synthetic_checkpoint(cfg), tp=8)
+    for r in range(8):
+        q, k, v = rank_tensors(plan, r)["model.layers.0.self_attn.qkv_proj.weight"].pieces
+        assert (q.start[0], q.stop[0]) == (r * 1024, (r + 1) * 1024)
+        kv = r // 2  # 8 ranks, 4 KV heads: ranks 2j and 2j+1 share head j
+        assert (k.start[0], k.stop[0]) == (kv * 128, (kv + 1) * 128)
+        assert (v.start[0], v.stop[0]) == (kv * 128, (kv + 1) * 128)
+
+
+def test_vocab_padded_to_64_then_split_with_zero_rows():
+    cfg = {**LLAMA_3_70B, "num_hidden_layers": 1, "vocab_size": 32001}
+    plan = build_plan(synthetic_checkpoint(cfg), tp=8)
+    last = rank_tensors(plan, 7)["model.embed_tokens.weight"]
+    assert last.shape == (4008, 8192)  # 32064 / 8
+    real, pad = last.pieces
+    assert (real.start[0], real.stop[0]) == (7 * 4008, 32001)
+    assert isinstance(pad, Fill) and pad.value == 0 and pad.count == 63 * 8192
+
+
+def test_tied_embeddings_stored_only_as_lm_head():
+    cfg = {**LLAMA_3_70B, "num_hidden_layers": 1, "tie_word_embeddings": True}
+    plan = build_plan(synthetic_checkpoint(cfg), tp=2)
+    names = rank_tensors(plan, 0)
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
+    assert names["lm_head.weight"].pieces[0].source == "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize(
+    "changes, tp, message",
+    [
+        ({"num_attention_heads": 64}, 3, "num_attention_heads=64 is not divisible by --tp 3"),
+        ({"num_key_value_heads": 8}, 16, None),
+        ({"num_key_value_heads": 6, "num_attention_heads": 48}, 4, "do not divide"),
+        ({"architectures": ["GPTBigCodeForCausalLM"]}, 2, "supported: .*LlamaForCausalLM"),
+    ],
+    ids=["heads", "kv-ok", "kv-bad", "unknown-arch"],
+)
+def test_refusals(changes, tp, message):
+    cfg = {**LLAMA_3_70B, "num_hidden_layers": 1, **changes}
+    if message is None:
+        build_plan(synthetic_checkpoint({**cfg, "intermediate_size": 28672}), tp=tp)
+        return
+    with pytest.raises(UnsupportedError, match=message):
+        build_plan(synthetic_checkpoint(cfg), tp=tp)
+
+
+def test_missing_tensor_is_named():
+    ckpt = synthetic_checkpoint({**LLAMA_3_70B, "num_hidden_layers": 2})
+    del ckpt.tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(SourceError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        build_plan(ckpt, tp=2)
+
+
+def test_unexpected_tensor_is_refused():
+    ckpt = synthetic_checkpoint({**LLAMA_3_70B, "num_hidden_layers": 1})
+    ckpt.tensors["model.extra.weight"] = replace(ckpt.tensors["model.norm.weight"], name="model.extra.weight")
+    with pytest.raises(SourceError, match="match no rule"):
+        build_plan(ckpt, tp=1)
+
+
+def test_pp_split_as_vllm():
+    assert pp_ranges(94, 4) == [(0, 23), (23, 47), (47, 71), (71, 94)]
+    assert pp_ranges(4, 2) == [(0, 2), (2, 4)]
+    assert pp_ranges(10, 2, [3, 7]) == [(0, 3), (3, 10)]
+    with pytest.raises(UnsupportedError):
+        pp_ranges(10, 2, [3, 6])
+
+
+# ---- Qwen3-235B-A22B-FP8 at TP 8 (reference doc section 11) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen235():
+    return synthetic_checkpoint(QWEN3_235B_A22B_FP8, files=48)
+
+
+def shapes(plan, r):
+    return {n: (t.dtype, t.shape) for n, t in rank_tensors(plan, r).items()}
+
+
+def test_qwen3_235b_fp8_tp8(qwen235):
+    plan = build_plan(qwen235, tp=8)
+    L = "model.layers.5."
+    for r in (0, 7):
+        s = shapes(plan, r)
+        assert len(s) == 1977
+        assert s["model.embed_tokens.weight"] == ("BF16", (18992, 4096))
+        assert s["lm_head.weight"] == ("BF16", (18992, 4096))
+        assert s[L + "self_attn.qkv_proj.weight"] == ("F8_E4M3", (1280, 4096))
+        assert s[L + "self_attn.qkv_proj.weight_scale_inv"] == ("F32", (10, 32))
+        assert s[L + "self_attn.o_proj.weight"] == ("F8_E4M3", (4096, 1024))
+        assert s[L + "self_attn.o_proj.weight_scale_inv"] == ("F32", (32, 8))
+        assert s[L + "self_attn.attn.k_scale"] == ("BF16", ())
+        assert s[L + "self_attn.attn._k_scale"] == ("F32", ())
+        assert s[L + "mlp.experts.gate.weight"] == ("BF16", (128, 4096))
+        assert s[L + "mlp.experts.routed_experts.w13_weight"] == ("F8_E4M3", (128, 384, 4096))
+        assert s[L + "mlp.experts.routed_experts.w13_weight_scale_inv"] == ("F32", (128, 6, 64))
+        assert s[L + "mlp.experts.routed_experts.w2_weight"] == ("F8_E4M3", (128, 4096, 192))
+        assert s[L + "mlp.experts.routed_experts.w2_weight_scale_inv"] == ("F32", (128, 64, 3))
+        assert "model.layers.5.mlp.gate.weight" not in s
+    t = rank_tensors(plan, 3)
+    qkv = t[L + "self_attn.qkv_proj.weight_scale_inv"].pieces
+    assert [(p.start[0], p.stop[0]) for p in qkv] == [(24, 32), (1, 2), (1, 2)]  # q rows 8r.., kv head r//2
+    w13s = t[L + "mlp.experts.routed_experts.w13_weight_scale_inv"].pieces
+    assert w13s[0].up == (2, 2) and (w13s[0].start, w13s[0].stop) == ((9, 0), (12, 64))
+    assert any("refined from [128, 128] to [64, 64]" in n for n in plan.notes)
+
+
+def test_qwen3_235b_fp8_tp8_ep(qwen235):
+    plan = build_plan(qwen235, tp=8, ep=True)
+    L = "model.layers.93."
+    s = shapes(plan, 5)
+    assert len(s) == 1977
+    assert s[L + "mlp.experts.routed_experts.w13_weight"] == ("F8_E4M3", (16, 3072, 4096))
+    assert s[L + "mlp.experts.routed_experts.w13_weight_scale_inv"] == ("F32", (16, 24, 32))
+    assert s[L + "mlp.experts.routed_experts.w2_weight"] == ("F8_E4M3", (16, 4096, 1536))
+    assert s[L + "mlp.experts.routed_experts.w2_weight_scale_inv"] == ("F32", (16, 32, 12))
+    assert s[L + "self_attn.qkv_proj.weight"] == ("F8_E4M3", (1280, 4096))  # attention stays TP
+    first = rank_tensors(plan, 5)[L + "mlp.experts.routed_experts.w13_weight"].pieces[0]
+    assert first.source == L + "mlp.experts.80.gate_proj.weight"  # rank 5 holds experts 80..95
+    assert "--enable-expert-parallel" in plan.serve_command("out")
+
+
+def test_fp8_moe_split_vllm_refuses():
+    # 128 / 8 = 16 per rank: not a multiple of the 128 block, and gcd(128, 16) < 32
+    cfg = {**QWEN3_235B_A22B_FP8, "num_hidden_layers": 1, "moe_intermediate_size": 128}
+    with pytest.raises(UnsupportedError, match="use --ep, or a smaller --tp"):
+        build_plan(synthetic_checkpoint(cfg), tp=8)
+    build_plan(synthetic_checkpoint(cfg), tp=8, ep=True)
