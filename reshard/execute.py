@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -32,6 +33,15 @@ class Written:
     sha256: str
 
 
+class Sink(Protocol):
+    """Where one output file's bytes go, in order: a file on disk, or a checker (verify --deep)."""
+
+    def begin(self, tensor: OutTensor) -> None: ...
+    def write(self, data: memoryview | bytes) -> None: ...
+    def close(self, sync: bool) -> Written: ...
+    def abort(self) -> None: ...
+
+
 class _FileWriter:
     def __init__(self, path: Path, header: bytes) -> None:
         self.path = path
@@ -39,6 +49,9 @@ class _FileWriter:
         self.sha = hashlib.sha256()
         self.size = 0
         self.write(header)
+
+    def begin(self, tensor: OutTensor) -> None:
+        pass
 
     def write(self, data: memoryview | bytes) -> None:
         try:
@@ -169,7 +182,7 @@ class _Holder:
 
     __slots__ = ("cursor", "tensor", "writer")
 
-    def __init__(self, tensor: OutTensor, writer: _FileWriter) -> None:
+    def __init__(self, tensor: OutTensor, writer: Sink) -> None:
         self.tensor = tensor
         self.writer = writer
         self.cursor = 0
@@ -188,6 +201,7 @@ class Executor:
         chunk_bytes: int = DEFAULT_CHUNK,
         progress: Callable[[int], None] | None = None,
         sync: bool = True,
+        sink: Callable[[OutFile, bytes], Sink] | None = None,
     ) -> None:
         self.plan = plan
         self.tensors = tensors
@@ -199,7 +213,8 @@ class Executor:
         self.progress = progress or (lambda n: None)
         self.sync = sync
         self.buf = bytearray(chunk_bytes)
-        self.open: dict[str, _FileWriter] = {}
+        self.sink = sink or (lambda f, header: _FileWriter(self.out_dir / f.name, header))
+        self.open: dict[str, Sink] = {}
         self.done: list[Written] = []
 
     def run(self) -> list[Written]:
@@ -217,6 +232,8 @@ class Executor:
         try:
             for name in order:
                 holders = [_Holder(t, self._writer(f)) for f, t in slots[name]]
+                for h in holders:
+                    h.writer.begin(h.tensor)
                 self._emit(holders)
                 for f, _ in slots[name]:
                     if last[f.name] == name:
@@ -229,9 +246,9 @@ class Executor:
             self.reader.close()
         return self.done
 
-    def _writer(self, f: OutFile) -> _FileWriter:
+    def _writer(self, f: OutFile) -> Sink:
         if f.name not in self.open:
-            self.open[f.name] = _FileWriter(self.out_dir / f.name, file_header(f, self.metadata))
+            self.open[f.name] = self.sink(f, file_header(f, self.metadata))
         return self.open[f.name]
 
     # ---- one tensor, all ranks ---------------------------------------------------------------

@@ -14,7 +14,9 @@ FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
 
 
-def build_manifest(plan, written, *, run_id: str, created: str, out_dir: str, copied: list[str]) -> dict:
+def build_manifest(  # noqa: ANN001
+    plan, written, *, run_id: str, created: str, out_dir: str, copied: list[str], source_tensors: dict
+) -> dict:
     sums = {w.name: w for w in written}
     files = []
     for f in plan.files:
@@ -41,6 +43,9 @@ def build_manifest(plan, written, *, run_id: str, created: str, out_dir: str, co
         "total_bytes": sum(w.size for w in written),
         "files": files,
         "copied": copied,
+        # the source's headers (name -> [dtype, shape]): with the copied config.json, enough to
+        # plan this layout again and derive the expected keys (verify), without the source
+        "source_tensors": source_tensors,
         "serve": plan.serve_command(out_dir),
         "notes": plan.notes,
     }

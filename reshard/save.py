@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import shutil
 import uuid
 from collections.abc import Callable
@@ -100,10 +101,24 @@ def save(
                 shutil.copytree(src, tmp / name)
             else:
                 shutil.copy2(src, tmp / name)
-        manifest = build_manifest(plan, written, run_id=run_id, created=created, out_dir=str(out_dir), copied=copied)
+        source_tensors = {n: [t.dtype, list(t.shape)] for n, t in sorted(ckpt.tensors.items())}
+        manifest = build_manifest(
+            plan,
+            written,
+            run_id=run_id,
+            created=created,
+            out_dir=str(out_dir),
+            copied=copied,
+            source_tensors=source_tensors,
+        )
         _publish(tmp, out_dir, [f.name for f in plan.files] + copied)
         write_manifest(out_dir, manifest)
         fsync_dir(out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise OutputError(f"disk full while writing {out_dir}", "free space or choose another OUT_DIR") from e
+        raise OutputError(f"cannot write {out_dir}: {e.strerror or e}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

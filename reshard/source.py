@@ -137,9 +137,10 @@ def _weight_files(root: Path) -> list[str]:
 
 def _open_hub(repo_id: str, revision: str | None, *, headers_only: bool) -> Checkpoint:
     import huggingface_hub as hub
+    from huggingface_hub import constants as hub_constants
     from huggingface_hub import errors as hub_errors
 
-    offline = hub.constants.HF_HUB_OFFLINE
+    offline = hub_constants.HF_HUB_OFFLINE
     try:
         if headers_only:
             try:

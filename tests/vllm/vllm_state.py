@@ -127,8 +127,10 @@ def dump_expected_many(
         c.setdefault("load_dir", None)
         c["dump_dir"] = str(Path(c["dump_dir"]).resolve())
         Path(c["dump_dir"]).mkdir(parents=True, exist_ok=True)
-        for stale in Path(c["dump_dir"]).glob("expected-*.safetensors"):
-            stale.unlink()
+        for pat in ("expected-*.safetensors", "info-*.json", "load-*.json",
+                    "error-rank*.txt", "fp8-kernel-fallback.txt"):
+            for stale in Path(c["dump_dir"]).glob(pat):
+                stale.unlink()
         for d in ("save_dir", "load_dir"):
             if c[d] is not None:
                 c[d] = str(Path(c[d]).resolve())
@@ -210,6 +212,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, case: dict[str, An
 
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = str(port)
+    _allow_missing_fp8_linear_kernel(Path(case["dump_dir"]))
     model_config = vllm_config.model_config
     dump_dir = Path(case["dump_dir"])
     with set_current_vllm_config(vllm_config):
@@ -264,6 +267,47 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, case: dict[str, An
             except BaseException as e:  # noqa: BLE001 - reported, not raised
                 res["error"] = f"{type(e).__name__}: {e}"[:4000]
             (dump_dir / f"load-pp{pp_rank}-tp{tp_rank}.json").write_text(json.dumps(res, indent=1))
+
+
+class _NoFp8Kernel:
+    """Stand-in for an FP8 GEMM kernel this CPU cannot run (see below)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no FP8 linear kernel on this machine: {self.reason}")
+
+
+def _allow_missing_fp8_linear_kernel(dump_dir: Path) -> None:
+    """Let FP8 checkpoints be *built* on CPUs without AMX.
+
+    ``Fp8LinearMethod.create_weights`` registers ``weight``/``weight_scale_inv``
+    first and only then picks a GEMM kernel (``init_fp8_linear_kernel``); on a
+    CPU without AMX tiles (e.g. AMD EPYC) every CPU FP8 kernel refuses and model
+    construction raises.  The kernel only matters for running and for
+    post-processing, neither of which this harness does, so fall back to a
+    stand-in that fails if it is ever used.  The fallback is logged in
+    ``<dump_dir>/fp8-kernel-fallback.txt``.
+    """
+    from vllm.model_executor.layers.quantization import fp8
+
+    orig = fp8.init_fp8_linear_kernel
+    if getattr(orig, "_reshard_patched", False):
+        return
+
+    def init_fp8_linear_kernel(*args, **kwargs):
+        try:
+            return orig(*args, **kwargs)
+        except ValueError as e:
+            if "Failed to find a kernel" not in str(e):
+                raise
+            reason = str(e).replace("\n", " ")
+            (dump_dir / "fp8-kernel-fallback.txt").write_text(reason + "\n")
+            return _NoFp8Kernel(reason)
+
+    init_fp8_linear_kernel._reshard_patched = True  # type: ignore[attr-defined]
+    fp8.init_fp8_linear_kernel = init_fp8_linear_kernel
 
 
 def _rank_entry(rank, world, port, vllm_config, case):

@@ -1,0 +1,215 @@
+"""The command line: exit codes and one-line errors for bad input, JSON for CI, no half-written output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reshard.cli import main
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    """Run `reshard ARGS` in-process; returns (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_save_json_and_manifest(tiny, tmp_path):
+    src = tiny("llama")
+    code, out, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["ok"] and result["files"] == 2 and result["layout"]["tp"] == 2
+    assert result["serve"].startswith(f"vllm serve {tmp_path / 'out'} --load-format sharded_state")
+    manifest = json.loads((tmp_path / "out" / "reshard.json").read_text())
+    assert manifest["layout"]["architecture"] == "LlamaForCausalLM"
+    assert manifest["source"]["path"] == str(src.resolve())
+    assert {f["name"] for f in manifest["files"]} == {
+        "model-rank-0-part-0.safetensors",
+        "model-rank-1-part-0.safetensors",
+    }
+
+
+def test_plan_json_lists_ranks(tiny):
+    code, out, _ = run("plan", str(tiny("qwen3")), "--tp", "4", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert len(plan["ranks"]) == 4 and all(r["keys"] == plan["ranks"][0]["keys"] for r in plan["ranks"])
+    assert "--tensor-parallel-size 4" in plan["serve"]
+
+
+def test_unknown_architecture(tiny, tmp_path):
+    src = copy_ckpt(tiny("llama"), tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 3
+    assert "unsupported architecture (FancyNewForCausalLM)" in err and "LlamaForCausalLM" in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_tp_that_does_not_divide(tiny, tmp_path):
+    code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "3")
+    assert code == 3 and "not divisible by --tp 3" in err and "1, 2, 4, 8" in err
+
+
+def test_missing_shard(tiny, tmp_path):
+    src = copy_ckpt(tiny("llama", shards=3), tmp_path / "src")
+    victim = sorted(src.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and victim.name in err and "missing" in err
+
+
+@pytest.mark.parametrize("cut", [4, 200], ids=["length-field", "header"])
+def test_truncated_header(tiny, tmp_path, cut):
+    src = copy_ckpt(tiny("llama"), tmp_path / "src")
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:cut])
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and "model.safetensors" in err and ("truncated" in err or "corrupt" in err)
+
+
+def test_out_dir_inside_source(tiny, tmp_path):
+    src = copy_ckpt(tiny("llama"), tmp_path / "src")
+    code, _, err = run("save", str(src), str(src / "out"), "--tp", "2")
+    assert code == 5 and "inside the source" in err
+    code, _, err = run("save", str(src), str(src), "--tp", "2")
+    assert code == 5
+
+
+def test_non_empty_out_dir_needs_overwrite(tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-rank-7-part-0.safetensors").write_bytes(b"old")
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
+    assert code == 5 and "--overwrite" in err
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2", "--overwrite")
+    assert code == 0, err
+    # the stale rank file of the older run is gone
+    assert sorted(p.name for p in out.glob("model-rank-*")) == [
+        "model-rank-0-part-0.safetensors",
+        "model-rank-1-part-0.safetensors",
+    ]
+
+
+def test_interrupt_leaves_nothing_that_looks_complete(tiny, tmp_path, monkeypatch):
+    import reshard.execute as ex
+
+    calls = {"n": 0}
+    real = ex._FileWriter.write
+
+    def flaky(self, data):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(self, data)
+
+    monkeypatch.setattr(ex._FileWriter, "write", flaky)
+    out = tmp_path / "out"
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
+    assert code == 130 and "interrupted" in err
+    assert list(out.iterdir()) == []
+
+
+def test_interrupted_overwrite_keeps_previous_output(tiny, tmp_path, monkeypatch):
+    import reshard.execute as ex
+
+    out = tmp_path / "out"
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def boom(self, data):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ex._FileWriter, "write", boom)
+    code, _, _ = run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")
+    assert code == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_disk_full(tiny, tmp_path, monkeypatch):
+    import reshard.execute as ex
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ex._FileWriter, "write", full)
+    code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2")
+    assert code == 5 and "disk full" in err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_not_enough_space_is_refused_before_writing(tiny, tmp_path, monkeypatch):
+    import reshard.save as sv
+
+    monkeypatch.setattr(sv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
+    code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2")
+    assert code == 5 and "not enough disk space" in err
+
+
+# ---- Hub repo ids, resolved offline from a cache the test lays out ---------------------------------
+
+
+def lay_out_hub_cache(hf_home: Path, repo_id: str, src: Path, commit: str = "a" * 40) -> str:
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    shutil.copytree(src, snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return commit
+
+
+def cli_subprocess(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "reshard", *args], env={**os.environ, **env}, capture_output=True, text=True
+    )
+
+
+def test_repo_id_offline_from_cache(tiny, tmp_path):
+    commit = lay_out_hub_cache(tmp_path / "hf", "acme/tiny-llama", tiny("llama", shards=2))
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "RESHARD_DISABLE_PROGRESS": "1"}
+    out = tmp_path / "out"
+    p = cli_subprocess(["save", "acme/tiny-llama", str(out), "--tp", "2", "--json"], env)
+    assert p.returncode == 0, p.stderr
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert manifest["source"] == {"repo_id": "acme/tiny-llama", "revision": "main", "commit": commit}
+    p = cli_subprocess(["plan", "acme/tiny-llama", "--tp", "2", "--json"], env)
+    assert p.returncode == 0 and json.loads(p.stdout)["source"]["commit"] == commit
+
+
+def test_repo_id_not_in_cache_while_offline(tmp_path):
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    p = cli_subprocess(["save", "acme/absent", str(tmp_path / "out"), "--tp", "2"], env)
+    assert p.returncode == 4
+    assert "not in the Hugging Face cache" in p.stderr and "hf download" in p.stderr
+    assert p.stderr.count("\n") == 1
+
+
+def test_help_explains_commands():
+    code, out, _ = run("--help")
+    assert code == 0 and "sharded_state" in out and "Exit codes" in out
+    code, out, _ = run("save", "--help")
+    assert code == 0 and "--max-part-size" in out and "--ep" in out
