@@ -21,6 +21,8 @@ def cli() -> None:
     reshard save --tp 8 Qwen/Qwen3-235B-A22B-FP8 out/   write every rank's files
     reshard plan --tp 8 Qwen/Qwen3-235B-A22B-FP8        per-GPU tensors and bytes, nothing written
     reshard verify out/                                 check an output before it ships
+    reshard save out/ out-tp4/ --tp 4                   re-shard an output, no original needed
+    reshard merge out/ hf/                              back to a Hugging Face checkpoint
     vllm serve out/ --load-format sharded_state -tp 8
 
     Exit codes: 0 ok, 1 internal error, 2 usage, 3 unsupported model or layout, 4 bad source,
@@ -30,6 +32,7 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from reshard.commands.merge import merge_cmd
     from reshard.commands.plan import plan_cmd
     from reshard.commands.save import save_cmd
     from reshard.commands.verify import verify_cmd
@@ -37,6 +40,7 @@ def _register() -> None:
     cli.add_command(save_cmd)
     cli.add_command(plan_cmd)
     cli.add_command(verify_cmd)
+    cli.add_command(merge_cmd)
 
 
 _register()

@@ -125,6 +125,7 @@ class Plan:
     files: list[OutFile]
     layer_ranges: list[tuple[int, int]]  # per pipeline stage: [first, last) layer
     notes: list[str] = field(default_factory=list)
+    config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
 
     @property
     def pattern(self) -> str:
@@ -154,6 +155,7 @@ class Plan:
             "dtype": DTYPE_CODES[self.dtype],
             "quantization": self.quant.to_json() if self.quant else None,
             "pattern": self.pattern,
+            "pp_layer_partition": [b - a for a, b in self.layer_ranges],
         }
 
     def ranks(self) -> dict[tuple[int, int], list[OutFile]]:
@@ -230,6 +232,7 @@ def build_plan(
         files=files,
         layer_ranges=ranges,
         notes=planner.notes,
+        config_patch=planner.config_patch,
     )
 
 
@@ -268,7 +271,7 @@ def pp_ranges(num_layers: int, pp: int, partition: list[int] | None = None) -> l
     return out
 
 
-def _dims(config: dict, arch: Architecture) -> Dims:
+def _dims(config: dict, arch: Architecture, untied_by_checkpoint: bool = False) -> Dims:
     def need(key: str) -> int:
         if key not in config or config[key] is None:
             raise SourceError(f"config.json lacks {key!r}, which {arch.names[0]} needs")
@@ -282,7 +285,7 @@ def _dims(config: dict, arch: Architecture) -> Dims:
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         vocab=need("vocab_size"),
-        tie=bool(config.get("tie_word_embeddings", False)),
+        tie=bool(config.get("tie_word_embeddings", False)) and not untied_by_checkpoint,
         num_experts=next((int(config[k]) for k in arch.experts_key if config.get(k)), 0) if arch.moe_mlp else 0,
         moe_intermediate=int(config.get(arch.moe_intermediate_key) or 0) if arch.moe_mlp else 0,
     )
@@ -322,7 +325,17 @@ class _Planner:
         self.tp = tp
         self.ep = ep
         self.dtype = dtype
-        self.dims = _dims(ckpt.config, arch)
+        self.notes: list[str] = []
+        # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
+        # ships its own lm_head; the sharded loader does not, so the output config must say so.
+        untie = bool(ckpt.config.get("tie_word_embeddings")) and "lm_head.weight" in ckpt.tensors
+        self.config_patch: dict = {"tie_word_embeddings": False} if untie else {}
+        if untie:
+            self.notes.append(
+                "config.json says tie_word_embeddings but the checkpoint has its own lm_head: "
+                "written untied, and the copied config.json says tie_word_embeddings: false"
+            )
+        self.dims = _dims(ckpt.config, arch, untie)
         self.quant = _quant(ckpt.config)
         self.used: set[str] = set()
         self.notes: list[str] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import errno
+import json
 import shutil
 import uuid
 from collections.abc import Callable
@@ -33,6 +34,8 @@ def copy_list(root: Path) -> list[str]:
     out = []
     for p in sorted(root.iterdir()):
         if p.name.startswith(".") or p.name in (INDEX, MANIFEST) or p.name.endswith(SKIP_SUFFIXES):
+            continue
+        if p.name.startswith(("model-rank-", "model-pp-")):
             continue
         out.append(p.name)
     return out
@@ -90,15 +93,17 @@ def save(
     tmp.mkdir()
     try:
         meta = {"format": "pt", "reshard_run": run_id, "reshard_layout": _layout_tag(plan)}
-        kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
-        written = Executor(
-            plan, ckpt.root, ckpt.tensors, tmp, metadata=meta, device=device, progress=progress, **kwargs
-        ).run()
+        written = run_executor(plan, ckpt, tmp, meta, device=device, progress=progress, chunk_bytes=chunk_bytes)
         copied = copy_list(ckpt.root)
         for name in copied:
             src = ckpt.root / name
             if src.is_dir():
                 shutil.copytree(src, tmp / name)
+            elif name == "config.json" and plan.config_patch:
+                config = {**ckpt.config, **plan.config_patch}
+                if isinstance(config.get("text_config"), dict):
+                    config["text_config"] = {**config["text_config"], **plan.config_patch}
+                (tmp / name).write_text(json.dumps(config, indent=2) + "\n")
             else:
                 shutil.copy2(src, tmp / name)
         source_tensors = {n: [t.dtype, list(t.shape)] for n, t in sorted(ckpt.tensors.items())}
@@ -124,6 +129,25 @@ def save(
         raise
     shutil.rmtree(tmp, ignore_errors=True)
     return SaveResult(plan, manifest, out_dir)
+
+
+def run_executor(
+    plan: Plan,
+    ckpt: Checkpoint,
+    out: Path,
+    metadata: dict[str, str],
+    *,
+    device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
+    chunk_bytes: int | None = None,
+) -> list:
+    kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    executor = Executor(
+        plan, ckpt.root, ckpt.tensors, out, metadata=metadata, device=device, progress=progress, **kwargs
+    )
+    if ckpt.reader_factory:  # SOURCE is a reshard output: read tensors back out of its rank files
+        executor.reader = ckpt.reader_factory()
+    return executor.run()
 
 
 def _layout_tag(plan: Plan) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,10 @@ class Checkpoint:
     files: list[str]
     ref: dict
     file_sizes: dict[str, int] = field(default_factory=dict)
+    # set when SOURCE is a reshard output: how to read tensors back out of its rank files
+    reader_factory: Callable[[], object] | None = None
+    manifest: dict | None = None
+    missing: list[str] = field(default_factory=list)  # source tensors the output does not hold
 
     @property
     def total_bytes(self) -> int:
@@ -75,6 +80,10 @@ def open_checkpoint(spec: str, revision: str | None = None, *, headers_only: boo
     if path.is_dir():
         if revision:
             raise SourceError(f"--revision applies to Hub repo ids, but {spec} is a local folder")
+        if (path / MANIFEST).is_file():
+            from reshard.inverse import open_output
+
+            return open_output(path)
         return _open_local(path, {"path": str(path.resolve())})
     if path.exists():
         raise SourceError(f"{spec} is a file; SOURCE must be a checkpoint folder or a Hub repo id")

@@ -1,0 +1,84 @@
+"""An output as SOURCE (re-shard without the original) and `merge` back to Hugging Face."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from reshard.errors import CorruptError
+from reshard.merge import merge
+from reshard.plan import DEFAULT_MAX_PART
+from reshard.save import save
+
+MAX = DEFAULT_MAX_PART
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def load_dir(folder: Path, pattern: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for p in sorted(folder.glob(pattern)):
+        tensors = load_file(str(p))
+        assert not set(tensors) & set(out)
+        out.update({(p.name.split("-part-")[0] + "/" + k if "-part-" in p.name else k): v for k, v in tensors.items()})
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(raw(a[k]), raw(b[k])), k
+
+
+@pytest.mark.parametrize(
+    "arch, first, second",
+    [
+        ("llama", dict(tp=4), dict(tp=2)),
+        ("qwen3", dict(tp=2), dict(tp=4)),
+        ("qwen3-moe", dict(tp=2), dict(tp=2, ep=True)),
+        ("qwen3-moe", dict(tp=4, ep=True), dict(tp=2)),
+        ("qwen3-moe-fp8", dict(tp=4), dict(tp=2, ep=True)),  # refined 32x32 scales read back
+        ("qwen2-moe", dict(tp=2), dict(tp=1)),
+        ("mixtral", dict(tp=2, ep=True), dict(tp=4)),
+        ("llama", dict(tp=2), dict(tp=2, pp=2)),
+    ],
+)
+def test_reshard_an_output_equals_resharding_the_original(tiny, tmp_path, arch, first, second):
+    src = tiny(arch)
+    save(str(src), tmp_path / "first", max_part_size=MAX, **first)
+    via = save(str(tmp_path / "first"), tmp_path / "via", max_part_size=MAX, **second)
+    save(str(src), tmp_path / "direct", max_part_size=MAX, **second)
+    assert_same(load_dir(tmp_path / "via", "model-*.safetensors"), load_dir(tmp_path / "direct", "model-*.safetensors"))
+    assert via.manifest["source"]["resharded_from"]["path"] == str(src.resolve())
+
+
+@pytest.mark.parametrize("arch, layout", [("llama", dict(tp=2)), ("qwen3-moe", dict(tp=2, ep=True)),
+                                          ("qwen3-moe-fp8", dict(tp=2)), ("qwen2-moe", dict(tp=4))])  # fmt: skip
+def test_merge_round_trips_byte_identical(tiny, tmp_path, arch, layout):
+    src = tiny(arch, shards=2)
+    save(str(src), tmp_path / "out", max_part_size=MAX, **layout)
+    result = merge(tmp_path / "out", tmp_path / "hf", max_shard_size=400_000)
+    assert result["not_in_output"] == []
+    assert_same(load_dir(tmp_path / "hf", "model*.safetensors"), load_dir(src, "model*.safetensors"))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in (tmp_path / "hf").glob("model-*.safetensors")}
+    assert (tmp_path / "hf" / "config.json").exists() and (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_output_with_a_damaged_file_is_refused_as_source(tiny, tmp_path):
+    save(str(tiny("llama")), tmp_path / "out", tp=2, max_part_size=MAX)
+    victim = tmp_path / "out" / "model-rank-1-part-0.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptError, match="model-rank-1-part-0.safetensors fails its sha256"):
+        save(str(tmp_path / "out"), tmp_path / "again", tp=1, max_part_size=MAX)
+    with pytest.raises(CorruptError):
+        merge(tmp_path / "out", tmp_path / "hf")
