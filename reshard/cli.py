@@ -32,6 +32,7 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from reshard.commands.assemble import assemble_cmd
     from reshard.commands.merge import merge_cmd
     from reshard.commands.plan import plan_cmd
     from reshard.commands.save import save_cmd
@@ -41,6 +42,7 @@ def _register() -> None:
     cli.add_command(plan_cmd)
     cli.add_command(verify_cmd)
     cli.add_command(merge_cmd)
+    cli.add_command(assemble_cmd)
 
 
 _register()

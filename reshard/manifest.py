@@ -20,6 +20,8 @@ def build_manifest(  # noqa: ANN001
     sums = {w.name: w for w in written}
     files = []
     for f in plan.files:
+        if f.name not in sums:  # a --ranks piece holds only its own ranks' files
+            continue
         w = sums[f.name]
         files.append(
             {
@@ -51,9 +53,9 @@ def build_manifest(  # noqa: ANN001
     }
 
 
-def write_manifest(out_dir: Path, manifest: dict) -> Path:
-    path = out_dir / MANIFEST
-    tmp = out_dir / f".{MANIFEST}.tmp"
+def write_manifest(out_dir: Path, manifest: dict, name: str = MANIFEST) -> Path:
+    path = out_dir / name
+    tmp = out_dir / f".{name}.tmp"
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
         f.write("\n")

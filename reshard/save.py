@@ -8,14 +8,16 @@ import json
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from reshard.errors import OutputError
+from reshard import __version__
+from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
+from reshard.errors import OutputError, ReshardError, SourceError
 from reshard.execute import Executor
 from reshard.format import fsync_dir
 from reshard.manifest import MANIFEST, build_manifest, write_manifest
-from reshard.plan import Plan, build_plan
+from reshard.plan import OutFile, Plan, build_plan
 from reshard.source import INDEX, Checkpoint, open_checkpoint
 
 TMP_PREFIX = ".reshard-tmp-"
@@ -69,44 +71,85 @@ def save(
     overwrite: bool = False,
     pp_partition: list[int] | None = None,
     chunk_bytes: int | None = None,
+    ranks: str | None = None,
     on_plan: Callable[[Plan], Callable[[int], None] | None] | None = None,
     ckpt: Checkpoint | None = None,
 ) -> SaveResult:
-    """Write every rank's files of `source` into `out_dir`; see `reshard save --help`."""
+    """Write every rank's files of `source` into `out_dir`; see `reshard save --help`.
+
+    Under torchrun (WORLD_SIZE > 1) each process writes a disjoint share of the files and process 0
+    publishes them and writes the manifest once all have finished. With `ranks` only those engine
+    ranks' files are written, with a partial manifest; the full one appears when all pieces are in.
+    """
+    group = Group.from_env()
+    coordinator = group is None or group.rank == 0
     ckpt = ckpt or open_checkpoint(source, revision)
     assert ckpt.root is not None
     plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size, pp_partition=pp_partition)
-    check_out_dir(out_dir, ckpt.root, overwrite)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out_dir).free
-    if free < plan.total_bytes:
-        raise OutputError(
-            f"not enough disk space in {out_dir}: need {plan.total_bytes / 1e9:.2f} GB, {free / 1e9:.2f} GB free",
-            "free space or choose another OUT_DIR",
-        )
-    if device != "cpu":
-        _check_device(device)
-    progress = on_plan(plan) if on_plan else None
-    run_id = uuid.uuid4().hex
+    world = plan.tp * plan.pp
+    chosen = parse_ranks(ranks, world)
+    piece = chosen is not None and len(chosen) < world
+    wanted = set(chosen if chosen is not None else range(world))
+    files = [f for f in plan.files if _engine_rank(plan, f) in wanted]
+    # source headers as the original checkpoint had them, also when re-sharding an output
+    source_tensors = (ckpt.manifest or {}).get("source_tensors") or {
+        n: [t.dtype, list(t.shape)] for n, t in sorted(ckpt.tensors.items())
+    }
+    if piece or group is not None:
+        run_id = shared_run_id(plan.source, plan.layout(), source_tensors, __version__)
+    else:
+        run_id = uuid.uuid4().hex
+    error: BaseException | None = None
+    if coordinator:
+        try:
+            check_out_dir(out_dir, ckpt.root, overwrite or (piece and _same_job(out_dir, run_id)))
+            out_dir.mkdir(parents=True, exist_ok=True)
+            need = sum(f.data_bytes for f in files)
+            free = shutil.disk_usage(out_dir).free
+            if free < need:
+                raise OutputError(
+                    f"not enough disk space in {out_dir}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free",
+                    "free space or choose another OUT_DIR",
+                )
+            if device != "cpu":
+                _check_device(device)
+        except ReshardError as e:
+            error = e
+    if group is not None:
+        error = group.broadcast(error)
+    if error is not None:
+        raise error
+    tag = f"-{ranks_tag(chosen)}" if piece and chosen else ""
+    tmp = out_dir / f"{TMP_PREFIX}{run_id}{tag}"
+    if coordinator:
+        tmp.mkdir(exist_ok=True)
+    if group is not None:
+        group.broadcast(None)  # barrier: the temporary folder exists
+        mine = [f for f in files if _engine_rank(plan, f) % group.size == group.rank]
+    else:
+        mine = files
+    progress = on_plan(replace(plan, files=mine)) if on_plan else None
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    tmp = out_dir / f"{TMP_PREFIX}{run_id}"
-    tmp.mkdir()
+    meta = {"format": "pt", "reshard_run": run_id, "reshard_layout": _layout_tag(plan)}
     try:
-        meta = {"format": "pt", "reshard_run": run_id, "reshard_layout": _layout_tag(plan)}
-        written = run_executor(plan, ckpt, tmp, meta, device=device, progress=progress, chunk_bytes=chunk_bytes)
-        copied = copy_list(ckpt.root)
-        for name in copied:
-            src = ckpt.root / name
-            if src.is_dir():
-                shutil.copytree(src, tmp / name)
-            elif name == "config.json" and plan.config_patch:
-                config = {**ckpt.config, **plan.config_patch}
-                if isinstance(config.get("text_config"), dict):
-                    config["text_config"] = {**config["text_config"], **plan.config_patch}
-                (tmp / name).write_text(json.dumps(config, indent=2) + "\n")
-            else:
-                shutil.copy2(src, tmp / name)
-        source_tensors = {n: [t.dtype, list(t.shape)] for n, t in sorted(ckpt.tensors.items())}
+        written, failure = [], None
+        try:
+            written = run_executor(
+                replace(plan, files=mine), ckpt, tmp, meta, device=device, progress=progress, chunk_bytes=chunk_bytes
+            )
+        except (ReshardError, OSError) as e:
+            failure = e
+        if group is not None:
+            results = group.gather((written, failure))
+            failures = [f for _, f in results if f is not None]
+            if failures:
+                failure = failure or failures[0]
+            written = [w for ws, _ in results for w in ws]
+        if failure is not None:
+            raise failure
+        if not coordinator:
+            return SaveResult(plan, {}, out_dir)
+        copied = _copy_side_files(ckpt, plan, tmp)
         manifest = build_manifest(
             plan,
             written,
@@ -116,8 +159,16 @@ def save(
             copied=copied,
             source_tensors=source_tensors,
         )
-        _publish(tmp, out_dir, [f.name for f in plan.files] + copied)
-        write_manifest(out_dir, manifest)
+        if piece:
+            manifest["ranks"] = chosen
+            manifest["all_files"] = [f.name for f in plan.files]
+            _publish(tmp, out_dir, [f.name for f in files] + copied, replace_old=False)
+            write_manifest(out_dir, manifest, name=f"reshard.ranks-{ranks_tag(chosen)}.json")
+            assembled = assemble(out_dir, quiet=True)
+            manifest = assembled or manifest
+        else:
+            _publish(tmp, out_dir, [f.name for f in files] + copied)
+            write_manifest(out_dir, manifest)
         fsync_dir(out_dir)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,6 +180,63 @@ def save(
         raise
     shutil.rmtree(tmp, ignore_errors=True)
     return SaveResult(plan, manifest, out_dir)
+
+
+def _engine_rank(plan: Plan, f: OutFile) -> int:
+    return f.pp_rank * plan.tp + f.tp_rank
+
+
+def _same_job(out_dir: Path, run_id: str) -> bool:
+    """A --ranks piece may join a folder that holds only other pieces of the same job."""
+    if not out_dir.is_dir():
+        return True
+    pieces = list(out_dir.glob("reshard.ranks-*.json"))
+    return bool(pieces) and all(json.loads(p.read_text()).get("run_id") == run_id for p in pieces)
+
+
+def assemble(out_dir: Path, *, quiet: bool = False) -> dict | None:
+    """Combine the partial manifests of --ranks pieces into reshard.json once every file is in."""
+    pieces = [json.loads(p.read_text()) for p in sorted(out_dir.glob("reshard.ranks-*.json"))]
+    if not pieces:
+        if quiet:
+            return None
+        raise SourceError(f"{out_dir}: no reshard.ranks-*.json piece manifests to assemble")
+    first = pieces[0]
+    for p in pieces[1:]:
+        if p["run_id"] != first["run_id"]:
+            raise OutputError(f"{out_dir}: pieces of two different jobs (run ids {first['run_id']}, {p['run_id']})")
+    entries = {f["name"]: f for p in pieces for f in p["files"]}
+    missing = [n for n in first["all_files"] if n not in entries]
+    if missing:
+        if quiet:
+            return None
+        raise OutputError(
+            f"{out_dir}: {len(missing)} file(s) not written yet, e.g. {missing[0]}", "run the missing --ranks"
+        )
+    manifest = {k: v for k, v in first.items() if k not in ("ranks", "all_files")}
+    manifest["files"] = [entries[n] for n in first["all_files"]]
+    manifest["total_bytes"] = sum(f["size"] for f in manifest["files"])
+    write_manifest(out_dir, manifest)
+    for p in out_dir.glob("reshard.ranks-*.json"):
+        p.unlink()
+    return manifest
+
+
+def _copy_side_files(ckpt: Checkpoint, plan: Plan, tmp: Path) -> list[str]:
+    assert ckpt.root is not None
+    copied = copy_list(ckpt.root)
+    for name in copied:
+        src = ckpt.root / name
+        if src.is_dir():
+            shutil.copytree(src, tmp / name, dirs_exist_ok=True)
+        elif name == "config.json" and plan.config_patch:
+            config = {**ckpt.config, **plan.config_patch}
+            if isinstance(config.get("text_config"), dict):
+                config["text_config"] = {**config["text_config"], **plan.config_patch}
+            (tmp / name).write_text(json.dumps(config, indent=2) + "\n")
+        else:
+            shutil.copy2(src, tmp / name)
+    return copied
 
 
 def run_executor(
@@ -163,14 +271,15 @@ def _check_device(device: str) -> None:
         raise OutputError(f"--device {device} is not available here ({e})", "use --device cpu") from e
 
 
-def _publish(tmp: Path, out_dir: Path, names: list[str]) -> None:
+def _publish(tmp: Path, out_dir: Path, names: list[str], *, replace_old: bool = True) -> None:
     """Replace the previous run's files: manifest gone first, so OUT never looks complete mid-way."""
     (out_dir / MANIFEST).unlink(missing_ok=True)
-    for old in list(out_dir.glob("model-rank-*.safetensors")) + list(out_dir.glob("model-pp-*.safetensors")):
-        old.unlink()
-    for old in out_dir.glob(f"{TMP_PREFIX}*"):
-        if old != tmp:
-            shutil.rmtree(old, ignore_errors=True)
+    if replace_old:
+        for old in [*out_dir.glob("model-rank-*.safetensors"), *out_dir.glob("model-pp-*.safetensors")]:
+            old.unlink()
+        for old in [*out_dir.glob(f"{TMP_PREFIX}*"), *out_dir.glob("reshard.ranks-*.json")]:
+            if old != tmp:
+                shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
     for name in names:
         dst = out_dir / name
         if dst.is_dir() and not dst.is_symlink():

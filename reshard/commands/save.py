@@ -37,13 +37,22 @@ from reshard.plan import DEFAULT_MAX_PART
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where each piece is materialised before writing; cpu needs no GPU.")  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace the reshard files of a non-empty OUT_DIR.")
+@click.option("--ranks", metavar="LIST",
+              help="Write only these engine ranks (e.g. 0-3 or 0,2,5-7; rank = pp_rank * tp + tp_rank) with a "
+                   "partial manifest; reshard.json appears when every piece is in (see `reshard assemble`).")  # fmt: skip
 @json_option
-def save_cmd(source, out_dir, tp, pp, ep, dtype, pp_partition, max_part_size, revision, device, overwrite, as_json):
+def save_cmd(
+    source, out_dir, tp, pp, ep, dtype, pp_partition, max_part_size, revision, device, overwrite, ranks, as_json
+):
     """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR.
 
-    SOURCE is a local checkpoint folder or a Hugging Face repo id (downloaded through the HF cache;
-    HF_HOME and HF_HUB_OFFLINE apply). Files are written under temporary names and published at the
-    end, the manifest reshard.json last: a folder without it is incomplete.
+    SOURCE is a local checkpoint folder, a Hugging Face repo id (downloaded through the HF cache;
+    HF_HOME and HF_HUB_OFFLINE apply), or an earlier reshard output (re-shard to another layout
+    without the original). Files are written under temporary names and published at the end, the
+    manifest reshard.json last: a folder without it is incomplete.
+
+    Under torchrun (e.g. `torchrun --nproc-per-node 4 -m reshard save ...`) the processes split the
+    files between them and process 0 writes the manifest once all have finished.
     """
     from reshard.save import save
 
@@ -55,11 +64,21 @@ def save_cmd(source, out_dir, tp, pp, ep, dtype, pp_partition, max_part_size, re
 
         result = save(
             source, out_dir, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size,
-            revision=revision, device=device, overwrite=overwrite,
+            revision=revision, device=device, overwrite=overwrite, ranks=ranks,
             pp_partition=parse_partition(pp_partition), on_plan=on_plan,
         )  # fmt: skip
     seconds = time.monotonic() - t0
     m = result.manifest
+    if not m:  # a torchrun worker other than process 0: process 0 reports
+        return
+    if "ranks" in m:
+        done = len(m["files"])
+        msg = f"wrote ranks {ranks} ({done} files) of {m['all_files'].__len__()}; reshard.json appears when all pieces are in"
+        if as_json:
+            emit_json({"ok": True, "complete": False, "out_dir": str(out_dir), "ranks": m["ranks"], "files": done})
+        else:
+            stdout.print(msg)
+        return
     if as_json:
         emit_json({
             "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / "reshard.json"),

@@ -1,0 +1,29 @@
+"""`reshard assemble OUT_DIR`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from reshard.commands.options import json_option
+from reshard.console import emit_json, stdout
+
+
+@click.command("assemble")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@json_option
+def assemble_cmd(out_dir, as_json):  # noqa: ANN001
+    """Write reshard.json for a folder filled by `save --ranks` pieces, once every file is in.
+
+    Pieces copied together from several machines are checked to belong to one job (same run id).
+    """
+    from reshard.save import assemble
+
+    manifest = assemble(out_dir)
+    assert manifest is not None
+    if as_json:
+        emit_json({"ok": True, "files": len(manifest["files"]), "serve": manifest["serve"]})
+    else:
+        stdout.print(f"assembled {len(manifest['files'])} files into {out_dir / 'reshard.json'}")
+        stdout.print(manifest["serve"])

@@ -1,0 +1,72 @@
+"""Splitting a save: `--ranks` pieces and a 2-process torchrun give the same files as one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from reshard.errors import OutputError
+from reshard.plan import DEFAULT_MAX_PART
+from reshard.save import assemble, save
+
+
+def tensors(folder):
+    out = {}
+    for p in sorted(folder.glob("model-rank-*.safetensors")):
+        out.update({f"{p.name}/{k}": v for k, v in load_file(str(p)).items()})
+    return out
+
+
+def same_tensors(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(
+            a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)
+        ), k
+
+
+def test_rank_pieces_assemble_into_the_whole(tiny, tmp_path):
+    src = tiny("qwen3-moe")
+    whole = tmp_path / "whole"
+    save(str(src), whole, tp=4, max_part_size=DEFAULT_MAX_PART)
+    out = tmp_path / "pieces"
+    first = save(str(src), out, tp=4, max_part_size=DEFAULT_MAX_PART, ranks="0-1")
+    assert not (out / "reshard.json").exists() and first.manifest["ranks"] == [0, 1]
+    with pytest.raises(OutputError, match="not written yet"):
+        assemble(out)
+    save(str(src), out, tp=4, max_part_size=DEFAULT_MAX_PART, ranks="2,3")
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert [f["name"] for f in manifest["files"]] == [f"model-rank-{r}-part-0.safetensors" for r in range(4)]
+    assert not list(out.glob("reshard.ranks-*.json"))
+    same_tensors(tensors(out), tensors(whole))
+
+
+def test_pieces_of_another_job_are_refused(tiny, tmp_path):
+    out = tmp_path / "out"
+    save(str(tiny("llama")), out, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="0")
+    with pytest.raises(OutputError, match="not empty"):
+        save(str(tiny("llama")), out, tp=2, dtype="float16", max_part_size=DEFAULT_MAX_PART, ranks="1")
+
+
+def test_torchrun_two_processes_write_the_same_bytes(tiny, tmp_path):
+    src = tiny("qwen3-moe")
+    pieces = tmp_path / "pieces"
+    for spec in ("0-1", "2-3"):
+        save(str(src), pieces, tp=4, max_part_size=DEFAULT_MAX_PART, ranks=spec)
+    env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+           "-m", "reshard", "save", str(src), str(tmp_path / "tr"), "--tp", "4", "--json"]  # fmt: skip
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    for r in range(4):
+        name = f"model-rank-{r}-part-0.safetensors"
+        # one job, one run id: byte for byte the files the single-process pieces wrote
+        assert (tmp_path / "tr" / name).read_bytes() == (pieces / name).read_bytes()
+    manifest = json.loads((tmp_path / "tr" / "reshard.json").read_text())
+    assert len(manifest["files"]) == 4
