@@ -59,7 +59,7 @@ def byte_progress(total: int, label: str, *, quiet: bool) -> Iterator[Callable[[
             task = bar.add_task(label, total=total)
             yield lambda n: bar.advance(task, n)
         return
-    state = {"done": 0, "shown": 0.0, "start": time.monotonic()}
+    state = {"done": 0, "shown": time.monotonic(), "start": time.monotonic()}
 
     def advance(n: int) -> None:
         state["done"] += n

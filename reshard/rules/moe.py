@@ -53,6 +53,7 @@ QWEN2_MOE = Architecture(
     ),
     is_moe_layer=sparse_layer,
     tp_at_most_experts=True,
+    top_on_every_stage=True,  # checked with vLLM 0.32 (the reference doc's table omits Qwen2-MoE)
 )
 
 MIXTRAL = Architecture(
