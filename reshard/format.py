@@ -106,6 +106,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]
             begin, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise SourceError(f"{path}: corrupt header entry for {name!r}", _REDOWNLOAD) from e
+        if any(d < 0 for d in shape):
+            raise SourceError(f"{path}: tensor {name!r} has a negative dimension {list(shape)}", _REDOWNLOAD)
         if dtype not in ITEMSIZE:
             raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
         nbytes = math.prod(shape) * ITEMSIZE[dtype]

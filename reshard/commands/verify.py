@@ -1,12 +1,151 @@
-"""`reshard verify OUT_DIR` (placeholder until the verify module lands)."""
+"""`reshard verify OUT_DIR`."""
 
 from __future__ import annotations
 
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
 import click
+
+from reshard.commands.options import json_option, revision_option
+from reshard.console import byte_progress, emit_json, human_bytes, stdout
+
+MAX_LINES = 50  # findings shown in the readable report; --json has them all
+PER_KIND = 6  # of one kind
 
 
 @click.command("verify")
-@click.argument("out_dir")
-def verify_cmd(out_dir):
-    """Check an output folder against its manifest."""
-    raise click.UsageError("verify is not implemented yet")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--strict/--lax", default=True, show_default=True,
+              help="strict: any key difference fails. lax: missing keys are warnings (unexpected keys, shape or "
+                   "dtype differences and corruption still fail).")  # fmt: skip
+@click.option("--tp", type=click.IntRange(min=1), default=None,
+              help="Tensor-parallel size you will serve with (default: the recorded one; for a folder "
+                   "without manifest, guessed from the file names).")  # fmt: skip
+@click.option("--ep/--no-ep", "ep", default=None,
+              help="Whether you will serve with --enable-expert-parallel (default: as recorded).")  # fmt: skip
+@click.option("--pp", type=click.IntRange(min=1), default=None,
+              help="Pipeline-parallel size you will serve with (default: as recorded).")  # fmt: skip
+@click.option("--no-checksums", "checksums", flag_value=False, default=True,
+              help="Skip the sha256 of every file against the manifest.")  # fmt: skip
+@click.option("--against", metavar="SOURCE",
+              help="Derive the expected keys from this checkpoint (folder or Hub repo id); works on folders "
+                   "without reshard.json, e.g. written by vLLM's save_sharded_state.")  # fmt: skip
+@click.option("--deep", is_flag=True,
+              help="With --against: regenerate every tensor from SOURCE and compare it byte for byte.")  # fmt: skip
+@revision_option
+@json_option
+@click.pass_context
+def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revision, as_json):
+    """Check OUT_DIR before it ships: complete, uncorrupted, and the layout vLLM will load.
+
+    \b
+    Checks:
+      structure  reshard.json valid; every file present, of its size, with a readable header that
+                 holds what the manifest says, written by the same run; every rank has files;
+                 no stray rank files
+      keys       per rank, the keys, dtypes and shapes vLLM's sharded_state loader expects,
+                 derived again from config.json and the source headers in the manifest
+                 (or from --against SOURCE)
+      checksums  sha256 of every file against the manifest
+      deep       (--against SOURCE --deep) every byte against what SOURCE produces
+
+    Exit codes: 0 ok (warnings allowed), 6 the layout differs from the recorded or asked one
+    (missing/unexpected keys, shapes, dtypes, --tp/--pp/--ep), 7 corrupt or incomplete
+    (missing manifest or files, truncation, checksum, mixed runs, stray files). 7 wins over 6.
+    """
+    from reshard.verify import verify
+
+    if deep and not against:
+        raise click.UsageError("--deep needs --against SOURCE")
+    t0 = time.monotonic()
+    with ExitStack() as stack:
+        current: list[ExitStack] = []
+
+        def progress(label: str, total: int):
+            # one bar at a time: close the previous phase's bar before opening the next
+            if current:
+                current.pop().close()
+            phase = ExitStack()
+            stack.callback(phase.close)
+            current.append(phase)
+            return phase.enter_context(byte_progress(total, label, quiet=as_json))
+
+        report = verify(out_dir, strict=strict, tp=tp, ep=ep, pp=pp, checksums=checksums, against=against,
+                        deep=deep, revision=revision, progress=progress)  # fmt: skip
+    seconds = time.monotonic() - t0
+    if as_json:
+        obj = report.to_json()
+        obj["seconds"] = round(seconds, 3)
+        emit_json(obj)
+    else:
+        _render(report, seconds)
+    ctx.exit(report.exit_code)
+
+
+def _render(report, seconds: float) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    lay = report.layout
+    if lay:
+        title = f"{report.out_dir}: tp={lay['tp']} pp={lay['pp']} ep={'on' if lay['ep'] else 'off'}"
+        if lay.get("dtype") and lay["dtype"] != "auto":
+            title += f" dtype={lay['dtype']}"
+        if report.run_id:
+            title += f"  run {report.run_id[:12]}"
+        if report.source:
+            title += f"  against {report.source}"
+        stdout.print(escape(title))
+    if report.files:
+        table = Table("file", "pp", "tp", "keys", "bytes", "findings")
+        for s in report.files:
+            found = report.file_findings(s.name)
+            errors = sum(1 for f in found if f.severity == "error")
+            warnings = len(found) - errors
+            status = "ok" if not found else ", ".join(
+                x for x in (f"{errors} error(s)" if errors else "", f"{warnings} warning(s)" if warnings else "") if x
+            )  # fmt: skip
+            table.add_row(
+                escape(s.name),
+                str(s.pp_rank),
+                str(s.tp_rank),
+                "-" if s.keys is None else str(s.keys),
+                "missing" if s.size is None else human_bytes(s.size),
+                status,
+            )
+        stdout.print(table)
+    shown: dict[str, int] = {}
+    hidden = 0
+    for f in report.findings:
+        shown[f.kind] = shown.get(f.kind, 0) + 1
+        if shown[f.kind] > PER_KIND or sum(min(n, PER_KIND) for n in shown.values()) > MAX_LINES:
+            hidden += 1
+            continue
+        stdout.print(escape(f"{f.severity}: [{f.kind}] {f.message}"))
+    if hidden:
+        more = ", ".join(f"{n - PER_KIND} {k}" for k, n in shown.items() if n > PER_KIND)
+        stdout.print(f"... and {hidden} more findings ({more or 'see'} --json lists them all)")
+    keys = sum(s.keys or 0 for s in report.files)
+    size = sum(s.size or 0 for s in report.files)
+    st = report.stats
+    speed = []
+    if st.get("hash_gb_per_s"):
+        speed.append(f"sha256 {human_bytes(st['hashed_bytes'])} at {st['hash_gb_per_s']:.2f} GB/s")
+    if st.get("deep_gb_per_s"):
+        speed.append(f"compared {human_bytes(st['compared_bytes'])} at {st['deep_gb_per_s']:.2f} GB/s")
+    if st.get("hashed_in_compare_bytes"):
+        speed.append(f"sha256 of {human_bytes(st['hashed_in_compare_bytes'])} while comparing")
+    checked = "+".join(report.checked) or "nothing"
+    detail = f"{len(report.files)} files, {keys} keys, {human_bytes(size)}; checked {checked}"
+    if speed:
+        detail += f" ({', '.join(speed)})"
+    detail += f"; {seconds:.1f} s"
+    n_err, n_warn = len(report.errors), len(report.warnings)
+    if report.ok:
+        verdict = "OK" + (f" with {n_warn} warning(s)" if n_warn else "")
+    else:
+        what = "corrupt or incomplete" if report.exit_code == 7 else "layout differs"
+        verdict = f"FAILED ({what}, exit {report.exit_code}): {n_err} error(s), {n_warn} warning(s)"
+    stdout.print(escape(f"{verdict}: {detail}"))

@@ -1,0 +1,405 @@
+"""`reshard verify`: a fault matrix on real `save` outputs of tiny checkpoints.
+
+Each case damages a copy of one clean output the way it happens in practice (a truncated copy, a
+flipped bit, a file from another run, a hand-edited file) and checks the exit code and that the
+message names the file and, where it applies, the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from reshard.cli import cli, main
+from reshard.format import read_header
+from reshard.plan import DEFAULT_MAX_PART
+from reshard.save import save
+from reshard.verify import verify
+
+RANK0 = "model-rank-0-part-0.safetensors"
+RANK1 = "model-rank-1-part-0.safetensors"
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+NORM = "model.layers.0.input_layernorm.weight"
+
+
+@pytest.fixture(scope="module")
+def clean(tiny, tmp_path_factory):
+    """(source, output) of `save --tp 2` of the tiny llama; never modified."""
+    src = tiny("llama")
+    out = tmp_path_factory.mktemp("verify") / "clean"
+    save(str(src), out, tp=2, max_part_size=DEFAULT_MAX_PART)
+    return src, out
+
+
+@pytest.fixture
+def out(clean, tmp_path):
+    dst = tmp_path / "out"
+    shutil.copytree(clean[1], dst)
+    return dst
+
+
+def run(*args: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(cli, ["verify", *map(str, args), "--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def errors(report: dict, kind: str | None = None) -> list[dict]:
+    return [f for f in report["findings"] if f["severity"] == "error" and (kind is None or f["kind"] == kind)]
+
+
+def one(report: dict, kind: str, *, file: str | None = None, tensor: str | None = None) -> dict:
+    """The finding of `kind`, checked to name `file` and `tensor` (field and message)."""
+    found = [f for f in report["findings"] if f["kind"] == kind and (file is None or f["file"] == file)]
+    assert found, f"no {kind} finding for {file}: {report['findings']}"
+    f = found[0]
+    if file:
+        assert file in f["message"], f
+    if tensor:
+        assert f["tensor"] == tensor and tensor in f["message"], f
+    return f
+
+
+def tensor_at(path, name):
+    tensors, _, _ = read_header(path)
+    return tensors[name]
+
+
+def rewrite(out_dir, name, mutate):
+    """Rewrite one rank file with safetensors after `mutate(tensors)`, then fix its size and sha256
+    in the manifest, so that only the key check can tell."""
+    path = out_dir / name
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    mutate(tensors)
+    save_file(tensors, str(path), metadata=meta)
+    manifest = json.loads((out_dir / "reshard.json").read_text())
+    for e in manifest["files"]:
+        if e["name"] == name:
+            e["size"] = path.stat().st_size
+            e["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (out_dir / "reshard.json").write_text(json.dumps(manifest))
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+# ---- clean outputs ------------------------------------------------------------------------------
+
+
+def test_clean_output_passes(clean):
+    code, rep = run(clean[1])
+    assert code == 0, rep["findings"]
+    assert rep["findings"] == []
+    assert rep["checked"] == ["manifest", "structure", "keys", "checksums"]
+    assert len(rep["files"]) == 2 and all(f["sha256"] for f in rep["files"])
+    assert rep["keys"] > 0 and rep["layout"]["tp"] == 2
+
+
+def test_readable_report(clean):
+    result = CliRunner().invoke(cli, ["verify", str(clean[1])])
+    assert result.exit_code == 0
+    assert RANK0 in result.stdout and "OK:" in result.stdout and "2 files" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "arch, kw",
+    [
+        ("qwen3-moe", {"tp": 2, "ep": True}),
+        ("qwen3-moe-fp8", {"tp": 2}),
+        ("llama-tied", {"tp": 2, "pp": 2}),
+        ("llama", {"tp": 2, "pp": 2, "pp_partition": [1, 3]}),  # not vLLM's default split
+    ],
+    ids=["qwen3-moe-tp2-ep", "qwen3-moe-fp8-tp2", "llama-tied-tp2-pp2", "llama-tp2-pp2-partition"],
+)
+def test_clean_layouts_pass(tiny, tmp_path, arch, kw):
+    src = tiny(arch)
+    save(str(src), tmp_path / "o", max_part_size=200_000, **kw)  # several parts per rank
+    report = verify(tmp_path / "o")
+    assert report.exit_code == 0, [f.message for f in report.findings]
+    assert "keys" in report.checked
+    report = verify(tmp_path / "o", against=str(src), deep=True)
+    assert report.exit_code == 0, [f.message for f in report.findings]
+    assert report.stats["compared_bytes"] > 0 and all(s.sha256 for s in report.files)
+
+
+def test_exit_code_through_main(out):
+    (out / RANK1).unlink()
+    with pytest.raises(SystemExit) as e:
+        main(["verify", str(out), "--json"])
+    assert e.value.code == 7
+
+
+# ---- corruption: exit 7 -------------------------------------------------------------------------
+
+
+def test_truncated_file(out):
+    path = out / RANK1
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 1000)
+    code, rep = run(out)
+    assert code == 7
+    # the first tensor cut: qkv of the last layer, then model.norm
+    f = one(rep, "size", file=RANK1, tensor="model.layers.3.self_attn.qkv_proj.weight")
+    assert "truncated" in f["message"]
+
+
+def test_flipped_byte(out):
+    info = tensor_at(out / RANK0, QKV)
+    flip(out / RANK0, info.offset + 100)
+    code, rep = run(out)
+    assert code == 7
+    assert "--against SOURCE" in one(rep, "checksum", file=RANK0)["message"]
+    assert [f["file"] for f in errors(rep)] == [RANK0]
+
+
+def test_flipped_byte_named_with_against(clean, out):
+    info = tensor_at(out / RANK0, QKV)
+    flip(out / RANK0, info.offset + 100)
+    code, rep = run(out, "--against", clean[0])
+    assert code == 7
+    one(rep, "checksum", file=RANK0)
+    f = one(rep, "data", file=RANK0, tensor=QKV)
+    assert "byte 100 " in f["message"]
+
+
+def test_missing_rank_file(out):
+    (out / RANK1).unlink()
+    code, rep = run(out)
+    assert code == 7
+    assert "missing" in one(rep, "missing-file", file=RANK1)["message"]
+
+
+def test_missing_manifest(out):
+    (out / "reshard.json").unlink()
+    code, rep = run(out)
+    assert code == 7
+    f = one(rep, "manifest")
+    assert "reshard.json" in f["message"] and "--against SOURCE --tp T" in f["message"]
+
+
+def test_malformed_manifest(out):
+    (out / "reshard.json").write_text('{"format": "reshard-sharded-state", "files": [')
+    code, rep = run(out)
+    assert code == 7
+    f = one(rep, "manifest", file="reshard.json")
+    assert "malformed" in f["message"] and "--against SOURCE --tp T" in f["message"]
+
+
+def test_manifest_with_hostile_file_name(out):
+    manifest = json.loads((out / "reshard.json").read_text())
+    manifest["files"][0]["name"] = "../../etc/passwd"
+    (out / "reshard.json").write_text(json.dumps(manifest))
+    code, rep = run(out)
+    assert code == 7 and "not a rank file name" in one(rep, "manifest")["message"]
+
+
+def test_two_runs_mixed(clean, out, tmp_path):
+    other = save(str(clean[0]), tmp_path / "other", tp=2, max_part_size=DEFAULT_MAX_PART)
+    shutil.copy(other.out_dir / RANK1, out / RANK1)
+    code, rep = run(out)
+    assert code == 7
+    f = one(rep, "run-mix", file=RANK1)
+    assert other.manifest["run_id"][:12] in f["message"] and "two runs" in f["message"]
+    assert [x["file"] for x in errors(rep)] == [RANK1, RANK1]  # run-mix, checksum
+
+
+def test_stray_rank_file(out):
+    shutil.copy(out / RANK0, out / "model-rank-8-part-0.safetensors")  # left by an older --tp 16
+    code, rep = run(out)
+    assert code == 7
+    one(rep, "stray", file="model-rank-8-part-0.safetensors")
+
+
+def test_hostile_header(out):
+    path = out / RANK0
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.write((size * 1000).to_bytes(8, "little"))
+    code, rep = run(out)
+    assert code == 7
+    f = one(rep, "header", file=RANK0)
+    assert "header length" in f["message"]
+
+
+# ---- layout: exit 6 -----------------------------------------------------------------------------
+
+
+def test_wrong_tp(out):
+    code, rep = run(out, "--tp", "4")
+    assert code == 6
+    f = one(rep, "layout")
+    assert "made for tp=2 pp=1 ep=off, you asked tp=4 pp=1 ep=off" in f["message"]
+
+
+def test_wrong_ep(tiny, clean, tmp_path):
+    src = tiny("qwen3-moe")
+    save(str(src), tmp_path / "moe", tp=2, ep=True, max_part_size=DEFAULT_MAX_PART)
+    code, rep = run(tmp_path / "moe", "--no-ep")
+    assert code == 6
+    assert "made for tp=2 pp=1 ep=on, you asked tp=2 pp=1 ep=off" in one(rep, "layout")["message"]
+    # a dense model's files are the same with or without --enable-expert-parallel
+    code, rep = run(clean[1], "--ep")
+    assert code == 0 and one(rep, "layout")["severity"] == "warning"
+
+
+def test_extra_key(out):
+    rewrite(out, RANK1, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(4)}))
+    code, rep = run(out)
+    assert code == 6, rep["findings"]
+    f = one(rep, "unexpected-key", file=RANK1, tensor="model.layers.0.mlp.extra.weight")
+    assert "KeyError" in f["message"]
+    assert len(errors(rep)) == 1  # the header-vs-manifest difference is not told twice
+
+
+def test_missing_key_strict_and_lax(out):
+    rewrite(out, RANK1, lambda t: t.pop(NORM))
+    code, rep = run(out)
+    assert code == 6
+    f = one(rep, "missing-key", file=RANK1, tensor=NORM)
+    assert f["severity"] == "error" and "Missing keys" in f["message"]
+    code, rep = run(out, "--lax")
+    assert code == 0
+    f = one(rep, "missing-key", file=RANK1, tensor=NORM)
+    assert f["severity"] == "warning"
+
+
+def test_lax_still_fails_on_corruption(out):
+    rewrite(out, RANK1, lambda t: t.pop(NORM))
+    flip(out / RANK0, tensor_at(out / RANK0, QKV).offset)
+    code, _ = run(out, "--lax")
+    assert code == 7
+
+
+def test_shape_mismatch(out):
+    rewrite(out, RANK0, lambda t: t.update({QKV: t[QKV][:-8].clone()}))
+    code, rep = run(out)
+    assert code == 6
+    f = one(rep, "shape", file=RANK0, tensor=QKV)
+    assert "[184, 64]" in f["message"] and "[192, 64]" in f["message"] and "uninitialised" in f["message"]
+
+
+def test_dtype_mismatch(out):
+    rewrite(out, RANK0, lambda t: t.update({NORM: t[NORM].float()}))
+    code, rep = run(out, "--lax")  # lax does not excuse dtypes
+    assert code == 6
+    f = one(rep, "dtype", file=RANK0, tensor=NORM)
+    assert "F32" in f["message"] and "BF16" in f["message"]
+
+
+def test_corrupt_wins_over_layout(out):
+    rewrite(out, RANK1, lambda t: t.pop(NORM))
+    (out / RANK0).unlink()
+    code, rep = run(out)
+    assert code == 7
+    assert {f["exit_code"] for f in errors(rep)} == {6, 7}
+
+
+# ---- --against SOURCE [--deep] ------------------------------------------------------------------
+
+
+def test_deep_clean(clean):
+    code, rep = run(clean[1], "--against", clean[0], "--deep")
+    assert code == 0, rep["findings"]
+    assert "deep" in rep["checked"]
+    assert rep["stats"]["compared_bytes"] > 0
+    # the sha256 came with the compare: no second pass over the files
+    assert "hashed_bytes" not in rep["stats"] and rep["stats"]["hashed_in_compare_bytes"] == rep["bytes"]
+    assert all(f["sha256"] for f in rep["files"])
+
+
+def test_deep_names_flipped_tensor(clean, out):
+    info = tensor_at(out / RANK1, "model.layers.2.mlp.down_proj.weight")
+    flip(out / RANK1, info.offset + 7)
+    code, rep = run(out, "--against", clean[0], "--deep", "--no-checksums")
+    assert code == 7
+    f = one(rep, "data", file=RANK1, tensor="model.layers.2.mlp.down_proj.weight")
+    assert "byte 7 " in f["message"] and "element 3" in f["message"]
+    assert len(errors(rep)) == 1
+
+
+def test_deep_needs_against(clean):
+    result = CliRunner().invoke(cli, ["verify", str(clean[1]), "--deep"])
+    assert result.exit_code == 2 and "--against" in result.output
+
+
+def foreign(out):
+    """What vLLM's own save leaves: rank files and config, no reshard.json."""
+    (out / "reshard.json").unlink()
+    return out
+
+
+def test_foreign_folder_against_source(clean, out):
+    code, rep = run(foreign(out), "--against", clean[0], "--tp", "2", "--deep")
+    assert code == 0, rep["findings"]
+    assert [f["kind"] for f in rep["findings"]] == ["manifest"]  # warning: no manifest, no checksums
+    assert rep["findings"][0]["severity"] == "warning"
+    assert "keys" in rep["checked"] and "deep" in rep["checked"] and "checksums" not in rep["checked"]
+
+
+def test_foreign_folder_tells_what_vllm_rejects(clean, out):
+    foreign(out)
+    rewrite_foreign = {"model.layers.0.self_attn.extra": torch.zeros(2)}
+
+    def mutate(t):
+        t.pop(NORM)
+        t.update(rewrite_foreign)
+
+    path = out / RANK0
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    mutate(tensors)
+    save_file(tensors, str(path))
+    code, rep = run(out, "--against", clean[0], "--tp", "2")
+    assert code == 6
+    assert "Missing keys" in one(rep, "missing-key", file=RANK0, tensor=NORM)["message"]
+    assert "KeyError" in one(rep, "unexpected-key", file=RANK0, tensor="model.layers.0.self_attn.extra")["message"]
+
+
+def test_foreign_folder_wrong_tp(clean, out):
+    code, rep = run(foreign(out), "--against", clean[0], "--tp", "4")
+    assert code == 6  # a whole tp=2 folder: the layout differs, nothing is corrupt
+    assert "named for tp=2, you asked tp=4" in one(rep, "layout")["message"]
+    assert len(errors(rep, "rank-missing")) == 2  # ranks 2 and 3 have no files
+    assert errors(rep, "shape")  # and ranks 0, 1 hold halves where quarters are expected
+
+
+def test_per_tensor_sums_name_the_tensor(out):
+    """When the manifest records per-tensor sha256 (a proposed save extension), a checksum mismatch
+    names the damaged tensor without the source."""
+    manifest = json.loads((out / "reshard.json").read_text())
+    for e in manifest["files"]:
+        data = (out / e["name"]).read_bytes()
+        tensors, _, _ = read_header(out / e["name"])
+        for t in e["tensors"]:
+            info = tensors[t["name"]]
+            t["sha256"] = hashlib.sha256(data[info.offset : info.offset + info.nbytes]).hexdigest()
+    (out / "reshard.json").write_text(json.dumps(manifest))
+    flip(out / RANK0, tensor_at(out / RANK0, QKV).offset + 5)
+    code, rep = run(out)
+    assert code == 7
+    one(rep, "checksum", file=RANK0, tensor=QKV)
+
+
+def test_partial_ranks_save(clean, tmp_path):
+    """A `save --ranks` piece alone: no reshard.json yet; verify says what is still missing."""
+    out = tmp_path / "pieces"
+    save(str(clean[0]), out, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="0")
+    code, rep = run(out)
+    assert code == 7
+    f = one(rep, "manifest")
+    assert "incomplete --ranks save" in f["message"] and RANK1 in f["message"]
