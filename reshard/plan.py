@@ -338,7 +338,6 @@ class _Planner:
         self.dims = _dims(ckpt.config, arch, untie)
         self.quant = _quant(ckpt.config)
         self.used: set[str] = set()
-        self.notes: list[str] = []
         self._check_attention()
 
     # ---- inputs -------------------------------------------------------------------------------
@@ -406,7 +405,7 @@ class _Planner:
         for pp_rank, (first, stop) in enumerate(ranges):
             per_tp: list[list[OutTensor]] = [[] for _ in range(self.tp)]
             for m in arch.top:
-                if not self._top_on_stage(m, pp_rank, last):
+                if not m.present(self.ckpt.config) or not self._top_on_stage(m, pp_rank, last):
                     continue
                 if d.tie and any(t.tied == m.name for t in arch.top if self._top_on_stage(t, pp_rank, last)):
                     continue  # tied: vLLM's state dict keeps only the lm_head alias
@@ -417,7 +416,8 @@ class _Planner:
                     arch.moe_mlp if arch.is_moe_layer and arch.is_moe_layer(self.ckpt.config, layer) else arch.dense_mlp
                 )
                 for m in mods:
-                    self.module(m, prefix, per_tp, top)
+                    if m.present(self.ckpt.config):
+                        self.module(m, prefix, per_tp, top)
             for r in range(self.tp):
                 out[(pp_rank, r)] = per_tp[r]
         self._check_unused(ranges)
@@ -433,8 +433,11 @@ class _Planner:
     def _check_unused(self, ranges: list[tuple[int, int]]) -> None:
         if ranges[0][0] != 0 or ranges[-1][1] != self.dims.num_layers:
             return
+        spec = self.spec_layer_prefixes()
         extra = [
-            n for n in self.ckpt.tensors if n not in self.used and not any(n.endswith(s) for s in self.arch.ignore)
+            n
+            for n in self.ckpt.tensors
+            if n not in self.used and not any(n.endswith(s) for s in self.arch.ignore) and not n.startswith(spec)
         ]
         if self.dims.tie:
             extra = [n for n in extra if n != "lm_head.weight"]  # vLLM skips it when tied
@@ -444,12 +447,18 @@ class _Planner:
                 "the checkpoint does not match its config.json architecture",
             )
 
+    def spec_layer_prefixes(self) -> tuple[str, ...]:
+        """`model.layers.{N+i}.` of the MTP layers vLLM's main model skips (get_spec_layer_idx_from_weight_name)."""
+        config = self.ckpt.config
+        n = next((int(config[k]) for k in self.arch.spec_layers_key if config.get(k)), 0)
+        return tuple(f"model.layers.{self.dims.num_layers + i}." for i in range(n))
+
     # ---- modules ----------------------------------------------------------------------------
 
     def module(self, m: Module, prefix: str, per_tp: list[list[OutTensor]], top: dict) -> None:
         target = prefix + m.name
         if m.kind is Kind.ATTENTION:
-            return self.attention(target, per_tp)
+            return self.attention(m, target, per_tp)
         if m.kind is Kind.EXPERTS:
             return self.experts(m, prefix, target, per_tp)
         if m.kind is Kind.VOCAB:
@@ -457,11 +466,11 @@ class _Planner:
             return self.vocab(target, prefix + source, per_tp)
         return self.linear(m, prefix, target, per_tp)
 
-    def attention(self, target: str, per_tp: list[list[OutTensor]]) -> None:
+    def attention(self, m: Module, target: str, per_tp: list[list[OutTensor]]) -> None:
         for r in range(self.tp):
             for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
                 per_tp[r].append(OutTensor(f"{target}.{s}", "F32", (), (Fill(1.0, 1),)))
-            if self.quant:  # Fp8KVCacheMethod parameters, deleted after loading
+            if self.quant and m.quant:  # Fp8KVCacheMethod parameters, deleted after loading
                 for s in ("k_scale", "v_scale", "q_scale", "prob_scale"):
                     per_tp[r].append(OutTensor(f"{target}.{s}", self.dtype, (), (Fill(-1.0, 1),)))
 
@@ -482,24 +491,28 @@ class _Planner:
 
     def linear(self, m: Module, prefix: str, target: str, per_tp: list[list[OutTensor]]) -> None:
         slots = [prefix + s for s in m.slots]
-        weights = [self.src(f"{s}.weight", target) for s in slots]
         if m.quant is False and m.kind is Kind.REPLICATE:
-            # norms and other plain parameters: whole, model dtype
+            # norms and other plain parameters: whole, model dtype unless vLLM fixes one
+            t = self.src(f"{slots[0]}.{m.param}", target)
             for r in range(self.tp):
-                per_tp[r].append(OutTensor(f"{target}.weight", self.dtype, weights[0].shape, (_whole(weights[0]),)))
+                per_tp[r].append(OutTensor(f"{target}.{m.param}", m.dtype or self.dtype, t.shape, (_whole(t),)))
             return
+        if m.param != "weight":
+            raise AssertionError(f"{target}: only plain replicated parameters may be named {m.param!r}")
+        # per slot: the HF tensor, the slot's first row in it and its global size
+        weights, offs, outs = self.linear_slots(m, target, slots)
         quant = self.quantized(m, slots)
         in_size = weights[0].shape[1]
-        outs = [w.shape[0] for w in weights]
         bias = self.flag(m.bias)
         if m.kind is Kind.ROW:
             in_r = self.split(in_size, f"input size of {target}")
         for r in range(self.tp):
             rows = self.slot_rows(m, target, outs, r)  # per slot: (start, stop, shard index)
             cols = (r * in_r, (r + 1) * in_r) if m.kind is Kind.ROW else (0, in_size)
-            wdtype = "F8_E4M3" if quant else self.dtype
+            wdtype = "F8_E4M3" if quant else (m.dtype or self.dtype)
             pieces = tuple(
-                Slice(w.name, (a, cols[0]), (b, cols[1])) for w, (a, b, _) in zip(weights, rows, strict=True)
+                Slice(w.name, (o + a, cols[0]), (o + b, cols[1]))
+                for w, o, (a, b, _) in zip(weights, offs, rows, strict=True)
             )
             shape = (sum(b - a for a, b, _ in rows), cols[1] - cols[0])
             per_tp[r].append(OutTensor(f"{target}.weight", wdtype, shape, pieces))
@@ -507,16 +520,44 @@ class _Planner:
                 for w in weights:
                     if w.dtype != "F8_E4M3":
                         raise SourceError(f"{w.name} is {w.dtype}, but config.json says it is FP8")
-                per_tp[r].extend(self.linear_scales(m, target, slots, outs, rows, in_size, cols))
+                per_tp[r].extend(self.linear_scales(m, target, slots, outs, offs, rows, in_size, cols))
             if bias:
                 bs = [self.src(f"{s}.bias", target) for s in slots]
                 if m.kind in (Kind.ROW, Kind.REPLICATE):
-                    bp = tuple(_whole(b) for b in bs)
-                    n = sum(b.shape[0] for b in bs)
+                    bp = tuple(dict.fromkeys(_whole(b) for b in bs))  # a fused bias once
+                    n = sum(b.shape[0] for b in dict.fromkeys(bs))
                 else:
-                    bp = tuple(_rows(b, a, e) for b, (a, e, _) in zip(bs, rows, strict=True))
+                    bp = tuple(_rows(b, o + a, o + e) for b, o, (a, e, _) in zip(bs, offs, rows, strict=True))
                     n = sum(e - a for a, e, _ in rows)
-                per_tp[r].append(OutTensor(f"{target}.bias", self.dtype, (n,), bp))
+                per_tp[r].append(OutTensor(f"{target}.bias", m.dtype or self.dtype, (n,), bp))
+
+    def linear_slots(self, m: Module, target: str, slots: list[str]) -> tuple[list[TensorInfo], list[int], list[int]]:
+        """Each slot's HF weight, its first row there and its global row count.
+
+        Separate HF tensors: one per slot, from row 0. A fused HF tensor (Phi-3): the slots are
+        consecutive row ranges of it, sized as vLLM's `_load_fused_module_from_checkpoint`
+        does: q/k/v by the head counts, other merged layers in equal parts.
+        """
+        if not m.fused:
+            weights = [self.src(f"{s}.weight", target) for s in slots]
+            return weights, [0] * len(weights), [w.shape[0] for w in weights]
+        w = self.src(f"{slots[0]}.weight", target)
+        total, n = w.shape[0], len(m.fused)
+        if m.kind is Kind.QKV:
+            d = self.dims
+            heads = d.num_heads + 2 * d.num_kv_heads
+            if n != 3 or total % heads:
+                raise SourceError(
+                    f"{w.name}: {total} rows do not split into q/k/v of {d.num_heads}/{d.num_kv_heads} heads"
+                )
+            hd = total // heads
+            outs = [d.num_heads * hd, d.num_kv_heads * hd, d.num_kv_heads * hd]
+        else:
+            if total % n:
+                raise SourceError(f"{w.name}: {total} rows do not split into {n} equal parts ({', '.join(m.fused)})")
+            outs = [total // n] * n
+        offs = [sum(outs[:i]) for i in range(n)]
+        return [w] * n, offs, outs
 
     def slot_rows(self, m: Module, target: str, outs: list[int], r: int) -> list[tuple[int, int, int]]:
         if m.kind in (Kind.ROW, Kind.REPLICATE):
@@ -552,13 +593,17 @@ class _Planner:
         target: str,
         slots: list[str],
         outs: list[int],
+        offs: list[int],
         rows: list[tuple[int, int, int]],
         in_size: int,
         cols: tuple[int, int],
     ) -> list[OutTensor]:
         q = self.quant
         assert q is not None
-        scales = [self.src(f"{s}.{q.scale_name}", target) for s in slots]
+        if m.fused:  # one scale tensor for every slot of the fused HF weight
+            scales = [self.src(f"{slots[0]}.{q.scale_name}", target)] * len(outs)
+        else:
+            scales = [self.src(f"{s}.{q.scale_name}", target) for s in slots]
         out: list[OutTensor] = []
         if q.block:
             bn, bk = q.block
@@ -569,33 +614,49 @@ class _Planner:
                     f"{target}: per-rank input size {in_r} is not divisible by the FP8 block {bk}",
                     "vLLM refuses this split; use a smaller --tp",
                 )
+            parts = [b - a for a, b, _ in rows]
+            # ColumnParallelLinear._maybe_allow_fp8_block_shape_mismatch: a layer of several
+            # slots, one of which is not a block multiple, skips the block-shape validation
+            # (DeepSeek's fused_qkv_a_proj, [q_lora_rank, kv_lora_rank + rope])
+            mismatch_allowed = len(slots) > 1 and any(p % bn for p in parts)
             nc = _cdiv(in_r, bk)
             c0 = (cols[0] // in_r) * nc  # row-parallel: this rank's block columns
+            total = sum(outs) if m.fused else None
             pieces = []
-            for i, (s, (a, b, shard), o) in enumerate(zip(scales, rows, outs, strict=True)):
+            for i, (s, (a, b, shard), o, off) in enumerate(zip(scales, rows, outs, offs, strict=True)):
                 part = b - a
                 checked = tp_split or (len(slots) > 1 and i < len(slots) - 1)
-                if checked and part % bn:
+                if checked and part % bn and not mismatch_allowed:
                     raise UnsupportedError(
                         f"{target}: per-rank output size {part} is not divisible by the FP8 block {bn}",
                         "vLLM refuses this split; use a smaller --tp",
                     )
-                if s.shape != (_cdiv(o, bn), _cdiv(in_size, bk)):
+                rows_in = total if total is not None else o
+                if s.shape != (_cdiv(rows_in, bn), _cdiv(in_size, bk)):
                     raise SourceError(
                         f"{s.name} has shape {list(s.shape)}, block {list(q.block)} of a "
-                        f"[{o}, {in_size}] weight needs {[_cdiv(o, bn), _cdiv(in_size, bk)]}"
+                        f"[{rows_in}, {in_size}] weight needs {[_cdiv(rows_in, bn), _cdiv(in_size, bk)]}"
+                    )
+                if off % bn:
+                    raise UnsupportedError(
+                        f"{target}: slot {m.fused[i] if m.fused else i} of the fused {s.name} starts at row {off}, "
+                        f"not on an FP8 block boundary ({bn})"
                     )
                 nr = _cdiv(part, bn)
-                pieces.append(Slice(s.name, (shard * nr, c0), (shard * nr + nr, c0 + nc)))
+                r0 = off // bn + shard * nr
+                pieces.append(Slice(s.name, (r0, c0), (r0 + nr, c0 + nc)))
             n_rows = sum(p.stop[0] - p.start[0] for p in pieces)
-            if n_rows != _cdiv(sum(b - a for a, b, _ in rows), bn):
+            if n_rows != _cdiv(sum(parts), bn):
                 raise UnsupportedError(f"{target}: FP8 block scales do not tile the fused weight")
             out.append(OutTensor(f"{target}.{q.scale_name}", "F32", (n_rows, nc), tuple(pieces)))
         else:
-            out.append(OutTensor(f"{target}.weight_scale", "F32", (len(slots),), tuple(_scalar(s) for s in scales)))
+            out.append(OutTensor(f"{target}.weight_scale", "F32", (len(outs),), tuple(_scalar(s) for s in scales)))
             if q.static_activations:
-                ins = [self.src(f"{s}.input_scale", target) for s in slots]
-                out.append(OutTensor(f"{target}.input_scale", "F32", (len(slots),), tuple(_scalar(s) for s in ins)))
+                if m.fused:
+                    ins = [self.src(f"{slots[0]}.input_scale", target)] * len(outs)
+                else:
+                    ins = [self.src(f"{s}.input_scale", target) for s in slots]
+                out.append(OutTensor(f"{target}.input_scale", "F32", (len(outs),), tuple(_scalar(s) for s in ins)))
         return out
 
     def experts(self, m: Module, prefix: str, target: str, per_tp: list[list[OutTensor]]) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from reshard.errors import UnsupportedError
+from reshard.rules.deepseek import DEEPSEEK_V2
+from reshard.rules.gemma import GEMMA2, GEMMA3
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from reshard.rules.phi3 import PHI3
 from reshard.rules.spec import Architecture, Kind, Module
 
 ARCHITECTURES: dict[str, Architecture] = {}
@@ -16,7 +19,7 @@ def register(arch: Architecture) -> Architecture:
     return arch
 
 
-for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL):
+for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, DEEPSEEK_V2, GEMMA2, GEMMA3, PHI3):
     register(_arch)
 
 

@@ -34,8 +34,20 @@ class Module:
         bias: whether the module has a bias: a literal, or the config key that says so.
         quant: whether the checkpoint's weight quantization can apply (a Linear that vLLM builds
             with the quant config). False for embeddings, norms and routers built without it.
+            For ATTENTION, False means the quant config gives the layer no KV-cache
+            method (MLA), so no FP8 k/v/q/prob_scale parameters.
         expert_names: EXPERTS only: the HF names of (gate, up, down) under each expert.
         tied: VOCAB only: when config.tie_word_embeddings, the module whose weight it shares.
+        when: the module exists only if this config key is truthy, or this predicate of the
+            config holds (DeepSeek's q_lora_rank, shared experts, noaux_tc bias).
+        param: the parameter's name under both the vLLM and the HF module (REPLICATE, not
+            quantized), e.g. `e_score_correction_bias`.
+        dtype: the parameter's dtype (safetensors code) when vLLM fixes it, e.g. "F32";
+            None is the model dtype.
+        fused: the HF checkpoint stores all slots stacked along the rows of one tensor
+            (`sources[0]`, Phi-3's qkv_proj / gate_up_proj); these name the slots. vLLM
+            splits it with the global sizes (QKV: by the head counts; otherwise equal parts),
+            then slices each slot per rank as if it had been separate.
     """
 
     name: str
@@ -45,14 +57,25 @@ class Module:
     quant: bool = True
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     tied: str | None = None
+    when: str | Callable[[dict], bool] | None = None
+    param: str = "weight"
+    dtype: str | None = None
+    fused: tuple[str, ...] = ()
 
     @property
     def slots(self) -> tuple[str, ...]:
         return self.sources or (self.name,)
 
+    def present(self, config: dict) -> bool:
+        if self.when is None:
+            return True
+        if isinstance(self.when, str):
+            return bool(config.get(self.when))
+        return bool(self.when(config))
 
-def replicate(name: str, source: str | None = None, *, quant: bool = False) -> Module:
-    return Module(name, Kind.REPLICATE, (source,) if source else (), quant=quant)
+
+def replicate(name: str, source: str | None = None, *, quant: bool = False, **kw) -> Module:
+    return Module(name, Kind.REPLICATE, (source,) if source else (), quant=quant, **kw)
 
 
 @dataclass(frozen=True)
@@ -71,6 +94,9 @@ class Architecture:
             of the expert width.
         tp_at_most_experts: vLLM refuses a tensor-parallel size above the number of experts.
         top_on_every_stage: with pipeline parallelism, embedding/norm/lm_head on every stage.
+        spec_layers_key: config keys (first found) of the number of speculative (MTP) layers
+            stored after the decoder layers, `model.layers.{num_hidden_layers + i}.*`, which
+            vLLM's main model skips (DeepSeek-V3's num_nextn_predict_layers).
     """
 
     names: tuple[str, ...]
@@ -84,4 +110,5 @@ class Architecture:
     moe_intermediate_key: str = "moe_intermediate_size"
     tp_at_most_experts: bool = False
     top_on_every_stage: bool = False
+    spec_layers_key: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())

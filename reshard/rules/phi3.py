@@ -1,0 +1,24 @@
+"""Phi-3 (vLLM phi3.py: LlamaForCausalLM with fused HF tensors).
+
+The checkpoint already fuses `qkv_proj` and `gate_up_proj`. vLLM splits them with the global
+q/k/v (head counts) and gate/up sizes, slices each part per rank as for separate tensors and
+fuses the rank's parts again; a per-tensor FP8 scale of a fused tensor fills every slot.
+"""
+
+from reshard.rules.llama import ATTN, NORMS, TOP
+from reshard.rules.spec import Architecture, Kind, Module
+
+PHI3 = Architecture(
+    names=("Phi3ForCausalLM",),
+    top=TOP,
+    layer=(
+        *NORMS,
+        Module("self_attn.qkv_proj", Kind.QKV, bias="attention_bias", fused=("q", "k", "v")),
+        Module("self_attn.o_proj", Kind.ROW, bias="attention_bias"),
+        ATTN,
+    ),
+    dense_mlp=(
+        Module("mlp.gate_up_proj", Kind.MERGED, bias="mlp_bias", fused=("gate", "up")),
+        Module("mlp.down_proj", Kind.ROW, bias="mlp_bias"),
+    ),
+)
