@@ -80,20 +80,41 @@ class OutFile:
 
 @dataclass(frozen=True)
 class Quant:
-    """The checkpoint's weight quantization, as vLLM reads it."""
+    """The checkpoint's weight quantization, as vLLM reads it.
 
-    method: str  # "fp8"
-    block: tuple[int, int] | None  # weight_block_size, or None for per-tensor scales
+    `method` is "fp8" (vLLM's Fp8Config) or "compressed-tensors" (float-quantized FP8 W8A8, as
+    llm-compressor writes it); `strategy` is "block", "tensor" or "channel".
+    """
+
+    method: str
+    strategy: str
+    block: tuple[int, int] | None  # weight_block_size / block_structure
     static_activations: bool
     ignored: tuple[str, ...]
 
     @property
     def scale_name(self) -> str:
-        return "weight_scale_inv" if self.block else "weight_scale"
+        return "weight_scale_inv" if self.method == "fp8" and self.block else "weight_scale"
+
+    @property
+    def refines_moe_blocks(self) -> bool:
+        # Fp8MoEMethod refines the MoE scale grid when a TP split cuts a block; the
+        # compressed-tensors MoE method validates the checkpoint's blocks as they are
+        return self.method == "fp8"
+
+    def ignores(self, prefix: str) -> bool:
+        for entry in self.ignored:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], prefix):
+                    return True
+            elif entry == prefix:
+                return True
+        return False
 
     def to_json(self) -> dict:
         return {
             "method": self.method,
+            "strategy": self.strategy,
             "weight_block_size": list(self.block) if self.block else None,
             "activation_scheme": "static" if self.static_activations else "dynamic",
         }
@@ -296,8 +317,13 @@ def _quant(config: dict) -> Quant | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", ""))
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
     if method != "fp8":
-        raise UnsupportedError(f"quantization {method!r} is not supported", "supported: fp8 (block and per-tensor)")
+        raise UnsupportedError(
+            f"quantization {method!r} is not supported",
+            "supported: fp8 (block, per-tensor) and compressed-tensors FP8 (tensor, channel, block)",
+        )
     block = qc.get("weight_block_size")
     if block is not None:
         if len(block) != 2:
@@ -307,7 +333,29 @@ def _quant(config: dict) -> Quant | None:
     if block and static:
         raise UnsupportedError("block FP8 with a static activation scheme is refused by vLLM")
     ignored = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
-    return Quant("fp8", block, static, tuple(ignored))
+    return Quant("fp8", "block" if block else "tensor", block, static, tuple(ignored))
+
+
+def _compressed_tensors(qc: dict) -> Quant:
+    """Compressed-tensors FP8 (W8A8, float-quantized): one config group targeting Linear layers."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if qc.get("kv_cache_scheme"):
+        raise UnsupportedError("compressed-tensors kv_cache_scheme is not supported yet")
+    if len(groups) != 1:
+        raise UnsupportedError(f"compressed-tensors with {len(groups)} config groups is not supported")
+    weights = groups[0].get("weights") or {}
+    inputs = groups[0].get("input_activations") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise UnsupportedError(
+            "compressed-tensors: only FP8 weights (type float, 8 bits) are supported",
+            f"this checkpoint has {weights.get('type')} {weights.get('num_bits')}-bit weights",
+        )
+    strategy = str(weights.get("strategy"))
+    if strategy not in ("tensor", "channel", "block"):
+        raise UnsupportedError(f"compressed-tensors weight strategy {strategy!r} is not supported")
+    block = tuple(weights["block_structure"]) if strategy == "block" else None
+    static = bool(inputs) and not inputs.get("dynamic", True)
+    return Quant("compressed-tensors", strategy, block, static, tuple(qc.get("ignore") or []))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -361,7 +409,7 @@ class _Planner:
     def quantized(self, module: Module, hf_prefixes: list[str]) -> bool:
         if not self.quant or not module.quant:
             return False
-        skipped = [p in self.quant.ignored or self._expert_ignored(p) for p in hf_prefixes]
+        skipped = [self.quant.ignores(p) or self._expert_ignored(p) for p in hf_prefixes]
         if any(skipped) and not all(skipped):
             raise UnsupportedError(f"some but not all shards of {hf_prefixes[0]} are quantized; vLLM refuses this")
         return not all(skipped)
@@ -470,9 +518,17 @@ class _Planner:
         for r in range(self.tp):
             for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
                 per_tp[r].append(OutTensor(f"{target}.{s}", "F32", (), (Fill(1.0, 1),)))
-            if self.quant and m.quant:  # Fp8KVCacheMethod parameters, deleted after loading
+            if self.quant and m.quant and self.quant.method == "fp8":
+                # Fp8KVCacheMethod parameters (0-d, model dtype, -1.0), deleted after loading
                 for s in ("k_scale", "v_scale", "q_scale", "prob_scale"):
                     per_tp[r].append(OutTensor(f"{target}.{s}", self.dtype, (), (Fill(-1.0, 1),)))
+            elif self.quant and m.quant:
+                # CompressedTensorsKVCacheMethod without a kv_cache_scheme: scales [1] of ones,
+                # zero points [1] of zeros in the model dtype
+                for s in ("k_scale", "v_scale", "q_scale"):
+                    per_tp[r].append(OutTensor(f"{target}.{s}", "F32", (1,), (Fill(1.0, 1),)))
+                for s in ("k_zero_point", "v_zero_point", "q_zero_point"):
+                    per_tp[r].append(OutTensor(f"{target}.{s}", self.dtype, (1,), (Fill(0.0, 1),)))
 
     def vocab(self, target: str, source: str, per_tp: list[list[OutTensor]]) -> None:
         t = self.src(f"{source}.weight", target)
@@ -649,6 +705,18 @@ class _Planner:
             if n_rows != _cdiv(sum(parts), bn):
                 raise UnsupportedError(f"{target}: FP8 block scales do not tile the fused weight")
             out.append(OutTensor(f"{target}.{q.scale_name}", "F32", (n_rows, nc), tuple(pieces)))
+        elif q.strategy == "channel":
+            # ChannelQuantScaleParameter [out, 1]: sliced like the weight's rows
+            pieces = []
+            for s, (a, b, _), o, off in zip(scales, rows, outs, offs, strict=True):
+                total = sum(outs) if m.fused else o
+                if s.shape != (total, 1):
+                    raise SourceError(f"{s.name} has shape {list(s.shape)}, per-channel scales need {[total, 1]}")
+                pieces.append(Slice(s.name, (off + a, 0), (off + b, 1)))
+            n_rows = sum(b - a for a, b, _ in rows)
+            out.append(OutTensor(f"{target}.weight_scale", "F32", (n_rows, 1), tuple(pieces)))
+            if q.static_activations:
+                raise UnsupportedError(f"{target}: static input scales with per-channel weights are not supported")
         else:
             out.append(OutTensor(f"{target}.weight_scale", "F32", (len(outs),), tuple(_scalar(s) for s in scales)))
             if q.static_activations:
@@ -677,6 +745,7 @@ class _Planner:
         ip = inter // moe_tp
         quant = self.quantized(m, [base])
         block = self.moe_block(target, ip, moe_tp) if quant and self.quant and self.quant.block else None
+        channel = quant and self.quant is not None and self.quant.strategy == "channel"
         wdtype = "F8_E4M3" if quant else self.dtype
 
         def t(e: int, proj: str, param: str) -> TensorInfo:
@@ -724,6 +793,17 @@ class _Planner:
                     s2.append(Slice(s.name, (0, start), (nr2, start + nc2), upf if upf != (1, 1) else None))
                 per_tp[r].append(OutTensor(f"{target}.w13_{q.scale_name}", "F32", (n, 2 * nr13, nc13), tuple(s13)))
                 per_tp[r].append(OutTensor(f"{target}.w2_{q.scale_name}", "F32", (n, nr2, nc2), tuple(s2)))
+            elif channel:
+                s13, s2 = [], []
+                for e in experts:
+                    for proj in (gate, up):
+                        sc = t(e, proj, "weight_scale")
+                        if sc.shape != (inter, 1):
+                            raise SourceError(f"{sc.name} has shape {list(sc.shape)}, expected {[inter, 1]}")
+                        s13.append(_rows(sc, off, off + ip))
+                    s2.append(_whole(t(e, down, "weight_scale")))
+                per_tp[r].append(OutTensor(f"{target}.w13_weight_scale", "F32", (n, 2 * ip, 1), tuple(s13)))
+                per_tp[r].append(OutTensor(f"{target}.w2_weight_scale", "F32", (n, hidden, 1), tuple(s2)))
             else:
                 s13 = [_scalar(t(e, proj, "weight_scale")) for e in experts for proj in (gate, up)]
                 s2 = [_scalar(t(e, down, "weight_scale")) for e in experts]
@@ -753,7 +833,7 @@ class _Planner:
         if ip % bn == 0 and (moe_tp == 1 or ip % bk == 0):
             return (bn, bk), (1, 1)
         f = math.gcd(bn, bk, ip, self.dims.hidden)
-        if f >= 32:
+        if f >= 32 and self.quant.refines_moe_blocks:
             note = (
                 f"FP8 MoE block scales refined from [{bn}, {bk}] to [{f}, {f}] for the per-rank "
                 f"intermediate size {ip}, as vLLM 0.32 does"

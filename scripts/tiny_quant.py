@@ -6,7 +6,8 @@
 - fp8-tensor[-static]: `quant_method: fp8` without `weight_block_size` (per-tensor `weight_scale`,
   `input_scale` when static), as e.g. RedHatAI's FP8 Llama releases.
 - ct-channel / ct-tensor: compressed-tensors `float-quantized` (llm-compressor's FP8_DYNAMIC and
-  FP8 schemes): `weight_scale` [out, 1] per channel, or one per tensor.
+  FP8 schemes): `weight_scale` [out, 1] per channel with dynamic per-token inputs, or one per
+  tensor with a static per-tensor `input_scale`.
 Every Linear except lm_head and MoE routers is quantized; values are random-ish, only layout matters.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -48,8 +50,12 @@ def convert(src: Path, out: Path, scheme: str) -> Path:
             shape = [1] if scheme == "ct-tensor" else []
             result[f"{base}.weight_scale"] = scale.reshape(shape).float()
         result[name] = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        if scheme == "fp8-tensor-static":
-            result[f"{base}.input_scale"] = torch.tensor(0.01 + 0.001 * len(result) % 7, dtype=torch.float32)
+        if scheme in ("fp8-tensor-static", "ct-tensor"):
+            # distinct per module, equal for an expert's gate and up (compressed-tensors requires it)
+            key = base.replace("gate_proj", "up_proj").replace(".w1", ".w3")
+            result[f"{base}.input_scale"] = torch.tensor(
+                0.01 + zlib.crc32(key.encode()) % 97 / 1000, dtype=torch.float32
+            )
     save_file(result, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     if scheme.startswith("fp8-tensor"):
@@ -71,8 +77,9 @@ def convert(src: Path, out: Path, scheme: str) -> Path:
                     "targets": ["Linear"],
                     "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
                                 "dynamic": False, "group_size": None, "block_structure": None},
-                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                          "symmetric": True, "dynamic": True, "group_size": None},
+                    "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                                          "strategy": "token" if strategy == "channel" else "tensor",
+                                          "dynamic": strategy == "channel"},
                     "output_activations": None,
                 }
             },

@@ -8,8 +8,12 @@ ids, so no tokenizer is needed) with ``SamplingParams(temperature=0,
 max_tokens=..., ignore_eos=True)`` and returns the generated token ids.
 
 vLLM needs ``if __name__ == "__main__"`` guards (its workers re-import the main
-module), so the engine always runs in ``python generate.py <json>``; the result
-comes back through a JSON file.
+module), so the engine always runs in ``python generate.py _run <json>``; the
+result comes back through a JSON file.  Speed (2 cores): the engine core runs
+in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and TP workers are forked
+rather than spawned (set ``RESHARD_VLLM_SPAWN=1`` to keep vLLM's spawn); an
+engine at TP 2 then takes ~15 s instead of ~55 s.  ``greedy_tokens_many`` runs
+several engines in one process.
 
 Does not run on the CPU build for pipeline parallelism, expert-parallel MoE or
 FP8 MoE whose per-rank block was refined below 128x128 (see shared/README.md);
@@ -49,6 +53,9 @@ def _env() -> dict[str, str]:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Engine core in this process (one vLLM import less per engine); see _run
+    # for the worker start method.
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env
 
 
@@ -146,6 +153,18 @@ def _run(spec_json: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if os.environ.get("RESHARD_VLLM_SPAWN", "0") != "1":
+        # vLLM's CPU platform forces the "spawn" start method for TP workers
+        # (platforms/cpu.py), so each worker re-imports vLLM: ~20 s per engine
+        # on 2 cores.  Forking from this process (vLLM imported, no parallel
+        # torch work done here) gives the same workers, model code, loaders and
+        # gloo/shm collectives in ~5 s.  RESHARD_VLLM_SPAWN=1 keeps vLLM's way.
+        import multiprocessing
+
+        import vllm.v1.executor.multiproc_executor as mpe
+
+        mpe.get_mp_context = lambda: multiprocessing.get_context("fork")
+
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     results = []
@@ -157,7 +176,9 @@ def _run(spec_json: str) -> int:
             max_model_len=256,
             max_num_seqs=len(prompts),
             seed=0,
-            distributed_executor_backend="mp" if run["tensor_parallel_size"] * run["pipeline_parallel_size"] > 1 else None,
+            distributed_executor_backend="mp"
+            if run["tensor_parallel_size"] * run["pipeline_parallel_size"] > 1
+            else None,
             **run,
         )
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -186,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    toks = greedy_tokens(a.model_dir, a.tp, load_format=a.load_format, ep=a.ep, pp=a.pp,
-                         max_tokens=a.max_tokens)
+    toks = greedy_tokens(a.model_dir, a.tp, load_format=a.load_format, ep=a.ep, pp=a.pp, max_tokens=a.max_tokens)
     print(json.dumps(toks))
     print(f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0

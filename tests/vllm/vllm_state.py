@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -96,10 +97,14 @@ def dump_expected(
 
     save_dir: also write vLLM's own ``ShardedStateLoader.save_model`` output
         (taken right after ``load_weights``, before post-processing) there.
-    load_dir: also load ``load_dir`` with ``ShardedStateLoader.load_weights`` into a
-        freshly built model per rank and compare it with the expected state;
-        the result goes to ``<dump_dir>/load-pp<p>-tp<r>.json`` (see
-        ``loader_problems``).  May equal save_dir.
+    load_dir: also do what ``vllm serve load_dir --load-format sharded_state``
+        does on every rank -- build the model from ``load_dir``'s own
+        config.json (falling back to hf_dir's when it has none) and run
+        ``ShardedStateLoader.load_weights`` on it -- then compare the loaded
+        state with the expected one; the result goes to
+        ``<dump_dir>/load-pp<p>-tp<r>.json`` (see ``loader_problems``).
+        May equal save_dir: vLLM's own files are written first, and hf_dir's
+        non-weight files are copied next to them, as vLLM's example does.
     """
     case = dict(
         dump_dir=str(dump_dir),
@@ -127,15 +132,25 @@ def dump_expected_many(
         c.setdefault("load_dir", None)
         c["dump_dir"] = str(Path(c["dump_dir"]).resolve())
         Path(c["dump_dir"]).mkdir(parents=True, exist_ok=True)
-        for pat in ("expected-*.safetensors", "info-*.json", "load-*.json",
-                    "error-rank*.txt", "fp8-kernel-fallback.txt"):
+        for pat in (
+            "expected-*.safetensors",
+            "info-*.json",
+            "load-*.json",
+            "error-rank*.txt",
+            "fp8-kernel-fallback.txt",
+        ):
             for stale in Path(c["dump_dir"]).glob(pat):
                 stale.unlink()
         for d in ("save_dir", "load_dir"):
             if c[d] is not None:
                 c[d] = str(Path(c[d]).resolve())
         if c["save_dir"] is not None:
-            Path(c["save_dir"]).mkdir(parents=True, exist_ok=True)
+            sd = Path(c["save_dir"])
+            sd.mkdir(parents=True, exist_ok=True)
+            # like examples/features/sharded_state/save_sharded_state_offline.py
+            for f in Path(hf_dir).iterdir():
+                if f.is_file() and f.suffix not in (".bin", ".pt", ".safetensors"):
+                    shutil.copy(f, sd / f.name)
         norm.append(c)
     spec = {"hf_dir": str(Path(hf_dir).resolve()), "cases": norm}
     log = Path(norm[0]["dump_dir"]) / "vllm-dump.log"
@@ -149,16 +164,10 @@ def dump_expected_many(
         )
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-6000:]
-        raise RuntimeError(
-            f"vLLM dump failed (rc={proc.returncode}) for {hf_dir} {cases}; log {log}:\n{tail}"
-        )
+        raise RuntimeError(f"vLLM dump failed (rc={proc.returncode}) for {hf_dir} {cases}; log {log}:\n{tail}")
     out = []
     for c in norm:
-        files = [
-            Path(c["dump_dir"]) / expected_name(p, r)
-            for p in range(c["pp"])
-            for r in range(c["tp"])
-        ]
+        files = [Path(c["dump_dir"]) / expected_name(p, r) for p in range(c["pp"]) for r in range(c["tp"])]
         missing = [f for f in files if not f.exists()]
         if missing:
             raise RuntimeError(f"vLLM dump did not write {missing}; log {log}")
@@ -175,7 +184,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_config(hf_dir: str, case: dict[str, Any]):
+def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -189,15 +198,16 @@ def _make_config(hf_dir: str, case: dict[str, Any]):
         max_num_seqs=1,
         skip_tokenizer_init=True,
         distributed_executor_backend="mp",
-        load_format="auto",
+        load_format=load_format,
     )
     return args.create_engine_config()
 
 
-def _rank_main(rank: int, world: int, port: int, vllm_config, case: dict[str, Any]) -> None:
+def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case: dict[str, Any]) -> None:
     """One forked rank: build, load HF weights, dump the filtered state dict."""
     import torch
     from safetensors.torch import save_file
+
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
         ensure_model_parallel_initialized,
@@ -227,14 +237,15 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, case: dict[str, An
         tp_rank = get_tensor_model_parallel_rank()
         pp_rank = get_pp_group().rank_in_group
 
-        def build():
+        def build(cfg):
             # as BaseModelLoader.load_model, steps 1-2 only.  Layers register
             # themselves by name in the config; forget a previous build.
-            vllm_config.compilation_config.static_forward_context.clear()
-            with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
-                return initialize_model(vllm_config=vllm_config, model_config=model_config)
+            cfg.compilation_config.static_forward_context.clear()
+            dtype = cfg.model_config.dtype
+            with set_current_vllm_config(cfg), set_default_torch_dtype(dtype), torch.device("cpu"):
+                return initialize_model(vllm_config=cfg, model_config=cfg.model_config)
 
-        model = build()
+        model = build(vllm_config)
         loader = get_model_loader(vllm_config.load_config)
         loader.load_weights(model, model_config)
         state = ShardedStateLoader._filter_subtensors(model.state_dict())
@@ -248,23 +259,34 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, case: dict[str, An
         del model, state
 
         if case.get("load_dir"):
-            res: dict[str, Any] = {"ok": False, "error": None, "mismatch": []}
+            res: dict[str, Any] = {"ok": False, "error": None, "mismatch": [], "config": None}
             try:
-                from vllm.config.load import LoadConfig
+                if load_config is not None:
+                    cfg2 = load_config  # built from load_dir/config.json, load_format sharded_state
+                    res["config"] = "load_dir"
+                else:
+                    from vllm.config.load import LoadConfig
 
-                model2 = build()
-                model_config.model_weights = case["load_dir"]
-                sloader = ShardedStateLoader(LoadConfig(load_format="sharded_state"))
-                sloader.load_weights(model2, model_config)
+                    cfg2 = vllm_config
+                    cfg2.model_config.model_weights = case["load_dir"]
+                    cfg2.load_config = LoadConfig(load_format="sharded_state")
+                    res["config"] = "hf_dir (load_dir has no config.json)"
+                model2 = build(cfg2)
+                with set_current_vllm_config(cfg2):
+                    get_model_loader(cfg2.load_config).load_weights(model2, cfg2.model_config)
                 got = ShardedStateLoader._filter_subtensors(model2.state_dict())
-                for k, exp in tensors.items():
-                    g = got[k].detach()
+                for k in sorted(set(tensors) - set(got)):
+                    res["mismatch"].append(f"{k}: not in the model built from {res['config']}'s config")
+                for k in sorted(set(got) - set(tensors)):
+                    res["mismatch"].append(f"{k}: only in the model built from {res['config']}'s config")
+                for k in sorted(set(tensors) & set(got)):
+                    exp, g = tensors[k], got[k].detach()
                     if g.dtype != exp.dtype or g.shape != exp.shape:
                         res["mismatch"].append(f"{k}: loaded {g.dtype}{list(g.shape)}")
                     elif not _bytes_equal(g, exp):
                         res["mismatch"].append(f"{k}: values differ after load")
                 res["ok"] = not res["mismatch"]
-            except BaseException as e:  # noqa: BLE001 - reported, not raised
+            except BaseException as e:
                 res["error"] = f"{type(e).__name__}: {e}"[:4000]
             (dump_dir / f"load-pp{pp_rank}-tp{tp_rank}.json").write_text(json.dumps(res, indent=1))
 
@@ -310,9 +332,9 @@ def _allow_missing_fp8_linear_kernel(dump_dir: Path) -> None:
     fp8.init_fp8_linear_kernel = init_fp8_linear_kernel
 
 
-def _rank_entry(rank, world, port, vllm_config, case):
+def _rank_entry(rank, world, port, vllm_config, load_config, case):
     try:
-        _rank_main(rank, world, port, vllm_config, case)
+        _rank_main(rank, world, port, vllm_config, load_config, case)
     except BaseException:
         err = traceback.format_exc()
         sys.stderr.write(f"[rank {rank}] {err}\n")
@@ -336,11 +358,13 @@ def _dump_main(spec_json: str) -> int:
     for case in spec["cases"]:
         t0 = time.perf_counter()
         vllm_config = _make_config(hf_dir, case)
+        load_config = None
+        if case.get("load_dir") and Path(case["load_dir"], "config.json").exists():
+            load_config = _make_config(case["load_dir"], case, load_format="sharded_state")
         world = case["tp"] * case["pp"]
         port = _free_port()
         procs = [
-            ctx.Process(target=_rank_entry, args=(r, world, port, vllm_config, case))
-            for r in range(world)
+            ctx.Process(target=_rank_entry, args=(r, world, port, vllm_config, load_config, case)) for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -361,8 +385,7 @@ def _dump_main(spec_json: str) -> int:
             print(f"case {case} failed: exit codes {[p.exitcode for p in procs]}", flush=True)
             rc = 1
             break
-        print(f"case tp={case['tp']} ep={case['ep']} pp={case['pp']}: "
-              f"{time.perf_counter() - t0:.1f}s", flush=True)
+        print(f"case tp={case['tp']} ep={case['ep']} pp={case['pp']}: {time.perf_counter() - t0:.1f}s", flush=True)
     return rc
 
 
@@ -412,7 +435,7 @@ def _ranges(idx: list[int]) -> str:
     if not idx:
         return "[]"
     out, start, prev = [], idx[0], idx[0]
-    for i in idx[1:] + [None]:
+    for i in [*idx[1:], None]:
         if i is not None and i == prev + 1:
             prev = i
             continue
@@ -437,7 +460,7 @@ def _load_rank_output(out_dir: Path, tp_rank: int, pp_rank: int, pp: int, proble
                         problems.append(f"{k}: in both {where[k]} and {f.name}")
                     tensors[k] = fh.get_tensor(k)
                     where[k] = f.name
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             problems.append(f"{f.name}: unreadable ({type(e).__name__}: {e})")
     return files, tensors
 
@@ -474,28 +497,22 @@ def compare(
                 exp_keys = list(fh.keys())
                 for k in sorted(set(exp_keys) - set(got)):
                     t = fh.get_slice(k)
-                    rank_problems.append(
-                        f"{k}: missing (expected {t.get_dtype()} {t.get_shape()})"
-                    )
+                    rank_problems.append(f"{k}: missing (expected {t.get_dtype()} {t.get_shape()})")
                 for k in sorted(set(got) - set(exp_keys)):
-                    rank_problems.append(
-                        f"{k}: unexpected key ({got[k].dtype} {list(got[k].shape)})"
-                    )
+                    rank_problems.append(f"{k}: unexpected key ({got[k].dtype} {list(got[k].shape)})")
                 for k in sorted(set(got) & set(exp_keys)):
                     exp = fh.get_tensor(k)
                     g = got[k]
                     if exp.dtype != g.dtype:
                         rank_problems.append(f"{k}: dtype {g.dtype}, expected {exp.dtype}")
                     if tuple(exp.shape) != tuple(g.shape):
-                        rank_problems.append(
-                            f"{k}: shape {list(g.shape)}, expected {list(exp.shape)}"
-                        )
-                    if exp.dtype == g.dtype and tuple(exp.shape) == tuple(g.shape):
-                        if not _bytes_equal(exp, g):
-                            rank_problems.append(_describe_value_diff(k, exp, g))
+                        rank_problems.append(f"{k}: shape {list(g.shape)}, expected {list(exp.shape)}")
+                    same_layout = exp.dtype == g.dtype and tuple(exp.shape) == tuple(g.shape)
+                    if same_layout and not _bytes_equal(exp, g):
+                        rank_problems.append(_describe_value_diff(k, exp, g))
             if len(rank_problems) > max_per_rank:
                 n = len(rank_problems)
-                rank_problems = rank_problems[:max_per_rank] + [f"... {n - max_per_rank} more"]
+                rank_problems = [*rank_problems[:max_per_rank], f"... {n - max_per_rank} more"]
             problems += [f"{tag} {p}" for p in rank_problems]
     # stray rank files
     pat = re.compile(r"model-(?:rank-(\d+)|pp-(\d+)-tp-(\d+))-part-\d+\.safetensors$")
@@ -547,14 +564,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", action="store_true", help="enable_expert_parallel")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--keep", type=Path, help="dump the expected files here (default: temp dir)")
-    ap.add_argument("--load-check", action="store_true",
-                    help="also load OUT_DIR with ShardedStateLoader into fresh models")
+    ap.add_argument(
+        "--load-check", action="store_true", help="also load OUT_DIR with ShardedStateLoader into fresh models"
+    )
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="vllm-expected-") as tmp:
         dump = a.keep or Path(tmp)
         t0 = time.perf_counter()
-        dump_expected(a.hf_dir, dump, a.tp, ep=a.ep, pp=a.pp, dtype=a.dtype,
-                      load_dir=a.out_dir if a.load_check else None)
+        dump_expected(
+            a.hf_dir, dump, a.tp, ep=a.ep, pp=a.pp, dtype=a.dtype, load_dir=a.out_dir if a.load_check else None
+        )
         print(f"vLLM expected state dumped in {time.perf_counter() - t0:.1f}s")
         problems = compare(dump, a.out_dir, a.tp, pp=a.pp)
         if a.load_check:
