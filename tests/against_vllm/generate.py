@@ -19,7 +19,7 @@ Does not run on the CPU build for pipeline parallelism, expert-parallel MoE or
 FP8 MoE whose per-rank block was refined below 128x128 (see shared/README.md);
 compare state for those instead.
 
-CLI: ``python tests/vllm/generate.py MODEL_DIR --tp T [--load-format sharded_state]``
+CLI: ``python tests/against_vllm/generate.py MODEL_DIR --tp T [--load-format sharded_state]``
 prints the token ids as JSON.
 """
 

@@ -40,6 +40,7 @@ for p in (HERE, ROOT / "scripts"):
 import generate  # noqa: E402
 import vllm_state  # noqa: E402
 from tiny_checkpoint import make_tiny  # noqa: E402
+from tiny_quant import convert as quantize  # noqa: E402
 
 
 def _have_vllm() -> bool:
@@ -112,9 +113,9 @@ class Case:
 
     def marks(self) -> list[pytest.MarkDecorator]:
         m = []
-        if self.arch in MOE:
+        if self.arch.split("+")[0] in MOE:
             m.append(pytest.mark.moe)
-        if "fp8" in self.arch:
+        if "fp8" in self.arch or "+ct" in self.arch:
             m.append(pytest.mark.fp8)
         if self.ep:
             m.append(pytest.mark.ep)
@@ -137,6 +138,16 @@ STATE_CASES: list[Case] = (
         Case("qwen3-moe-fp8", 1, pp=2),
         # dtype override
         Case("qwen2", 2, dtype="float16"),
+        # FP8 as quantization tools write it (scripts/tiny_quant.py): per-tensor Fp8Config,
+        # compressed-tensors per-channel and per-tensor
+        Case("llama+fp8-tensor", 2),
+        Case("llama+fp8-tensor-static", 4),
+        Case("qwen3-moe+fp8-tensor-static", 2),
+        Case("llama+ct-channel", 2),
+        Case("llama+ct-tensor", 4),
+        Case("qwen3-moe+ct-channel", 2),
+        Case("qwen3-moe+ct-channel", 2, ep=True),
+        Case("qwen3-moe+ct-tensor", 2),
         # config says tied, checkpoint has its own lm_head: vLLM unties (config/model.py
         # maybe_untie_word_embeddings), so OUT's config.json must say untied
         Case("llama-tied-lmhead", 2),
@@ -183,7 +194,12 @@ class Suite:
         if case.src_key not in self._src:
             d = self.root / "src" / f"{case.arch}-{case.shards}"
             t0 = time.perf_counter()
-            make_tiny(case.arch, d, shards=case.shards)
+            base, _, scheme = case.arch.partition("+")  # "llama+ct-channel": quantized by tiny_quant
+            if scheme:
+                make_tiny(base, d.with_name(d.name + "-bf16"), shards=case.shards)
+                quantize(d.with_name(d.name + "-bf16"), d, scheme)
+            else:
+                make_tiny(case.arch, d, shards=case.shards)
             self.timings.append((f"make_tiny {case.arch} shards={case.shards}", time.perf_counter() - t0))
             self._src[case.src_key] = d
         return self._src[case.src_key]

@@ -26,7 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "tests/vllm/" in str(item.fspath).replace("\\", "/"):
+        if "tests/against_vllm/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.vllm)
 
 
