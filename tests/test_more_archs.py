@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 (MLA), Gemma 2/3 and Phi-3: plans from tiny real checkpoints and from headers.
 
-Byte-for-byte agreement with vLLM itself is `tests/against_vllm/test_vllm_more_archs.py`; here the plans'
+Byte-for-byte agreement with vLLM itself is `tests/against_vllm/test_vllm.py`; here the plans'
 keys, shapes, dtypes and pieces are checked against the layout vLLM 0.32 builds (reference doc
 sections 9.1, 9.7, 9.8), and the streamed files against an independent torch slicing.
 """

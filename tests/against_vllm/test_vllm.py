@@ -75,8 +75,8 @@ def _cpu_has_amx() -> bool:
 # --------------------------------------------------------------------------- #
 # cases
 # --------------------------------------------------------------------------- #
-DENSE = ["llama", "llama-tied", "mistral", "qwen2", "qwen3"]
-MOE = ["qwen3-moe", "mixtral", "qwen2-moe", "qwen3-moe-fp8"]
+DENSE = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3-fp8"]
+MOE = ["qwen3-moe", "mixtral", "qwen2-moe", "qwen3-moe-fp8", "deepseek-v3", "deepseek-v3-fp8", "deepseek-v2-lite"]
 
 
 @dataclass(frozen=True)
@@ -136,11 +136,17 @@ STATE_CASES: list[Case] = (
         Case("llama-tied", 2, pp=2),
         Case("qwen3-moe", 2, pp=2),
         Case("qwen3-moe-fp8", 1, pp=2),
+        Case("deepseek-v3", 1, pp=2),
+        Case("gemma2", 1, pp=2),
+        Case("gemma3", 1, pp=2),
+        Case("phi3", 1, pp=2),
         # dtype override
         Case("qwen2", 2, dtype="float16"),
         # FP8 as quantization tools write it (scripts/tiny_quant.py): per-tensor Fp8Config,
         # compressed-tensors per-channel and per-tensor
         Case("llama+fp8-tensor", 2),
+        Case("phi3+fp8-tensor-static", 1),  # one scale of a fused tensor fills every slot
+        Case("phi3+fp8-tensor-static", 4),
         Case("llama+fp8-tensor-static", 4),
         Case("qwen3-moe+fp8-tensor-static", 2),
         Case("llama+ct-channel", 2),
@@ -155,12 +161,14 @@ STATE_CASES: list[Case] = (
 )
 
 # Generation: what the CPU build can run (no PP, no EP MoE, no refined-FP8 MoE).
-GEN_CASES: list[Case] = [Case(a, 2) for a in DENSE] + [
+GEN_CASES: list[Case] = [Case(a, 2) for a in DENSE if "fp8" not in a] + [
     Case("llama-tied-lmhead", 2),
     Case("qwen3-moe", 2),
     Case("mixtral", 2),
     Case("qwen2-moe", 2),
     Case("qwen3-moe-fp8", 1),  # per-rank block stays 128x128 only at T=1 (or EP)
+    Case("deepseek-v3", 2),  # MLA runs on the CPU_MLA backend
+    Case("deepseek-v2-lite", 2),
 ]
 
 
