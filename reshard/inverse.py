@@ -167,9 +167,6 @@ class OutputReader:
             whole[index] = block
         return whole
 
-    def advise(self, file: str, offset: int, nbytes: int) -> None:
-        """Read-ahead hints do not apply: reads here are scattered over the rank files."""
-
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)

@@ -14,7 +14,7 @@ FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
 
 
-def build_manifest(  # noqa: ANN001
+def build_manifest(
     plan, written, *, run_id: str, created: str, out_dir: str, copied: list[str], source_tensors: dict
 ) -> dict:
     sums = {w.name: w for w in written}

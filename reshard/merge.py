@@ -87,12 +87,12 @@ def merge(
                 "weight_map": {t.name: f.name for f in plan.files for t in f.tensors},
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        copied = [n for n in copy_list(out_dir)]
+        copied = copy_list(out_dir)
         for name in copied:
             src = out_dir / name
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / name)
         names = [f.name for f in plan.files] + copied + ([INDEX] if len(plan.files) > 1 else [])
-        for old in list(hf_dir.glob("model*.safetensors")) + [hf_dir / INDEX]:
+        for old in [*hf_dir.glob("model*.safetensors"), hf_dir / INDEX]:
             if old.exists() and old.name not in names:
                 old.unlink()
         for name in names:

@@ -71,6 +71,7 @@ def save(
     overwrite: bool = False,
     pp_partition: list[int] | None = None,
     chunk_bytes: int | None = None,
+    max_memory: int | None = None,
     ranks: str | None = None,
     on_plan: Callable[[Plan], Callable[[int], None] | None] | None = None,
     ckpt: Checkpoint | None = None,
@@ -135,7 +136,14 @@ def save(
         written, failure = [], None
         try:
             written = run_executor(
-                replace(plan, files=mine), ckpt, tmp, meta, device=device, progress=progress, chunk_bytes=chunk_bytes
+                replace(plan, files=mine),
+                ckpt,
+                tmp,
+                meta,
+                device=device,
+                progress=progress,
+                chunk_bytes=chunk_bytes,
+                max_memory=max_memory,
             )
         except (ReshardError, OSError) as e:
             failure = e
@@ -248,8 +256,11 @@ def run_executor(
     device: str = "cpu",
     progress: Callable[[int], None] | None = None,
     chunk_bytes: int | None = None,
+    max_memory: int | None = None,
 ) -> list:
-    kwargs = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    kwargs: dict = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    if max_memory:
+        kwargs["max_memory"] = max_memory
     executor = Executor(
         plan, ckpt.root, ckpt.tensors, out, metadata=metadata, device=device, progress=progress, **kwargs
     )

@@ -37,7 +37,7 @@ def _write(tmp_path, raw: bytes):
 
 def test_read_header_roundtrip(tmp_path):
     raw = save({"w": torch.ones(4, 3, dtype=torch.bfloat16), "s": torch.tensor(2.0)})
-    tensors, meta, size = read_header(_write(tmp_path, raw))
+    tensors, _meta, size = read_header(_write(tmp_path, raw))
     assert size == len(raw)
     assert tensors["w"].shape == (4, 3) and tensors["w"].dtype == "BF16" and tensors["w"].nbytes == 24
     assert tensors["s"].shape == () and tensors["s"].nbytes == 4

@@ -13,7 +13,7 @@ from reshard.console import emit_json, stdout
 @click.command("assemble")
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @json_option
-def assemble_cmd(out_dir, as_json):  # noqa: ANN001
+def assemble_cmd(out_dir, as_json):
     """Write reshard.json for a folder filled by `save --ranks` pieces, once every file is in.
 
     Pieces copied together from several machines are checked to belong to one job (same run id).

@@ -33,6 +33,9 @@ from reshard.plan import DEFAULT_MAX_PART
 @partition_option
 @click.option("--max-part-size", type=ByteSize(), default=DEFAULT_MAX_PART, show_default="5GiB",
               help="Split each rank's tensors into files of at most this size.")  # fmt: skip
+@click.option("--max-memory", type=ByteSize(), default="512MiB", show_default=True,
+              help="Bound on tensor data held in memory (read-ahead and write buffers); each open "
+                   "output file adds 8 MiB.")  # fmt: skip
 @revision_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where each piece is materialised before writing; cpu needs no GPU.")  # fmt: skip
@@ -42,7 +45,20 @@ from reshard.plan import DEFAULT_MAX_PART
                    "partial manifest; reshard.json appears when every piece is in (see `reshard assemble`).")  # fmt: skip
 @json_option
 def save_cmd(
-    source, out_dir, tp, pp, ep, dtype, pp_partition, max_part_size, revision, device, overwrite, ranks, as_json
+    source,
+    out_dir,
+    tp,
+    pp,
+    ep,
+    dtype,
+    pp_partition,
+    max_part_size,
+    max_memory,
+    revision,
+    device,
+    overwrite,
+    ranks,
+    as_json,
 ):
     """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR.
 
@@ -64,7 +80,7 @@ def save_cmd(
 
         result = save(
             source, out_dir, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size,
-            revision=revision, device=device, overwrite=overwrite, ranks=ranks,
+            revision=revision, device=device, overwrite=overwrite, ranks=ranks, max_memory=max_memory,
             pp_partition=parse_partition(pp_partition), on_plan=on_plan,
         )  # fmt: skip
     seconds = time.monotonic() - t0

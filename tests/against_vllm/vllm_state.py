@@ -207,7 +207,6 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
     """One forked rank: build, load HF weights, dump the filtered state dict."""
     import torch
     from safetensors.torch import save_file
-
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
         ensure_model_parallel_initialized,
