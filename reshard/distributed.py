@@ -35,6 +35,13 @@ class Group:
         self.dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def close(self) -> None:
+        """Wait for every process, then tear gloo down: exiting with it alive aborts the process."""
+        try:
+            self.dist.barrier()
+        finally:
+            self.dist.destroy_process_group()
+
     def gather(self, obj: object) -> list:
         out: list = [None] * self.size
         self.dist.all_gather_object(out, obj)

@@ -83,6 +83,51 @@ def save(
     ranks' files are written, with a partial manifest; the full one appears when all pieces are in.
     """
     group = Group.from_env()
+    try:
+        return _save(
+            group,
+            source,
+            out_dir,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            dtype=dtype,
+            max_part_size=max_part_size,
+            revision=revision,
+            device=device,
+            overwrite=overwrite,
+            pp_partition=pp_partition,
+            chunk_bytes=chunk_bytes,
+            max_memory=max_memory,
+            ranks=ranks,
+            on_plan=on_plan,
+            ckpt=ckpt,
+        )
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _save(
+    group: Group | None,
+    source: str,
+    out_dir: Path,
+    *,
+    tp: int,
+    pp: int,
+    ep: bool,
+    dtype: str,
+    max_part_size: int,
+    revision: str | None,
+    device: str,
+    overwrite: bool,
+    pp_partition: list[int] | None,
+    chunk_bytes: int | None,
+    max_memory: int | None,
+    ranks: str | None,
+    on_plan: Callable[[Plan], Callable[[int], None] | None] | None,
+    ckpt: Checkpoint | None,
+) -> SaveResult:
     coordinator = group is None or group.rank == 0
     ckpt = ckpt or open_checkpoint(source, revision)
     assert ckpt.root is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -60,7 +61,10 @@ def test_torchrun_two_processes_write_the_same_bytes(tiny, tmp_path):
     for spec in ("0-1", "2-3"):
         save(str(src), pieces, tp=4, max_part_size=DEFAULT_MAX_PART, ranks=spec)
     env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
            "-m", "reshard", "save", str(src), str(tmp_path / "tr"), "--tp", "4", "--json"]  # fmt: skip
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
