@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from reshard.errors import OutputError, SourceError
-from reshard.format import fsync_dir
+from reshard.format import ITEMSIZE, fsync_dir
 from reshard.inverse import open_output
-from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key
+from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
 from reshard.save import TMP_PREFIX, check_out_dir, copy_list, run_executor
 from reshard.source import INDEX
 
@@ -29,20 +29,11 @@ def merge_plan(ckpt, max_shard_size: int) -> Plan:
         dtype, shape = manifest["source_tensors"][name]
         shape = tuple(shape)
         tensors.append(OutTensor(name, dtype, shape, (Slice(name, (0,) * len(shape), shape),)))
-    shards: list[list[OutTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
+    shards = split_by_size(tensors, max_shard_size)
     files = []
     for i, chunk in enumerate(shards):
         name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         # widest dtypes first keeps tensors aligned; the executor writes in that order
-        from reshard.format import ITEMSIZE
-
         chunk.sort(key=lambda t: (-ITEMSIZE[t.dtype], natural_key(t.name)))
         files.append(OutFile(name, 0, 0, i, tuple(chunk)))
     layout = manifest["layout"]

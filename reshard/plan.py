@@ -869,6 +869,19 @@ def natural_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in _NUM.split(name))
 
 
+def split_by_size(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
+    """Consecutive groups of at most `max_bytes` (a larger tensor gets a group of its own)."""
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    return groups
+
+
 def _assign_files(
     per_rank: dict[tuple[int, int], list[OutTensor]], *, tp: int, pp: int, max_part_size: int
 ) -> list[OutFile]:
@@ -877,15 +890,7 @@ def _assign_files(
         # Widest dtypes first keeps every tensor aligned to its element size (as safetensors does);
         # then by name, so that all ranks share one order and sources are read roughly in order.
         ordered = sorted(tensors, key=lambda t: (-ITEMSIZE[t.dtype], natural_key(t.name)))
-        parts: list[list[OutTensor]] = [[]]
-        size = 0
-        for t in ordered:
-            if parts[-1] and size + t.nbytes > max_part_size:
-                parts.append([])
-                size = 0
-            parts[-1].append(t)
-            size += t.nbytes
-        for part, chunk in enumerate(parts):
+        for part, chunk in enumerate(split_by_size(ordered, max_part_size)):
             if pp > 1:
                 name = PP_PATTERN.format(pp_rank=pp_rank, tp_rank=tp_rank, part=part)
             else:

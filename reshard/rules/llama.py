@@ -31,17 +31,15 @@ LLAMA = Architecture(
     dense_mlp=MLP,
 )
 
-QWEN2 = Architecture(
-    names=("Qwen2ForCausalLM",),
-    top=TOP,
-    layer=(
-        *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias=True),
-        Module("self_attn.o_proj", Kind.ROW),
-        ATTN,
-    ),
-    dense_mlp=MLP,
+# Qwen2 attention: qkv always has a bias, o_proj none (Qwen2-MoE shares it)
+QWEN2_ATTENTION = (
+    *NORMS,
+    Module("self_attn.qkv_proj", Kind.QKV, QKV, bias=True),
+    Module("self_attn.o_proj", Kind.ROW),
+    ATTN,
 )
+
+QWEN2 = Architecture(names=("Qwen2ForCausalLM",), top=TOP, layer=QWEN2_ATTENTION, dense_mlp=MLP)
 
 # Qwen3 attention: qkv bias only with attention_bias, plus per-head q/k RMSNorm.
 QWEN3_ATTENTION = (

@@ -4,7 +4,7 @@ vLLM keeps each alias under its smallest state-dict key, so the router handed to
 runner is `mlp.experts.gate` and shared experts live under `mlp.experts._shared_experts._layer`.
 """
 
-from reshard.rules.llama import ATTN, MLP, NORMS, QKV, QWEN3_ATTENTION, TOP
+from reshard.rules.llama import ATTN, MLP, NORMS, QKV, QWEN2_ATTENTION, QWEN3_ATTENTION, TOP
 from reshard.rules.spec import Architecture, Kind, Module, replicate
 
 
@@ -37,12 +37,7 @@ SHARED = "mlp.experts._shared_experts._layer."
 QWEN2_MOE = Architecture(
     names=("Qwen2MoeForCausalLM",),
     top=TOP,
-    layer=(
-        *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias=True),
-        Module("self_attn.o_proj", Kind.ROW),
-        ATTN,
-    ),
+    layer=QWEN2_ATTENTION,
     dense_mlp=MLP,
     moe_mlp=(
         replicate("mlp.gate"),  # not handed to the runner: no alias, never quantized
