@@ -783,12 +783,14 @@ class Executor:
         sync: bool = True,
         sink: Callable[[OutFile, bytes], Sink] | None = None,
         max_memory: int | None = None,
+        reader: SourceReader | None = None,
     ) -> None:
         self.plan = plan
         self.tensors = tensors
         self.out_dir = out_dir
         self.metadata = metadata
-        self.reader = SourceReader(source_root)
+        # a reshard output as SOURCE brings its own reader (inverse.OutputReader), same interface
+        self.reader = reader or SourceReader(source_root)
         self.cast = Caster(device)
         max_memory = max_memory or DEFAULT_MAX_MEMORY
         self.chunk_bytes = max(1, min(chunk_bytes, max_memory // 4))  # leave room for a few in flight

@@ -306,11 +306,11 @@ def run_executor(
     kwargs: dict = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
     if max_memory:
         kwargs["max_memory"] = max_memory
+    if ckpt.reader_factory:  # SOURCE is a reshard output: read tensors back out of its rank files
+        kwargs["reader"] = ckpt.reader_factory()
     executor = Executor(
         plan, ckpt.root, ckpt.tensors, out, metadata=metadata, device=device, progress=progress, **kwargs
     )
-    if ckpt.reader_factory:  # SOURCE is a reshard output: read tensors back out of its rank files
-        executor.reader = ckpt.reader_factory()
     return executor.run()
 
 
