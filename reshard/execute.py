@@ -431,48 +431,55 @@ class _Stopped(Exception):
     """The run is being torn down: a thread waiting for memory gives up."""
 
 
-class _Slab:
+class _Lease:
+    """A counted claim on memory: given back to the budget when its last holder releases it."""
+
+    __slots__ = ("mem", "refs")
+
+    mem: _Memory
+    refs: int
+
+    def hold(self) -> None:
+        with self.mem.cond:
+            self.refs += 1
+
+    def release(self) -> None:
+        with self.mem.cond:
+            self.refs -= 1
+            if self.refs == 0:
+                self._give_back()
+                self.mem.cond.notify_all()
+
+    def _give_back(self) -> None:
+        raise NotImplementedError
+
+
+class _Slab(_Lease):
     """A reused page-aligned buffer; free again once every holder of a view into it let go."""
 
-    __slots__ = ("buf", "mem", "refs")
+    __slots__ = ("buf",)
 
     def __init__(self, mem: _Memory, size: int) -> None:
         self.mem = mem
         self.buf = _buffer(size)
         self.refs = 0
 
-    def hold(self) -> None:
-        with self.mem.cond:
-            self.refs += 1
-
-    def release(self) -> None:
-        with self.mem.cond:
-            self.refs -= 1
-            if self.refs == 0:
-                self.mem.free.append(self)
-                self.mem.cond.notify_all()
+    def _give_back(self) -> None:
+        self.mem.free.append(self)
 
 
-class _Fresh:
+class _Fresh(_Lease):
     """The budget share of one fresh array, given back when its last holder is done with it."""
 
-    __slots__ = ("mem", "nbytes", "refs")
+    __slots__ = ("nbytes",)
 
     def __init__(self, mem: _Memory, nbytes: int) -> None:
         self.mem = mem
         self.nbytes = nbytes
         self.refs = 1
 
-    def hold(self) -> None:
-        with self.mem.cond:
-            self.refs += 1
-
-    def release(self) -> None:
-        with self.mem.cond:
-            self.refs -= 1
-            if self.refs == 0:
-                self.mem.fresh -= self.nbytes
-                self.mem.cond.notify_all()
+    def _give_back(self) -> None:
+        self.mem.fresh -= self.nbytes
 
 
 Lease = _Slab | _Fresh
