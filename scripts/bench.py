@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from make_synthetic import make_config, parse_size, write_checkpoint  # noqa: E402
 
@@ -147,30 +148,9 @@ def dir_bytes(p: Path) -> int:
 # ---- sub-commands run in their own processes ---------------------------------------------------
 
 
-def _materialize(t, source):
-    """One output tensor from whole source tensors, with torch (as tests/reference.py)."""
-    import torch
-
-    from reshard.plan import Fill
-
-    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}
-    dtype = names[t.dtype]
-    parts = []
-    for p in t.pieces:
-        if isinstance(p, Fill):
-            parts.append(torch.full((p.count,), p.value, dtype=torch.float32).to(dtype).view(torch.uint8))
-            continue
-        x = source[p.source]
-        if p.up:
-            for dim, k in enumerate(p.up):
-                x = x.repeat_interleave(k, dim=dim)
-        idx = tuple(slice(a, b) for a, b in zip(p.start, p.stop, strict=True))
-        parts.append(x[idx].to(dtype).contiguous().view(torch.uint8).reshape(-1))
-    return torch.cat(parts).view(dtype).reshape(t.shape)
-
-
 def cmd_naive(src: Path, out: Path, tp: int) -> None:
     """The obvious script: per rank, load every shard whole, slice with torch, save_file."""
+    from reference import materialize  # tests/reference.py: the plan read with torch, whole tensors
     from safetensors.torch import load_file, save_file
 
     from reshard.plan import build_plan
@@ -184,7 +164,7 @@ def cmd_naive(src: Path, out: Path, tp: int) -> None:
         for shard in ckpt.files:
             source.update(load_file(src / shard))
         for f in files:
-            save_file({t.name: _materialize(t, source) for t in f.tensors}, out / f.name, metadata={"format": "pt"})
+            save_file({t.name: materialize(t, source) for t in f.tensors}, out / f.name, metadata={"format": "pt"})
         del source
 
 

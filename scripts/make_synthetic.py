@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import re
-import struct
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import LLAMA_3_8B, QWEN3_30B_A3B, tensor_specs, with_fp8
 
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+from reshard.format import ITEMSIZE, encode_header
+
 POOL_BYTES = 32 * 1024 * 1024
 WRITE_BLOCK = 16 * 1024 * 1024
 
@@ -133,19 +133,6 @@ def pools(seed: int) -> dict[str, np.ndarray]:
     return {k: np.concatenate([v, v]) for k, v in out.items()}
 
 
-def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> bytes:
-    """A safetensors header for `entries` laid out back to back, written independently of reshard."""
-    obj: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for name, dtype, shape in entries:
-        n = math.prod(shape) * ITEMSIZE[dtype]
-        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(obj, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
 def split_shards(specs: list, total: int, shard_size: int | None) -> list[list]:
     n = max(2, math.ceil(total / 5e9)) if shard_size is None else max(1, math.ceil(total / shard_size))
     shards: list[list] = [[] for _ in range(n)]
@@ -170,7 +157,7 @@ def write_checkpoint(out: Path, config: dict, *, shard_size: int | None = None, 
         # safetensors' own order inside a file: wider dtypes first, then by name
         shard = sorted(shard, key=lambda s: (-ITEMSIZE[s[1]], s[0]))
         with open(out / name, "wb") as f:
-            f.write(safetensors_header(shard))
+            f.write(encode_header(shard, {"format": "pt"}))
             for tname, dtype, shape in shard:
                 weight_map[tname] = name
                 pool = memoryview(data[dtype])
