@@ -1,0 +1,65 @@
+"""What every source is to the rest of reshard: a `Checkpoint` (metadata, plain data) and a `Reader`.
+
+Planning needs only the metadata (config.json and the safetensors headers); executing needs a
+`Reader` for the tensor bytes. A local folder, a Hub repo and a reshard output are three `Source`s
+(`reshard.sources`) that give both. Nothing here reads a file or imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from reshard.format import TensorInfo
+
+
+@dataclass
+class Checkpoint:
+    """A source checkpoint's metadata.
+
+    Attributes:
+        root: local folder holding the files; None when only Hub metadata was fetched (`plan`).
+        config: parsed config.json.
+        tensors: every tensor by name, from the headers.
+        files: safetensors file names, in index order.
+        ref: where it came from: {"path": ...} or {"repo_id", "revision", "commit"}; recorded in
+            the manifest.
+        file_sizes: size of each safetensors file in bytes.
+        manifest: when the source is a reshard output, its manifest.
+        missing: when the source is a reshard output, original tensors it does not hold.
+    """
+
+    root: Path | None
+    config: dict
+    tensors: dict[str, TensorInfo]
+    files: list[str]
+    ref: dict
+    file_sizes: dict[str, int] = field(default_factory=dict)
+    manifest: dict | None = None
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+class Reader(Protocol):
+    """Bytes of source tensors. `read` may be called from several threads at once."""
+
+    def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
+        """Bytes [start, start + nbytes) of tensor `t` (row-aligned ranges), into `buf` if given."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    """A checkpoint to read: its metadata, and a way to read its bytes."""
+
+    @property
+    def checkpoint(self) -> Checkpoint: ...
+
+    def open_reader(self) -> Reader:
+        """A new reader; the caller closes it."""
+        ...

@@ -1,0 +1,104 @@
+"""Every name reshard gives a file, in one place: rank files, manifests, temporary folders, Hub files.
+
+vLLM's ShardedStateLoader finds a rank's files with a glob of its `pattern` (`model-rank-{rank}-part-*`
+or, with pipeline parallelism, `model-pp-{pp}-tp-{tp}-part-*`). Everything that names, matches or
+lists such a file goes through here, and so does the `vllm serve` line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# ---- rank files (vLLM's sharded_state naming) ---------------------------------------------------
+
+TP_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+PP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
+RANK_FILE_GLOBS = ("model-rank-*.safetensors", "model-pp-*.safetensors")
+RANK_FILE_PREFIXES = ("model-rank-", "model-pp-")
+
+_TP_FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
+_PP_FILE = re.compile(r"^model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors$")
+
+# ---- reshard's own files -------------------------------------------------------------------------
+
+MANIFEST = "reshard.json"
+PIECE_MANIFEST = "reshard.ranks-{tag}.json"  # a `save --ranks` piece's partial manifest
+PIECE_MANIFEST_GLOB = "reshard.ranks-*.json"
+TMP_PREFIX = ".reshard-tmp-"  # a run's temporary folder inside OUT_DIR
+
+# ---- Hugging Face checkpoints ----------------------------------------------------------------------
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+CONFIG = "config.json"
+# files a Hub download needs: weights, config, tokenizer and generation files
+HUB_PATTERNS = ("*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*")
+# weight formats that are never copied next to the rank files
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class RankFile:
+    """What a rank file's name says: its pipeline stage, tensor-parallel rank and part."""
+
+    pp_rank: int
+    tp_rank: int
+    part: int
+
+
+def rank_file_name(*, tp_rank: int, pp_rank: int, part: int, pp: int) -> str:
+    """The name vLLM's loader looks for: TP_PATTERN, or PP_PATTERN when pp > 1."""
+    if pp > 1:
+        return PP_PATTERN.format(pp_rank=pp_rank, tp_rank=tp_rank, part=part)
+    return TP_PATTERN.format(rank=tp_rank, part=part)
+
+
+def file_pattern(pp: int) -> str:
+    """The pattern recorded in the manifest (and the one vLLM's --load-format sharded_state uses)."""
+    return PP_PATTERN if pp > 1 else TP_PATTERN
+
+
+def parse_rank_file(name: str) -> RankFile | None:
+    """The ranks a reshard-named file holds, or None for any other name."""
+    m = _TP_FILE.match(name)
+    if m:
+        return RankFile(0, int(m.group(1)), int(m.group(2)))
+    m = _PP_FILE.match(name)
+    if m:
+        return RankFile(int(m.group(1)), int(m.group(2)), int(m.group(3)))
+    return None
+
+
+def is_rank_file_name(name: str) -> bool:
+    """Anything that starts like a rank file (what `--overwrite` replaces and copies skip)."""
+    return name.startswith(RANK_FILE_PREFIXES)
+
+
+def hf_shard_name(index: int, count: int) -> str:
+    """Hugging Face's names for the shards of a checkpoint (`merge`)."""
+    return SINGLE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def piece_manifest_name(tag: str) -> str:
+    return PIECE_MANIFEST.format(tag=tag)
+
+
+def rank_files_in(folder: Path) -> list[Path]:
+    """Every file in `folder` a rank-file glob matches, sorted."""
+    found: set[Path] = set()
+    for g in RANK_FILE_GLOBS:
+        found.update(folder.glob(g))
+    return sorted(found)
+
+
+def serve_command(out_dir: str, *, tp: int, pp: int, ep: bool, dtype: str, load_format: str = "sharded_state") -> str:
+    """The `vllm serve` line that loads `out_dir` as written (dtype: torch's name, e.g. bfloat16)."""
+    parts = [f"vllm serve {out_dir} --load-format {load_format}", f"--tensor-parallel-size {tp}"]
+    if pp > 1:
+        parts.append(f"--pipeline-parallel-size {pp}")
+    if ep:
+        parts.append("--enable-expert-parallel")
+    parts.append(f"--dtype {dtype}")
+    return " ".join(parts)
