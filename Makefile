@@ -26,7 +26,7 @@ venv: $(VENV)/.stamp
 
 demo: $(VENV)/.stamp
 	rm -rf build/demo
-	$(PY) scripts/tiny_checkpoint.py qwen3 build/demo/qwen3-tiny --shards 2
+	$(PY) -m tests.fixtures.tiny qwen3 build/demo/qwen3-tiny --shards 2
 	$(VENV)/bin/reshard plan build/demo/qwen3-tiny --tp 2
 	$(VENV)/bin/reshard save build/demo/qwen3-tiny build/demo/qwen3-tiny-tp2 --tp 2
 	$(VENV)/bin/reshard verify build/demo/qwen3-tiny-tp2 --against build/demo/qwen3-tiny --deep
@@ -60,10 +60,10 @@ format: $(VENV)/.stamp
 
 # about 11 minutes: 4 GB and 16 GB synthetic checkpoints, page cache dropped between runs
 bench: $(VENV)/.stamp
-	$(PY) scripts/bench.py
+	$(PY) -m scripts.bench
 
 bench-quick: $(VENV)/.stamp
-	$(PY) scripts/bench.py --quick
+	$(PY) -m scripts.bench --quick
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache

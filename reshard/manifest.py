@@ -1,28 +1,73 @@
-"""The manifest `reshard.json`: what a run wrote, with checksums and the layout. Written last."""
+"""The manifest `reshard.json`: what a run wrote, with checksums and the layout. Written last.
+
+One home for its schema (`Manifest`, `FileEntry`), reading, validating and writing it, and for the
+partial manifests of `save --ranks` pieces and their assembly into the whole.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import TypedDict
 
 from reshard import __version__
-from reshard.errors import CorruptError
+from reshard.errors import CorruptError, OutputError, SourceError
+from reshard.format import fsync_dir
+from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB
 
-MANIFEST = "reshard.json"
 FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
 
 
+class TensorEntry(TypedDict):
+    name: str
+    dtype: str  # safetensors code
+    shape: list[int]
+
+
+class FileEntry(TypedDict):
+    name: str
+    tp_rank: int
+    pp_rank: int
+    part: int
+    size: int
+    sha256: str
+    tensors: list[TensorEntry]
+
+
+class Manifest(TypedDict, total=False):
+    format: str
+    format_version: int
+    reshard_version: str
+    run_id: str
+    created: str
+    source: dict  # {"path"} or {"repo_id", "revision", "commit"}; re-shards add "resharded_from"
+    layout: dict  # Plan.layout(): vllm_layout, architecture, tp, pp, ep, dtype, quantization, pattern, ...
+    total_bytes: int
+    files: list[FileEntry]
+    copied: list[str]  # config, tokenizer and generation files copied from the source
+    # the source's headers (name -> [dtype, shape]): with the copied config.json, enough to plan
+    # this layout again and derive the expected keys (verify), without the source
+    source_tensors: dict[str, list]
+    serve: str
+    notes: list[str]
+    # a `save --ranks` piece's partial manifest only:
+    ranks: list[int]
+    all_files: list[str]
+
+
 def build_manifest(
     plan, written, *, run_id: str, created: str, out_dir: str, copied: list[str], source_tensors: dict
-) -> dict:
+) -> Manifest:
+    """The manifest of `written` (name, size, sha256 of each file) for `plan` (a `reshard.plan.Plan`)."""
     sums = {w.name: w for w in written}
-    files = []
+    files: list[FileEntry] = []
     for f in plan.files:
         if f.name not in sums:  # a --ranks piece holds only its own ranks' files
             continue
         w = sums[f.name]
+        tensors: list[TensorEntry] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors]
         files.append(
             {
                 "name": f.name,
@@ -31,7 +76,7 @@ def build_manifest(
                 "part": f.part,
                 "size": w.size,
                 "sha256": w.sha256,
-                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors],
+                "tensors": tensors,
             }
         )
     return {
@@ -45,15 +90,14 @@ def build_manifest(
         "total_bytes": sum(w.size for w in written),
         "files": files,
         "copied": copied,
-        # the source's headers (name -> [dtype, shape]): with the copied config.json, enough to
-        # plan this layout again and derive the expected keys (verify), without the source
         "source_tensors": source_tensors,
         "serve": plan.serve_command(out_dir),
         "notes": plan.notes,
     }
 
 
-def write_manifest(out_dir: Path, manifest: dict, name: str = MANIFEST) -> Path:
+def write_manifest(out_dir: Path, manifest: Manifest, name: str = MANIFEST) -> Path:
+    """Write durably under a temporary name, then rename into place."""
     path = out_dir / name
     tmp = out_dir / f".{name}.tmp"
     with open(tmp, "w") as f:
@@ -62,10 +106,12 @@ def write_manifest(out_dir: Path, manifest: dict, name: str = MANIFEST) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(out_dir)
     return path
 
 
-def read_manifest(out_dir: Path) -> dict:
+def read_manifest(out_dir: Path) -> Manifest:
+    """The folder's manifest, validated enough to be used. Raises CorruptError saying what to do."""
     path = out_dir / MANIFEST
     try:
         obj = json.loads(path.read_text())
@@ -83,4 +129,51 @@ def read_manifest(out_dir: Path) -> dict:
     for key in ("layout", "files", "run_id", "source"):
         if key not in obj:
             raise CorruptError(f"{path}: malformed manifest (no {key!r})", "rerun `reshard save`")
-    return obj
+    return obj  # type: ignore[return-value]
+
+
+# ---- `save --ranks` pieces ------------------------------------------------------------------------
+
+
+def read_pieces(out_dir: Path) -> list[Manifest]:
+    """The partial manifests of the `--ranks` pieces in `out_dir`, by name."""
+    return [json.loads(p.read_text()) for p in sorted(out_dir.glob(PIECE_MANIFEST_GLOB))]
+
+
+def same_job(out_dir: Path, run_id: str) -> bool:
+    """A --ranks piece may join a folder that holds only other pieces of the same job."""
+    if not out_dir.is_dir():
+        return True
+    pieces = read_pieces(out_dir)
+    return bool(pieces) and all(p.get("run_id") == run_id for p in pieces)
+
+
+def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
+    """Combine the partial manifests of --ranks pieces into reshard.json once every file is in.
+
+    With `quiet`, a folder that is not complete yet gives None instead of an error.
+    """
+    pieces = read_pieces(out_dir)
+    if not pieces:
+        if quiet:
+            return None
+        raise SourceError(f"{out_dir}: no {PIECE_MANIFEST_GLOB} piece manifests to assemble")
+    first = pieces[0]
+    for p in pieces[1:]:
+        if p["run_id"] != first["run_id"]:
+            raise OutputError(f"{out_dir}: pieces of two different jobs (run ids {first['run_id']}, {p['run_id']})")
+    entries = {f["name"]: f for p in pieces for f in p["files"]}
+    missing = [n for n in first["all_files"] if n not in entries]
+    if missing:
+        if quiet:
+            return None
+        raise OutputError(
+            f"{out_dir}: {len(missing)} file(s) not written yet, e.g. {missing[0]}", "run the missing --ranks"
+        )
+    manifest: Manifest = {k: v for k, v in first.items() if k not in ("ranks", "all_files")}  # type: ignore[assignment]
+    manifest["files"] = [entries[n] for n in first["all_files"]]
+    manifest["total_bytes"] = sum(f["size"] for f in manifest["files"])
+    write_manifest(out_dir, manifest)
+    for p in out_dir.glob(PIECE_MANIFEST_GLOB):
+        p.unlink()
+    return manifest

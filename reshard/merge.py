@@ -12,18 +12,22 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from reshard.errors import OutputError, SourceError
-from reshard.format import ITEMSIZE, fsync_dir
-from reshard.inverse import open_output
+from reshard.checkpoint import Checkpoint
+from reshard.errors import SourceError
+from reshard.format import ITEMSIZE
+from reshard.layout import INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
-from reshard.save import TMP_PREFIX, check_out_dir, copy_list, run_executor
-from reshard.source import INDEX
+from reshard.publish import check_free_space, check_out_dir, copy_files, publish, side_files, temp_dir, write_error
+from reshard.save import run_executor
+from reshard.sources import OutputSource
 
 DEFAULT_SHARD = 5 * 1024**3
 
 
-def merge_plan(ckpt, max_shard_size: int) -> Plan:
+def merge_plan(ckpt: Checkpoint, max_shard_size: int) -> Plan:
+    """One whole tensor per source tensor the output holds, in Hub-style shards."""
     manifest = ckpt.manifest
+    assert manifest is not None
     tensors = []
     for name in sorted(ckpt.tensors, key=natural_key):
         dtype, shape = manifest["source_tensors"][name]
@@ -32,10 +36,9 @@ def merge_plan(ckpt, max_shard_size: int) -> Plan:
     shards = split_by_size(tensors, max_shard_size)
     files = []
     for i, chunk in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         # widest dtypes first keeps tensors aligned; the executor writes in that order
         chunk.sort(key=lambda t: (-ITEMSIZE[t.dtype], natural_key(t.name)))
-        files.append(OutFile(name, 0, 0, i, tuple(chunk)))
+        files.append(OutFile(hf_shard_name(i, len(shards)), 0, 0, i, tuple(chunk)))
     layout = manifest["layout"]
     return Plan(
         source=ckpt.ref,
@@ -59,39 +62,32 @@ def merge(
     on_plan: Callable[[Plan], Callable[[int], None] | None] | None = None,
 ) -> dict:
     """Write the Hugging Face checkpoint that `out_dir` was made from into `hf_dir`."""
-    if not (out_dir / "reshard.json").is_file():
-        raise SourceError(f"{out_dir} has no reshard.json: not a complete reshard output")
-    ckpt = open_output(out_dir)
+    if not (out_dir / MANIFEST).is_file():
+        raise SourceError(f"{out_dir} has no {MANIFEST}: not a complete reshard output")
+    source = OutputSource(out_dir)
+    ckpt = source.checkpoint
     plan = merge_plan(ckpt, max_shard_size)
     check_out_dir(hf_dir, out_dir, overwrite)
     hf_dir.mkdir(parents=True, exist_ok=True)
-    if shutil.disk_usage(hf_dir).free < plan.total_bytes:
-        raise OutputError(f"not enough disk space in {hf_dir}", "free space or choose another folder")
+    check_free_space(hf_dir, plan.total_bytes)
     progress = on_plan(plan) if on_plan else None
-    tmp = hf_dir / f"{TMP_PREFIX}{uuid.uuid4().hex}"
+    tmp = temp_dir(hf_dir, uuid.uuid4().hex)
     tmp.mkdir()
     try:
-        written = run_executor(plan, ckpt, tmp, {"format": "pt"}, progress=progress)
+        written = run_executor(plan, source, tmp, {"format": "pt"}, progress=progress)
         if len(plan.files) > 1:
             index = {
                 "metadata": {"total_size": plan.total_bytes},
                 "weight_map": {t.name: f.name for f in plan.files for t in f.tensors},
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        copied = copy_list(out_dir)
-        for name in copied:
-            src = out_dir / name
-            (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / name)
+        copied = side_files(out_dir)
+        copy_files(out_dir, copied, tmp)
         names = [f.name for f in plan.files] + copied + ([INDEX] if len(plan.files) > 1 else [])
-        for old in [*hf_dir.glob("model*.safetensors"), hf_dir / INDEX]:
-            if old.exists() and old.name not in names:
-                old.unlink()
-        for name in names:
-            dst = hf_dir / name
-            if dst.is_dir() and not dst.is_symlink():
-                shutil.rmtree(dst)
-            (tmp / name).replace(dst)
-        fsync_dir(hf_dir)
+        stale = [p for p in [*hf_dir.glob("model*.safetensors"), hf_dir / INDEX] if p.name not in names]
+        publish(tmp, hf_dir, names, stale=stale)
+    except OSError as e:
+        raise write_error(hf_dir, e) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {

@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field
 
 from reshard import VLLM_LAYOUT, __version__
+from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_CODES, DTYPE_NAMES, ITEMSIZE, TensorInfo
 from reshard.rules import Architecture, Kind, Module, get_architecture
-from reshard.source import Checkpoint
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
 DEFAULT_MAX_PART = 5 * 1024**3  # as vLLM's save_sharded_state example

@@ -34,11 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
+from reshard.checkpoint import Checkpoint
 from reshard.errors import CorruptError, ExitCode, SourceError, UnsupportedError
 from reshard.format import DTYPE_CODES, ITEMSIZE, MAX_HEADER, TensorInfo, read_header
 from reshard.manifest import MANIFEST, read_manifest
 from reshard.plan import OutFile, OutTensor, Plan, build_plan, natural_key
-from reshard.source import Checkpoint, open_checkpoint, read_config
+from reshard.sources import open_source, read_config
 
 READ_BLOCK = 16 * 1024 * 1024
 MAX_PER_FILE = 20  # deep: differing tensors reported per file (the count of the rest is given)
@@ -257,7 +258,7 @@ class _Verifier:
         self._check_structure()
         ckpt = None
         if self.against is not None:
-            ckpt = open_checkpoint(self.against, self.revision, headers_only=not self.deep)
+            ckpt = open_source(self.against, self.revision, headers_only=not self.deep).checkpoint
             self._compare_source_tensors(ckpt)
         expected = self._expected(ckpt)
         self._check_asked(expected)

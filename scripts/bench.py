@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """reshard's benchmark: `make bench` runs it and writes docs/benchmarks.md.
 
-    python scripts/bench.py [--size 4GB] [--big-size 16GB] [--reps 3] [--quick] [--skip-vllm]
+    python -m scripts.bench [--size 4GB] [--big-size 16GB] [--reps 3] [--quick] [--skip-vllm]
 
 1. `reshard save --tp 8` against `cp -r` of the same checkpoint and against a naive script (for
    each rank: `safetensors.torch.load_file` every shard, slice with torch as reshard's plan says,
@@ -39,12 +39,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))
+from scripts.make_synthetic import make_config, parse_size, write_checkpoint
 
-from make_synthetic import make_config, parse_size, write_checkpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GB = 1e9
 GIB = 2**30
@@ -150,13 +147,13 @@ def dir_bytes(p: Path) -> int:
 
 def cmd_naive(src: Path, out: Path, tp: int) -> None:
     """The obvious script: per rank, load every shard whole, slice with torch, save_file."""
-    from reference import materialize  # tests/reference.py: the plan read with torch, whole tensors
     from safetensors.torch import load_file, save_file
 
     from reshard.plan import build_plan
-    from reshard.source import open_checkpoint
+    from reshard.sources import open_source
+    from tests.fixtures.reference import materialize  # the plan read with torch, whole tensors
 
-    ckpt = open_checkpoint(str(src))
+    ckpt = open_source(str(src)).checkpoint
     plan = build_plan(ckpt, tp=tp)
     out.mkdir(parents=True, exist_ok=True)
     for _, files in sorted(plan.ranks().items()):
@@ -181,9 +178,9 @@ def cmd_load(mode: str, path: Path, tp: int, rank: int, src: Path | None) -> Non
     slices: dict[str, list[tuple]] = {}
     if mode != "sharded":
         from reshard.plan import Slice, build_plan
-        from reshard.source import open_checkpoint
+        from reshard.sources import open_source
 
-        ckpt = open_checkpoint(str(path))
+        ckpt = open_source(str(path)).checkpoint
         plan = build_plan(ckpt, tp=tp)
         for f in plan.files:
             if f.tp_rank == rank:
@@ -315,9 +312,9 @@ class Bench:
         shutil.rmtree(out, ignore_errors=True)
         run_measured(self.save_cmd(src, out, tp), log=self.log)
         from reshard.plan import Slice, build_plan
-        from reshard.source import open_checkpoint
+        from reshard.sources import open_source
 
-        ckpt = open_checkpoint(str(src))
+        ckpt = open_source(str(src)).checkpoint
         plan = build_plan(ckpt, tp=tp)
         mine = [t for f in plan.files if f.tp_rank == 0 for t in f.tensors]
         need = sum(t.nbytes for t in mine)
@@ -492,8 +489,8 @@ def report(r: dict) -> str:
     L = [
         "# Benchmarks",
         "",
-        f"Written by `make bench` (`python scripts/bench.py{' ' + ' '.join(argv) if argv else ''}`) on "
-        f"{r['started']}, in {r['minutes']:.0f} min. Checkpoints are synthetic (scripts/make_synthetic.py): the real "
+        f"Written by `make bench` (`python -m scripts.bench{' ' + ' '.join(argv) if argv else ''}`) on "
+        f"{r['started']}, in {r['minutes']:.0f} min. Checkpoints are synthetic (`python -m scripts.make_synthetic`): the real "
         "architectures' tensor names, shapes and dtypes with fewer layers, sharded like a Hub download.",
         "",
         "## Machine",

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Write a synthetic Hugging Face checkpoint with a real architecture's tensor names and shapes.
 
-    python scripts/make_synthetic.py OUT --arch llama|qwen3-moe [--fp8] --size 4GB
+    python -m scripts.make_synthetic OUT --arch llama|qwen3-moe [--fp8] --size 4GB
 
 The model is Llama-3-8B (dense) or Qwen3-30B-A3B (MoE) with as many decoder layers as it takes to
 reach --size (fewer than the real model for small sizes, more above it). When even one layer plus
 the embeddings is larger than --size, the vocabulary is cut down too (config.json says so). --fp8
 writes block-FP8 weights (128x128 `weight_scale_inv`, as Qwen's FP8 releases; see
-scripts/synthetic.py `with_fp8`).
+tests/fixtures/synthetic.py `with_fp8`).
 
 The folder looks like a Hub download: `model-0000i-of-0000n.safetensors` shards of at most
 --shard-size (default: the checkpoint cut into max(2, ceil(size / 5 GB)) equal-ish shards),
@@ -31,10 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import LLAMA_3_8B, QWEN3_30B_A3B, tensor_specs, with_fp8
-
 from reshard.format import ITEMSIZE, encode_header
+from tests.fixtures.synthetic import LLAMA_3_8B, QWEN3_30B_A3B, tensor_specs, with_fp8
 
 POOL_BYTES = 32 * 1024 * 1024
 WRITE_BLOCK = 16 * 1024 * 1024

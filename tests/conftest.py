@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(arch, **kwargs) -> folder of a tiny HF checkpoint, cached for the session."""
-    from tiny_checkpoint import make_tiny
+    from tests.fixtures.tiny import make_tiny
 
     cache: dict[tuple, Path] = {}
 

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from reshard.errors import OutputError
+from reshard.manifest import assemble
 from reshard.plan import DEFAULT_MAX_PART
-from reshard.save import assemble, save
+from reshard.save import save
 
 
 def tensors(folder):

@@ -11,15 +11,16 @@ import math
 
 import pytest
 import torch
-from reference import load_source, materialize
 from safetensors import safe_open
 
+from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.plan import DEFAULT_MAX_PART, Fill, Slice, build_plan
 from reshard.rules import ARCHITECTURES
 from reshard.save import save
-from reshard.source import Checkpoint, open_checkpoint
+from reshard.sources import open_source
+from tests.fixtures.reference import load_source, materialize
 
 NEW = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
@@ -55,7 +56,7 @@ def test_unknown_architecture_lists_every_supported_one():
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_deepseek_v3_tiny(tiny, tp):
-    plan = build_plan(open_checkpoint(str(tiny("deepseek-v3"))), tp=tp)
+    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, tp=tp)
     for r in range(tp):
         s = shapes(plan, r)
         # 3 top + 4 layers x (2 norms + 6 MLA tensors + 4 buffers) + dense MLP 2 + 3 MoE layers x 6
@@ -99,7 +100,7 @@ def test_deepseek_v3_tiny(tiny, tp):
 
 
 def test_deepseek_v3_tiny_ep(tiny):
-    plan = build_plan(open_checkpoint(str(tiny("deepseek-v3"))), tp=4, ep=True)
+    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, tp=4, ep=True)
     s = shapes(plan, 3)
     m = "model.layers.3.mlp.experts."
     assert s[m + "routed_experts.w13_weight"] == ("BF16", (2, 64, 64))  # experts 6, 7 whole
@@ -110,7 +111,7 @@ def test_deepseek_v3_tiny_ep(tiny):
 
 
 def test_deepseek_v3_mtp_layer_ignored_but_strays_refused(tiny):
-    ckpt = open_checkpoint(str(tiny("deepseek-v3")))
+    ckpt = open_source(str(tiny("deepseek-v3"))).checkpoint
     assert ckpt.config["num_nextn_predict_layers"] == 1
     assert "model.layers.4.eh_proj.weight" in ckpt.tensors
     build_plan(ckpt, tp=2)
@@ -122,7 +123,7 @@ def test_deepseek_v3_mtp_layer_ignored_but_strays_refused(tiny):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_deepseek_v3_fp8_tiny(tiny, tp):
-    plan = build_plan(open_checkpoint(str(tiny("deepseek-v3-fp8"))), tp=tp)
+    plan = build_plan(open_source(str(tiny("deepseek-v3-fp8"))).checkpoint, tp=tp)
     s = shapes(plan, 0)
     a = "model.layers.1.self_attn."
     # [q_lora 128 | kv_lora 512 + rope 64]: the second part is not a block multiple, so vLLM
@@ -154,7 +155,7 @@ def test_deepseek_v3_fp8_tiny(tiny, tp):
 
 @pytest.mark.parametrize("tp", [1, 4])
 def test_deepseek_v2_lite_tiny_without_q_lora(tiny, tp):
-    plan = build_plan(open_checkpoint(str(tiny("deepseek-v2-lite"))), tp=tp)
+    plan = build_plan(open_source(str(tiny("deepseek-v2-lite"))).checkpoint, tp=tp)
     s = shapes(plan, 0)
     a = "model.layers.1.self_attn."
     assert s[a + "kv_a_proj_with_mqa.weight"] == ("BF16", (576, 64))  # replicated, self_attn path
@@ -165,7 +166,7 @@ def test_deepseek_v2_lite_tiny_without_q_lora(tiny, tp):
 
 
 def test_deepseek_pp_embedding_first_lm_head_last(tiny):
-    plan = build_plan(open_checkpoint(str(tiny("deepseek-v3"))), tp=1, pp=2)
+    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, tp=1, pp=2)
     first, last = shapes(plan, 0, 0), shapes(plan, 0, 1)
     assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
     assert "lm_head.weight" in last and "model.norm.weight" in last and "model.embed_tokens.weight" not in last
@@ -177,7 +178,7 @@ def test_deepseek_pp_embedding_first_lm_head_last(tiny):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gemma2_tiny(tiny, tp):
-    plan = build_plan(open_checkpoint(str(tiny("gemma2"))), tp=tp)
+    plan = build_plan(open_source(str(tiny("gemma2"))).checkpoint, tp=tp)
     s = shapes(plan, tp - 1)
     # no lm_head module: the embedding keeps its key; 4 norms + qkv + o + 4 buffers + 2 MLP
     assert "lm_head.weight" not in s
@@ -192,7 +193,7 @@ def test_gemma2_tiny(tiny, tp):
 def test_gemma_norms_stored_raw(tiny, tmp_path):
     src = tiny("gemma3")
     save(str(src), tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
-    hf = load_source(src, open_checkpoint(str(src)))
+    hf = load_source(src, open_source(str(src)).checkpoint)
     with safe_open(str(tmp_path / "out" / "model-rank-1-part-0.safetensors"), "pt") as h:
         for k in ("model.layers.2.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.q_norm.weight"):
             assert torch.equal(h.get_tensor(k), hf[k])  # GemmaRMSNorm: vLLM adds the 1 at run time
@@ -200,7 +201,7 @@ def test_gemma_norms_stored_raw(tiny, tmp_path):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gemma3_tiny_tied(tiny, tp):
-    plan = build_plan(open_checkpoint(str(tiny("gemma3"))), tp=tp)
+    plan = build_plan(open_source(str(tiny("gemma3"))).checkpoint, tp=tp)
     t = rank(plan, 0)
     assert "model.embed_tokens.weight" not in t
     assert t["lm_head.weight"].shape == (1024 // tp, 64)
@@ -212,7 +213,7 @@ def test_gemma3_tiny_tied(tiny, tp):
 
 def test_gemma_top_on_every_pp_stage(tiny):
     for arch, head in (("gemma2", "model.embed_tokens.weight"), ("gemma3", "lm_head.weight")):
-        plan = build_plan(open_checkpoint(str(tiny(arch))), tp=2, pp=2)
+        plan = build_plan(open_source(str(tiny(arch))).checkpoint, tp=2, pp=2)
         for p in (0, 1):
             s = shapes(plan, 1, p)
             assert head in s and "model.norm.weight" in s, (arch, p)
@@ -223,7 +224,7 @@ def test_gemma_top_on_every_pp_stage(tiny):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_phi3_fused_split_with_global_sizes(tiny, tp):
-    plan = build_plan(open_checkpoint(str(tiny("phi3"))), tp=tp)
+    plan = build_plan(open_source(str(tiny("phi3"))).checkpoint, tp=tp)
     nh, nkv, hd, inter = 8, 2, 32, 128
     for r in range(tp):
         t = rank(plan, r)
@@ -246,7 +247,7 @@ def test_phi3_files_equal_torch_slicing(tiny, tmp_path):
     """The streamed bytes against an independent reading of vLLM's _load_fused_module_from_checkpoint."""
     src = tiny("phi3")
     save(str(src), tmp_path / "out", tp=4, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
-    hf = load_source(src, open_checkpoint(str(src)))
+    hf = load_source(src, open_source(str(src)).checkpoint)
     w = hf["model.layers.2.self_attn.qkv_proj.weight"]
     q, k, v = w.split([256, 64, 64])
     gu = hf["model.layers.2.mlp.gate_up_proj.weight"]
@@ -268,7 +269,7 @@ def test_phi3_files_equal_torch_slicing(tiny, tmp_path):
 def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
     src = tiny(arch, shards=2)
     result = save(str(src), tmp_path / "out", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
-    source = load_source(src, open_checkpoint(str(src)))
+    source = load_source(src, open_source(str(src)).checkpoint)
     for f in result.plan.files:
         with safe_open(str(tmp_path / "out" / f.name), "pt") as h:
             assert set(h.keys()) == {t.name for t in f.tensors}
@@ -281,7 +282,7 @@ def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
 def test_deepseek_bias_written_float32(tiny, tmp_path):
     src = tiny("deepseek-v3")
     save(str(src), tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
-    hf = load_source(src, open_checkpoint(str(src)))
+    hf = load_source(src, open_source(str(src)).checkpoint)
     with safe_open(str(tmp_path / "out" / "model-rank-1-part-0.safetensors"), "pt") as h:
         b = h.get_tensor("model.layers.1.mlp.experts.gate.e_score_correction_bias")
     want = hf["model.layers.1.mlp.gate.e_score_correction_bias"]
@@ -504,7 +505,7 @@ def test_phi3_block_fp8_slot_off_the_block_grid_refused():
 
 
 def test_vocab_padding_rows_zero_for_new_archs(tiny):
-    plan = build_plan(open_checkpoint(str(tiny("gemma2"))), tp=4)
+    plan = build_plan(open_source(str(tiny("gemma2"))).checkpoint, tp=4)
     emb = rank(plan, 3)["model.embed_tokens.weight"]
     real, pad = emb.pieces
     assert rows(real) == (768, 1000) and isinstance(pad, Fill) and pad.count == 24 * 64

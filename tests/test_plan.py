@@ -6,10 +6,10 @@ import time
 from dataclasses import replace
 
 import pytest
-from synthetic import LLAMA_3_70B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
 
 from reshard.errors import SourceError, UnsupportedError
 from reshard.plan import Fill, build_plan, pp_ranges
+from tests.fixtures.synthetic import LLAMA_3_70B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
 
 
 def rank_tensors(plan, tp_rank, pp_rank=0):

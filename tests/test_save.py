@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
-from reference import load_source, materialize
 from safetensors import safe_open
 
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.save import save
-from reshard.source import open_checkpoint
+from reshard.sources import open_source
+from tests.fixtures.reference import load_source, materialize
 
 CASES = [
     ("llama", 1, False),
@@ -51,7 +51,7 @@ def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
     # a tiny chunk forces every tensor through many chunk boundaries
     result = save(str(src), out, tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
     plan = result.plan
-    source = load_source(src, open_checkpoint(str(src)))
+    source = load_source(src, open_source(str(src)).checkpoint)
     got = read_rank_files(out, plan)
     expected_keys = set()
     for f in plan.files:
@@ -88,7 +88,7 @@ def test_parts_split_at_max_part_size(tiny, tmp_path):
 def test_dtype_cast_matches_torch(tiny, tmp_path):
     src = tiny("qwen3")
     result = save(str(src), tmp_path / "out", tp=2, dtype="float16", max_part_size=DEFAULT_MAX_PART)
-    source = load_source(src, open_checkpoint(str(src)))
+    source = load_source(src, open_source(str(src)).checkpoint)
     with safe_open(str(tmp_path / "out" / "model-rank-1-part-0.safetensors"), "pt") as h:
         norm = h.get_tensor("model.layers.0.input_layernorm.weight")
         scale = h.get_tensor("model.layers.0.self_attn.attn._k_scale")
@@ -101,7 +101,7 @@ def test_dtype_cast_matches_torch(tiny, tmp_path):
 def test_bf16_scales_become_fp32(tiny, tmp_path):
     src = tiny("qwen3-moe-fp8", scale_dtype="bfloat16")
     save(str(src), tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
-    source = load_source(src, open_checkpoint(str(src)))
+    source = load_source(src, open_source(str(src)).checkpoint)
     with safe_open(str(tmp_path / "out" / "model-rank-0-part-0.safetensors"), "pt") as h:
         s = h.get_tensor("model.layers.1.self_attn.o_proj.weight_scale_inv")
         kv = h.get_tensor("model.layers.1.self_attn.attn.k_scale")

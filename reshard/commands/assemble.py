@@ -18,7 +18,7 @@ def assemble_cmd(out_dir, as_json):
 
     Pieces copied together from several machines are checked to belong to one job (same run id).
     """
-    from reshard.save import assemble
+    from reshard.manifest import assemble
 
     manifest = assemble(out_dir)
     assert manifest is not None

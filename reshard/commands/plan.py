@@ -35,9 +35,9 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, ou
     per-GPU footprint is known before it is downloaded.
     """
     from reshard.plan import build_plan
-    from reshard.source import open_checkpoint
+    from reshard.sources import open_source
 
-    ckpt = open_checkpoint(source, revision, headers_only=True)
+    ckpt = open_source(source, revision, headers_only=True).checkpoint
     plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=parse_partition(pp_partition))
     summary = plan.summary()
     summary["serve"] = plan.serve_command(out_dir)

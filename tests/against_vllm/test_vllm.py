@@ -3,7 +3,7 @@
 Run with ``make test-vllm`` (``.venv-vllm``, reshard installed with ``pip install -e . --no-deps``).
 
 For every case, ``python -m reshard save SRC OUT --tp T [--ep] [--pp P] --overwrite`` runs on a
-tiny random checkpoint (``scripts/tiny_checkpoint.py``); then
+tiny random checkpoint (``tests/fixtures/tiny.py``); then
 
 * ``test_state_matches_vllm``: vLLM builds the model on T*P gloo CPU ranks, loads SRC with its
   default loader and dumps ``ShardedStateLoader._filter_subtensors(model.state_dict())`` per rank
@@ -31,16 +31,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.against_vllm import generate, vllm_state
+from tests.fixtures.quant import convert as quantize
+from tests.fixtures.tiny import make_tiny
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-for p in (HERE, ROOT / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import generate  # noqa: E402
-import vllm_state  # noqa: E402
-from tiny_checkpoint import make_tiny  # noqa: E402
-from tiny_quant import convert as quantize  # noqa: E402
 
 
 def _have_vllm() -> bool:
@@ -142,7 +138,7 @@ STATE_CASES: list[Case] = (
         Case("phi3", 1, pp=2),
         # dtype override
         Case("qwen2", 2, dtype="float16"),
-        # FP8 as quantization tools write it (scripts/tiny_quant.py): per-tensor Fp8Config,
+        # FP8 as quantization tools write it (tests/fixtures/quant.py): per-tensor Fp8Config,
         # compressed-tensors per-channel and per-tensor
         Case("llama+fp8-tensor", 2),
         Case("phi3+fp8-tensor-static", 1),  # one scale of a fused tensor fills every slot

@@ -1,4 +1,4 @@
-"""Read a reshard output folder as the checkpoint it was made from.
+"""A reshard output folder read as the checkpoint it was made from.
 
 The manifest records the source's tensor names, dtypes and shapes; planning the recorded layout
 again tells, for every piece of every output tensor, which region of which source tensor it holds.
@@ -9,7 +9,6 @@ serves `save` with an output as SOURCE (re-shard without the original) and `merg
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from reshard.checkpoint import Checkpoint, Reader
 from reshard.errors import CorruptError, SourceError
 from reshard.format import ITEMSIZE, TensorInfo, read_header
-from reshard.manifest import MANIFEST, read_manifest
+from reshard.hashing import hash_file
+from reshard.manifest import read_manifest
 from reshard.plan import Slice, build_plan
-from reshard.source import Checkpoint, read_config
+from reshard.sources.local import read_config
 
 VIRTUAL = "<reshard-output>"
 
@@ -38,12 +39,24 @@ class Region:
     up: tuple[int, ...] | None
 
 
-def is_output_dir(path: Path) -> bool:
-    return (path / MANIFEST).is_file()
+class OutputSource:
+    """An output folder (checked whole against its manifest first) whose tensors are read back out of
+    its rank files."""
+
+    def __init__(self, path: Path, *, checksums: bool = True) -> None:
+        self.path = path
+        self._checkpoint, self.regions = read_output(path, checksums=checksums)
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    def open_reader(self) -> Reader:
+        return OutputReader(self.path, self.regions)
 
 
-def open_output(path: Path, *, checksums: bool = True) -> Checkpoint:
-    """An output folder as a Checkpoint whose tensors are read through `OutputReader`."""
+def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict[str, list[Region]]]:
+    """The original checkpoint's metadata, and where each of its tensors lies in the rank files."""
     manifest = read_manifest(path)
     if checksums:
         check_files(path, manifest)
@@ -84,16 +97,8 @@ def open_output(path: Path, *, checksums: bool = True) -> Checkpoint:
         tensors[name] = TensorInfo(name, dtypes[name], shape, VIRTUAL, 0, math.prod(shape) * ITEMSIZE[dtypes[name]])
         regions[name] = _tile(name, shape, regs)
     ref = {"path": str(path.resolve()), "resharded_from": manifest["source"], "from_run": manifest["run_id"]}
-    return Checkpoint(
-        path,
-        config,
-        tensors,
-        [],
-        ref,
-        reader_factory=lambda: OutputReader(path, regions),
-        manifest=manifest,
-        missing=sorted(set(original) - set(tensors)),
-    )
+    ckpt = Checkpoint(path, config, tensors, [], ref, manifest=manifest, missing=sorted(set(original) - set(tensors)))
+    return ckpt, regions
 
 
 def _tile(name: str, shape: tuple[int, ...], regs: list[Region]) -> list[Region]:
@@ -111,7 +116,7 @@ def _tile(name: str, shape: tuple[int, ...], regs: list[Region]) -> list[Region]
 
 
 class OutputReader:
-    """The SourceReader interface over an output folder's regions."""
+    """A `Reader` over an output folder's regions: a source tensor's rows, gathered from the rank files."""
 
     def __init__(self, root: Path, regions: dict[str, list[Region]]) -> None:
         self.root = root
@@ -181,14 +186,10 @@ def check_files(path: Path, manifest: dict) -> None:
         try:
             if p.stat().st_size != entry["size"]:
                 return f"{entry['name']} has {p.stat().st_size} bytes, the manifest says {entry['size']}"
-            h = hashlib.sha256()
-            buf = bytearray(16 << 20)
-            with open(p, "rb", buffering=0) as f:
-                while n := f.readinto(buf):
-                    h.update(memoryview(buf)[:n])
+            digest = hash_file(p)
         except OSError as e:
             return f"{entry['name']}: {e.strerror}"
-        return None if h.hexdigest() == entry["sha256"] else f"{entry['name']} fails its sha256 checksum"
+        return None if digest == entry["sha256"] else f"{entry['name']} fails its sha256 checksum"
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         problems = [p for p in pool.map(check, manifest["files"]) if p]

@@ -1,0 +1,46 @@
+"""Where checkpoints come from: a local folder, a Hub repo, or an earlier reshard output.
+
+Each is a `Source` (`reshard.checkpoint`): its metadata as a plain `Checkpoint` (config.json and the
+safetensors headers; no tensor byte read, no torch imported) and `open_reader()` for the bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from reshard.checkpoint import Source
+from reshard.errors import SourceError
+from reshard.layout import MANIFEST
+from reshard.sources.hub import is_repo_id, open_hub
+from reshard.sources.local import LocalSource, read_config
+from reshard.sources.output import OutputSource
+
+__all__ = ["LocalSource", "OutputSource", "Source", "is_repo_id", "open_source", "read_config"]
+
+
+def open_source(spec: str, revision: str | None = None, *, headers_only: bool = False) -> Source:
+    """Resolve SOURCE and read its metadata.
+
+    Args:
+        spec: a local folder (a Hugging Face checkpoint, or a reshard output: its `reshard.json`
+            says so), or a Hub repo id (resolved through huggingface_hub's cache, which honours
+            HF_HOME and HF_HUB_OFFLINE).
+        revision: Hub branch, tag or commit.
+        headers_only: for a repo id, fetch config.json and the safetensors headers without
+            downloading weights (`reshard plan`); the source then has no reader.
+    """
+    path = Path(spec)
+    if path.is_dir():
+        if revision:
+            raise SourceError(f"--revision applies to Hub repo ids, but {spec} is a local folder")
+        if (path / MANIFEST).is_file():
+            return OutputSource(path)
+        return LocalSource(path, {"path": str(path.resolve())})
+    if path.exists():
+        raise SourceError(f"{spec} is a file; SOURCE must be a checkpoint folder or a Hub repo id")
+    if not is_repo_id(spec):
+        raise SourceError(
+            f"{spec}: no such folder, and not a Hub repo id",
+            "give a checkpoint folder or a repo id like Qwen/Qwen3-8B",
+        )
+    return open_hub(spec, revision, headers_only=headers_only)

@@ -1,0 +1,79 @@
+"""A Hugging Face checkpoint in a local folder: one `model.safetensors`, or shards with an index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from reshard.checkpoint import Checkpoint, Reader
+from reshard.errors import SourceError
+from reshard.format import TensorInfo, read_header
+from reshard.layout import CONFIG, INDEX, SINGLE
+
+
+class LocalSource:
+    """A checkpoint folder; its metadata is read once, here (headers only)."""
+
+    def __init__(self, root: Path, ref: dict) -> None:
+        self.root = root
+        self._checkpoint = read_local(root, ref)
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    def open_reader(self) -> Reader:
+        from reshard.execute import SourceReader
+
+        return SourceReader(self.root)
+
+
+def read_local(root: Path, ref: dict) -> Checkpoint:
+    """config.json, the index and every shard's header of the checkpoint in `root`."""
+    config = read_config(root)
+    files = weight_files(root)
+    tensors: dict[str, TensorInfo] = {}
+    sizes: dict[str, int] = {}
+    for name in files:
+        found, _, size = read_header(root / name)
+        sizes[name] = size
+        for key, info in found.items():
+            if key in tensors:
+                raise SourceError(f"{root}: tensor {key!r} appears in {tensors[key].file} and {name}")
+            tensors[key] = info
+    return Checkpoint(root, config, tensors, files, ref, sizes)
+
+
+def read_config(root: Path) -> dict:
+    try:
+        with open(root / CONFIG) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise SourceError(f"{root}: no {CONFIG}", "SOURCE must be a Hugging Face checkpoint folder") from None
+    except (OSError, ValueError) as e:
+        raise SourceError(f"{root / CONFIG}: cannot parse ({e})") from e
+
+
+def weight_files(root: Path) -> list[str]:
+    """The safetensors files of `root`, in index order (or the single file, or every file)."""
+    index = root / INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SourceError(f"{index}: cannot parse ({e})") from e
+        files = list(dict.fromkeys(weight_map.values()))
+        missing = [f for f in files if not (root / f).is_file()]
+        if missing:
+            raise SourceError(
+                f"{root}: {len(missing)} shard(s) named in {INDEX} are missing: {', '.join(missing[:3])}",
+                "download the checkpoint again (e.g. `hf download REPO`)",
+            )
+        return files
+    if (root / SINGLE).is_file():
+        return [SINGLE]
+    found = sorted(p.name for p in root.glob("*.safetensors") if not p.name.startswith("consolidated"))
+    if not found:
+        hint = "reshard reads safetensors only; convert .bin checkpoints first"
+        raise SourceError(f"{root}: no *.safetensors weights found", hint)
+    return found
