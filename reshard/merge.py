@@ -10,6 +10,7 @@ import json
 import shutil
 import uuid
 from collections.abc import Callable
+from fnmatch import fnmatch
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint
@@ -17,7 +18,18 @@ from reshard.errors import SourceError
 from reshard.format import ITEMSIZE
 from reshard.layout import INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
-from reshard.publish import check_free_space, check_out_dir, copy_files, publish, side_files, temp_dir, write_error
+from reshard.publish import (
+    check_free_space,
+    check_out_dir,
+    copy_files,
+    lock,
+    make_dir,
+    recover,
+    side_files,
+    staging_dir,
+    swap_in,
+    write_error,
+)
 from reshard.save import run_executor
 from reshard.sources import OutputSource
 
@@ -67,29 +79,28 @@ def merge(
     source = OutputSource(out_dir)
     ckpt = source.checkpoint
     plan = merge_plan(ckpt, max_shard_size)
-    check_out_dir(hf_dir, out_dir, overwrite)
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    check_free_space(hf_dir, plan.total_bytes)
-    progress = on_plan(plan) if on_plan else None
-    tmp = temp_dir(hf_dir, uuid.uuid4().hex)
-    tmp.mkdir()
-    try:
-        written = run_executor(plan, source, tmp, {"format": "pt"}, progress=progress)
-        if len(plan.files) > 1:
-            index = {
-                "metadata": {"total_size": plan.total_bytes},
-                "weight_map": {t.name: f.name for f in plan.files for t in f.tensors},
-            }
-            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        copied = side_files(out_dir)
-        copy_files(out_dir, copied, tmp)
-        names = [f.name for f in plan.files] + copied + ([INDEX] if len(plan.files) > 1 else [])
-        stale = [p for p in [*hf_dir.glob("model*.safetensors"), hf_dir / INDEX] if p.name not in names]
-        publish(tmp, hf_dir, names, stale=stale)
-    except OSError as e:
-        raise write_error(hf_dir, e) from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with lock(hf_dir):
+        recover(hf_dir)
+        check_out_dir(hf_dir, out_dir, overwrite)
+        make_dir(hf_dir.resolve().parent)
+        check_free_space(hf_dir.resolve().parent, plan.total_bytes)
+        progress = on_plan(plan) if on_plan else None
+        staged = staging_dir(hf_dir, uuid.uuid4().hex)
+        make_dir(staged)
+        try:
+            written = run_executor(plan, source, staged, {"format": "pt"}, progress=progress)
+            if len(plan.files) > 1:
+                index = {
+                    "metadata": {"total_size": plan.total_bytes},
+                    "weight_map": {t.name: f.name for f in plan.files for t in f.tensors},
+                }
+                (staged / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            copy_files(out_dir, side_files(out_dir), staged)
+            swap_in(staged, hf_dir, ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"))
+        except OSError as e:
+            raise write_error(hf_dir, e) from e
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
     return {
         "ok": True,
         "hf_dir": str(hf_dir),

@@ -8,12 +8,14 @@ full one appears when all pieces are in, `reshard.manifest.assemble`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from fnmatch import fnmatch
 from pathlib import Path
 
 from reshard import __version__
@@ -21,17 +23,20 @@ from reshard.checkpoint import Checkpoint, Source
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError
 from reshard.execute import Executor
-from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, piece_manifest_name, rank_files_in
-from reshard.manifest import Manifest, assemble, build_manifest, same_job, write_manifest
+from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
+from reshard.manifest import Manifest, assemble, build_manifest, read_manifest, same_job, write_manifest
 from reshard.plan import OutFile, Plan, build_plan
 from reshard.publish import (
     check_free_space,
     check_out_dir,
     copy_files,
-    publish,
+    lock,
+    make_dir,
+    move_into,
+    recover,
     side_files,
-    stale_temp_dirs,
-    temp_dir,
+    staging_dir,
+    swap_in,
     write_error,
 )
 from reshard.sources import open_source
@@ -86,34 +91,36 @@ def save(
 ) -> SaveResult:
     """Write every rank's files of `source` into `out_dir`; see `reshard save --help`."""
     group = Group.from_env()
+    coordinator = group is None or group.rank == 0
     try:
         src = open_source(source, revision)
         plan = build_plan(
             src.checkpoint, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size, pp_partition=pp_partition
         )
         job = _job(src, plan, ranks, group)
-        _check_output(job, group, out_dir, overwrite=overwrite, device=device)
-        tmp = temp_dir(out_dir, job.run_id + (f"-{ranks_tag(job.chosen)}" if job.piece and job.chosen else ""))
-        if group is None or group.rank == 0:
-            tmp.mkdir(exist_ok=True)
-        try:
-            mine = job.files
-            if group is not None:
-                group.broadcast(None)  # barrier: the temporary folder exists
-                mine = [f for f in job.files if _engine_rank(plan, f) % group.size == group.rank]
-            progress = on_plan(replace(plan, files=mine)) if on_plan else None
-            written = _write(job, group, mine, tmp, device=device, progress=progress,
-                             chunk_bytes=chunk_bytes, max_memory=max_memory)  # fmt: skip
-            if group is not None and group.rank != 0:
-                return SaveResult(plan, {}, out_dir)  # process 0 publishes, and removes `tmp`
-            manifest = _finish(job, written, tmp, out_dir)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise write_error(out_dir, e) from e
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+        with lock(out_dir) if coordinator else contextlib.nullcontext():
+            _check_output(job, group, out_dir, overwrite=overwrite, device=device)
+            staged = staging_dir(
+                out_dir, job.run_id + (f"-{ranks_tag(job.chosen)}" if job.piece and job.chosen else "")
+            )
+            if coordinator:
+                make_dir(staged)
+            try:
+                mine = job.files
+                if group is not None:
+                    group.broadcast(None)  # barrier: the staging folder exists
+                    mine = [f for f in job.files if _engine_rank(plan, f) % group.size == group.rank]
+                progress = on_plan(replace(plan, files=mine)) if on_plan else None
+                written = _write(job, group, mine, staged, device=device, progress=progress,
+                                 chunk_bytes=chunk_bytes, max_memory=max_memory)  # fmt: skip
+                if not coordinator:
+                    return SaveResult(plan, {}, out_dir)  # process 0 publishes
+                manifest = _finish(job, written, staged, out_dir)
+            except OSError as e:
+                raise write_error(out_dir, e) from e
+            finally:
+                if coordinator:
+                    shutil.rmtree(staged, ignore_errors=True)
         return SaveResult(plan, manifest, out_dir)
     finally:
         if group is not None:
@@ -143,9 +150,10 @@ def _check_output(job: _Job, group: Group | None, out_dir: Path, *, overwrite: b
     error: BaseException | None = None
     if group is None or group.rank == 0:
         try:
+            recover(out_dir)  # first: a folder an interrupted swap took away is put back
             check_out_dir(out_dir, job.ckpt.root, overwrite or (job.piece and same_job(out_dir, job.run_id)))
-            out_dir.mkdir(parents=True, exist_ok=True)
-            check_free_space(out_dir, sum(f.data_bytes for f in job.files))
+            make_dir(out_dir.resolve().parent)
+            check_free_space(out_dir.resolve().parent, sum(f.data_bytes for f in job.files))
             if device != "cpu":
                 _check_device(device)
         except ReshardError as e:
@@ -179,25 +187,37 @@ def _write(
     return written
 
 
-def _finish(job: _Job, written: list, tmp: Path, out_dir: Path) -> Manifest:
-    """Copy the side files, build the manifest, publish; a piece joins the others (or completes them)."""
+def _finish(job: _Job, written: list, staged: Path, out_dir: Path) -> Manifest:
+    """Copy the side files and the manifest into `staged`, then publish it as OUT_DIR (a piece's
+    files join the others' instead; the manifest is assembled once every piece is in)."""
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    copied = _copy_side_files(job.ckpt, job.plan, tmp)
+    copied = _copy_side_files(job.ckpt, job.plan, staged)
     manifest = build_manifest(job.plan, written, run_id=job.run_id, created=created, out_dir=str(out_dir),
                               copied=copied, source_tensors=job.source_tensors)  # fmt: skip
-    names = [f.name for f in job.files] + copied
     if job.piece:
         assert job.chosen is not None
         manifest["ranks"] = job.chosen
         manifest["all_files"] = [f.name for f in job.plan.files]
-        publish(tmp, out_dir, names, stale=[out_dir / MANIFEST])
+        make_dir(out_dir)
+        (out_dir / MANIFEST).unlink(missing_ok=True)
+        move_into(staged, out_dir, [f.name for f in job.files] + copied)
         write_manifest(out_dir, manifest, name=piece_manifest_name(ranks_tag(job.chosen)))
         return assemble(out_dir, quiet=True) or manifest
-    stale = [out_dir / MANIFEST, *rank_files_in(out_dir), *stale_temp_dirs(out_dir),
-             *out_dir.glob(PIECE_MANIFEST_GLOB)]  # fmt: skip
-    publish(tmp, out_dir, names, stale=stale)
-    write_manifest(out_dir, manifest)
+    write_manifest(staged, manifest)
+    swap_in(staged, out_dir, ours=_ours(out_dir))
     return manifest
+
+
+def _ours(out_dir: Path) -> Callable[[str], bool]:
+    """The names of OUT_DIR that an earlier reshard run wrote (the rest is kept when overwriting)."""
+    copied: set[str] = set()
+    with contextlib.suppress(ReshardError, OSError, TypeError, AttributeError):
+        copied = set(read_manifest(out_dir).get("copied") or [])
+
+    def ours(name: str) -> bool:
+        return is_rank_file_name(name) or name == MANIFEST or name in copied or fnmatch(name, PIECE_MANIFEST_GLOB)
+
+    return ours
 
 
 def _engine_rank(plan: Plan, f: OutFile) -> int:

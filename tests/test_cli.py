@@ -131,7 +131,8 @@ def test_interrupt_leaves_nothing_that_looks_complete(tiny, tmp_path, monkeypatc
     out = tmp_path / "out"
     code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
     assert code == 130 and "interrupted" in err
-    assert list(out.iterdir()) == []
+    # OUT_DIR as it was (absent), and no staging folder or lock left beside it
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_interrupted_overwrite_keeps_previous_output(tiny, tmp_path, monkeypatch):
@@ -159,7 +160,7 @@ def test_disk_full(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(ex._FileWriter, "write", full)
     code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2")
     assert code == 5 and "disk full" in err
-    assert list((tmp_path / "out").iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # nothing created, nothing left beside OUT_DIR
 
 
 def test_not_enough_space_is_refused_before_writing(tiny, tmp_path, monkeypatch):
