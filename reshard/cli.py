@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -25,9 +26,19 @@ def cli() -> None:
     reshard merge out/ hf/                              back to a Hugging Face checkpoint
     vllm serve out/ --load-format sharded_state -tp 8
 
-    Exit codes: 0 ok, 1 internal error, 2 usage, 3 unsupported model or layout, 4 bad source,
-    5 output refused (not empty, disk full), 6 verify: layout differs, 7 verify: corrupt or
-    incomplete, 130 interrupted. RESHARD_DEBUG=1 shows tracebacks.
+    Exit codes: 0 ok, 1 internal error (a bug), 2 usage, 3 unsupported model or layout, 4 bad
+    source, 5 output refused (not empty, disk full, locked by another run), 6 verify: layout
+    differs, 7 verify: corrupt or incomplete, 130 interrupted. Errors are one line on stderr,
+    `reshard: error: ...`; with --json a failing command also prints {"ok": false, "error": {...}}
+    on stdout.
+
+    \b
+    Environment:
+      RESHARD_DEBUG=1             show the traceback of an error
+      RESHARD_DISABLE_PROGRESS=1  no progress output on stderr (also: --json, NO_COLOR only colours)
+      RESHARD_O_DIRECT=0          buffered writes instead of O_DIRECT (for filesystems that mis-handle it)
+      RESHARD_DIRECT_READS=1      read the source with O_DIRECT instead of through the page cache
+      HF_HOME, HF_HUB_OFFLINE, HF_TOKEN, HF_ENDPOINT   as for huggingface_hub (Hub repo ids)
     """
 
 
@@ -54,27 +65,40 @@ def _sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _sigterm)
+    args = sys.argv[1:] if argv is None else list(argv)
     debug = os.environ.get("RESHARD_DEBUG", "").lower() in ("1", "true", "yes")
+    as_json = "--json" in args
     try:
-        rc = cli.main(args=argv, prog_name="reshard", standalone_mode=False)
-    except click.exceptions.Abort:
-        _fail("interrupted; partial output removed", ExitCode.INTERRUPTED)
-    except KeyboardInterrupt:
-        _fail("interrupted; partial output removed", ExitCode.INTERRUPTED)
+        rc = cli.main(args=args, prog_name="reshard", standalone_mode=False)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _fail(
+            "interrupted; nothing was published and a previous output is unchanged",
+            ExitCode.INTERRUPTED,
+            as_json,
+            "interrupted",
+        )
+    except click.UsageError as e:
+        where = "reshard" + (f" {args[0]}" if args and args[0] in cli.commands else "")
+        _fail(f"{e.format_message()} (see `{where} --help`)", ExitCode.USAGE, as_json, "usage")
     except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
+        _fail(e.format_message(), e.exit_code, as_json, "usage")
     except ReshardError as e:
         if debug:
             raise
-        _fail(str(e), e.exit_code)
+        _fail(str(e), e.exit_code, as_json, type(e).__name__)
     except Exception as e:
         if debug:
             raise
-        _fail(f"internal error: {type(e).__name__}: {e} (rerun with RESHARD_DEBUG=1 and report it)", ExitCode.INTERNAL)
+        msg = f"internal error: {type(e).__name__}: {e} (rerun with RESHARD_DEBUG=1 and report it)"
+        _fail(msg, ExitCode.INTERNAL, as_json, "internal")
     sys.exit(rc if isinstance(rc, int) else 0)
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, as_json: bool, kind: str) -> None:
+    """One line on stderr; with --json also an object on stdout that CI can parse."""
+    message = " ".join(message.split())  # one line, whatever the message held
+    if as_json:
+        err = {"code": int(code), "kind": kind, "message": message}
+        print(json.dumps({"ok": False, "error": err}), flush=True)
     print(f"reshard: error: {message}", file=sys.stderr, flush=True)
     sys.exit(int(code))

@@ -93,17 +93,19 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]
         obj = json.loads(raw)
         if not isinstance(obj, dict):
             raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SourceError(f"{path}: corrupt safetensors header ({e})", _REDOWNLOAD) from e
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SourceError(f"{path}: corrupt safetensors header ({str(e)[:200]})", _REDOWNLOAD) from e
     meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SourceError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)", _REDOWNLOAD)
     start = 8 + n
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in obj.items():
         try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            if not isinstance(dtype, str) or not all(_is_int(x) for x in (*shape, begin, end)):
+                raise TypeError("dtype must be a string, shape and data_offsets integers")
         except (KeyError, TypeError, ValueError) as e:
             raise SourceError(f"{path}: corrupt header entry for {name!r}", _REDOWNLOAD) from e
         if any(d < 0 for d in shape):
@@ -133,6 +135,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]
 
 
 _REDOWNLOAD = "the file is damaged or partly downloaded: download it again"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:

@@ -44,13 +44,17 @@ def check_out_dir(out_dir: Path, source_root: Path | None, overwrite: bool) -> N
             raise OutputError(f"OUT_DIR {out_dir} is inside the source folder {source_root}", "write elsewhere")
         if out in src.parents:
             raise OutputError(f"the source folder {source_root} is inside OUT_DIR {out_dir}", "write elsewhere")
-    for parent in out.parents:
-        if parent.exists() and not parent.is_dir():
-            raise OutputError(f"OUT_DIR {out_dir} lies under {parent}, which is a file", "choose another OUT_DIR")
+    _check_parents(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputError(f"OUT_DIR {out_dir} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputError(f"OUT_DIR {out_dir} is not empty", "pass --overwrite to replace its reshard files")
+
+
+def _check_parents(out_dir: Path) -> None:
+    for parent in out_dir.resolve().parents:
+        if parent.exists() and not parent.is_dir():
+            raise OutputError(f"OUT_DIR {out_dir} lies under {parent}, which is a file", "choose another OUT_DIR")
 
 
 def check_free_space(folder: Path, need: int) -> None:
@@ -97,6 +101,7 @@ def _sibling(out_dir: Path, kind: str, tag: str = "") -> Path:
 def lock(out_dir: Path) -> Iterator[None]:
     """Hold the exclusive lock of OUT_DIR (a file beside it, removed at the end)."""
     path = _sibling(out_dir, _LOCK)
+    _check_parents(out_dir)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -26,16 +26,27 @@ class ByteSize(click.ParamType):
 
 
 def parse_partition(value: str | None) -> list[int] | None:
+    """`--pp-layer-partition 24,24,23,23` -> [24, 24, 23, 23]; each count a positive integer."""
     if not value:
         return None
     try:
-        return [int(x) for x in value.split(",")]
+        counts = [int(x) for x in value.split(",")]
     except ValueError:
-        raise click.BadParameter(f"{value!r}: expected comma-separated layer counts, e.g. 24,24,23,23") from None
+        counts = []
+    if not counts or any(n < 1 for n in counts):
+        raise click.BadParameter(
+            f"{value!r}: expected comma-separated positive layer counts, e.g. 24,24,23,23",
+            param_hint="'--pp-layer-partition'",
+        )
+    return counts
+
+
+def _partition(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    return parse_partition(value)
 
 
 tp_option = click.option(
-    "--tp", "tp", type=click.IntRange(min=1), default=1, show_default=True, envvar="RESHARD_TP",
+    "--tp", "tp", type=click.IntRange(min=1), default=1, show_default=True,
     help="Tensor-parallel size: vLLM's --tensor-parallel-size.",
 )  # fmt: skip
 pp_option = click.option(
@@ -53,6 +64,6 @@ dtype_option = click.option(
 revision_option = click.option("--revision", help="Hub branch, tag or commit (repo ids only).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout; no progress.")
 partition_option = click.option(
-    "--pp-layer-partition", "pp_partition", metavar="N,N,...",
+    "--pp-layer-partition", "pp_partition", metavar="N,N,...", callback=_partition,
     help="Layers per pipeline stage, as VLLM_PP_LAYER_PARTITION (give vLLM the same value).",
 )  # fmt: skip

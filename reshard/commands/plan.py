@@ -8,7 +8,6 @@ from reshard.commands.options import (
     dtype_option,
     ep_option,
     json_option,
-    parse_partition,
     partition_option,
     pp_option,
     revision_option,
@@ -38,7 +37,7 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, ou
     from reshard.sources import open_source
 
     ckpt = open_source(source, revision, headers_only=True).checkpoint
-    plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=parse_partition(pp_partition))
+    plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=pp_partition)
     summary = plan.summary()
     summary["serve"] = plan.serve_command(out_dir)
     summary["source_bytes"] = ckpt.total_bytes

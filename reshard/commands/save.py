@@ -13,7 +13,6 @@ from reshard.commands.options import (
     dtype_option,
     ep_option,
     json_option,
-    parse_partition,
     partition_option,
     pp_option,
     revision_option,
@@ -81,7 +80,7 @@ def save_cmd(
         result = save(
             source, out_dir, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size,
             revision=revision, device=device, overwrite=overwrite, ranks=ranks, max_memory=max_memory,
-            pp_partition=parse_partition(pp_partition), on_plan=on_plan,
+            pp_partition=pp_partition, on_plan=on_plan,
         )  # fmt: skip
     seconds = time.monotonic() - t0
     m = result.manifest

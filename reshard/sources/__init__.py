@@ -38,9 +38,15 @@ def open_source(spec: str, revision: str | None = None, *, headers_only: bool = 
         return LocalSource(path, {"path": str(path.resolve())})
     if path.exists():
         raise SourceError(f"{spec} is a file; SOURCE must be a checkpoint folder or a Hub repo id")
-    if not is_repo_id(spec):
+    if not is_repo_id(spec) or _looks_local(path):
         raise SourceError(
-            f"{spec}: no such folder, and not a Hub repo id",
+            f"{spec}: no such folder" + ("" if _looks_local(path) else ", and not a Hub repo id"),
             "give a checkpoint folder or a repo id like Qwen/Qwen3-8B",
         )
     return open_hub(spec, revision, headers_only=headers_only)
+
+
+def _looks_local(path: Path) -> bool:
+    """A path meant as a folder: absolute, ./ or ~ style, or under a folder that exists here."""
+    text = str(path)
+    return text.startswith(("/", ".", "~")) or (str(path.parent) not in ("", ".") and path.parent.is_dir())

@@ -12,6 +12,7 @@ from reshard.errors import SourceError
 from reshard.format import TensorInfo
 from reshard.layout import CONFIG, HUB_PATTERNS
 from reshard.sources.local import LocalSource
+from reshard.sources.validate import check_config
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -83,8 +84,10 @@ def _hub_metadata(repo_id: str, revision: str | None) -> Checkpoint:
         info = hub.model_info(repo_id, revision=revision)
         cfg_path = hub.hf_hub_download(repo_id, CONFIG, revision=info.sha)
         with open(cfg_path) as f:
-            config = json.load(f)
+            config = check_config(json.load(f), repo_id)
         meta = hub.get_safetensors_metadata(repo_id, revision=info.sha)
+    except SourceError:
+        raise
     except Exception as e:  # network, auth, not a safetensors repo: all user-facing
         raise SourceError(f"{repo_id}: cannot read metadata from the Hub ({e})") from e
     tensors: dict[str, TensorInfo] = {}

@@ -9,6 +9,7 @@ from reshard.checkpoint import Checkpoint, Reader
 from reshard.errors import SourceError
 from reshard.format import TensorInfo, read_header
 from reshard.layout import CONFIG, INDEX, SINGLE
+from reshard.sources.validate import check_config, check_index
 
 
 class LocalSource:
@@ -47,11 +48,12 @@ def read_local(root: Path, ref: dict) -> Checkpoint:
 def read_config(root: Path) -> dict:
     try:
         with open(root / CONFIG) as f:
-            return json.load(f)
+            config = json.load(f)
     except FileNotFoundError:
         raise SourceError(f"{root}: no {CONFIG}", "SOURCE must be a Hugging Face checkpoint folder") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise SourceError(f"{root / CONFIG}: cannot parse ({e})") from e
+    return check_config(config, str(root))
 
 
 def weight_files(root: Path) -> list[str]:
@@ -59,10 +61,9 @@ def weight_files(root: Path) -> list[str]:
     index = root / INDEX
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise SourceError(f"{index}: cannot parse ({e})") from e
-        files = list(dict.fromkeys(weight_map.values()))
+            files = check_index(json.loads(index.read_text()), str(index))
+        except (OSError, ValueError, RecursionError) as e:
+            raise SourceError(f"{index}: cannot parse ({e})", "download the checkpoint again") from e
         missing = [f for f in files if not (root / f).is_file()]
         if missing:
             raise SourceError(

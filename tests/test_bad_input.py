@@ -1,0 +1,142 @@
+"""Malformed input is a clear one-line error with a documented exit code, never exit 1 or a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import run
+
+
+def corrupt(tiny, tmp_path: Path, arch: str = "llama", shards: int = 1) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(tiny(arch, shards=shards) if shards > 1 else tiny(arch), src)
+    return src
+
+
+def edit_json(path: Path, fn) -> None:
+    path.write_text(json.dumps(fn(json.loads(path.read_text()))))
+
+
+def rewrite_header(path: Path, fn) -> None:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = fn(json.loads(raw[8 : 8 + n]))
+    new = head if isinstance(head, bytes) else json.dumps(head).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+
+CONFIG_CASES = {
+    "config is a list": lambda c: [c],
+    "heads zero": lambda c: {**c, "num_attention_heads": 0},
+    "heads a word": lambda c: {**c, "num_attention_heads": "eight"},
+    "layers a float": lambda c: {**c, "num_hidden_layers": 2.5},
+    "architectures a string": lambda c: {**c, "architectures": "LlamaForCausalLM"},
+    "quantization_config a list": lambda c: {**c, "quantization_config": ["fp8"]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_malformed_config(tiny, tmp_path, case):
+    src = corrupt(tiny, tmp_path)
+    edit_json(src / "config.json", CONFIG_CASES[case])
+    for cmd in (["plan", str(src), "--tp", "2"], ["save", str(src), str(tmp_path / "out"), "--tp", "2"]):
+        code, _, err = run(*cmd)
+        assert code == 4, err
+        assert err.startswith("reshard: error: ") and err.count("\n") == 1 and "config.json" in err
+
+
+INDEX_CASES = {
+    "index a list": lambda i: [i],
+    "weight_map a number": lambda i: {"weight_map": 5},
+    "weight_map empty": lambda i: {"weight_map": {}},
+    "file a number": lambda i: {"weight_map": dict.fromkeys(i["weight_map"], 7)},
+    "file outside": lambda i: {"weight_map": dict.fromkeys(i["weight_map"], "../x.safetensors")},
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_CASES))
+def test_malformed_index(tiny, tmp_path, case):
+    src = corrupt(tiny, tmp_path, shards=2)
+    edit_json(src / "model.safetensors.index.json", INDEX_CASES[case])
+    code, _, err = run("plan", str(src), "--tp", "2")
+    assert code == 4, err
+    assert "model.safetensors.index.json" in err and err.count("\n") == 1
+
+
+HEADER_CASES = {
+    "metadata a list": lambda h: {**h, "__metadata__": ["format", "pt"]},
+    "metadata values not strings": lambda h: {**h, "__metadata__": {"format": 1}},
+    "deeply nested": lambda h: b"[" * 100_000 + b"]" * 100_000,
+    "dtype a list": lambda h: {k: ({**v, "dtype": ["BF16"]} if k != "__metadata__" else v) for k, v in h.items()},
+    "shape of floats": lambda h: {
+        k: ({**v, "shape": [float(x) for x in v["shape"]]} if k != "__metadata__" else v) for k, v in h.items()
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_CASES))
+def test_malformed_header(tiny, tmp_path, case):
+    src = corrupt(tiny, tmp_path)
+    rewrite_header(src / "model.safetensors", HEADER_CASES[case])
+    code, _, err = run("plan", str(src), "--tp", "2")
+    assert code == 4, err
+    assert "model.safetensors" in err and err.count("\n") == 1
+
+
+def test_out_dir_under_a_regular_file(tiny, tmp_path):
+    (tmp_path / "file").write_text("x")
+    code, _, err = run("save", str(tiny("llama")), str(tmp_path / "file" / "out"), "--tp", "2")
+    assert code == 5 and "is a file" in err
+
+
+def test_out_dir_in_proc(tiny):
+    code, _, err = run("save", str(tiny("llama")), "/proc/reshard-out", "--tp", "2")
+    assert code == 5, err
+
+
+def test_bad_layer_partition_is_a_usage_error(tiny):
+    code, _, err = run("plan", str(tiny("llama")), "--pp", "2", "--pp-layer-partition", "5,-1")
+    assert code == 2 and "--pp-layer-partition" in err and err.count("\n") == 1
+
+
+def test_usage_errors_are_one_line(tiny):
+    code, _, err = run("save", str(tiny("llama")))
+    assert code == 2 and err.startswith("reshard: error: ") and err.count("\n") == 1
+    assert "reshard save --help" in err
+
+
+def test_mistyped_local_path_is_no_such_folder(tmp_path, monkeypatch):
+    (tmp_path / "ck").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run("plan", "ck/llamaa", "--tp", "2")
+    assert code == 4 and "ck/llamaa: no such folder" in err and "Hub" not in err
+
+
+@pytest.mark.parametrize("cmd", ["plan", "save", "verify"])
+def test_json_failures_are_json_on_stdout(tmp_path, cmd):
+    args = {"plan": ["plan", str(tmp_path / "nope"), "--json"],
+            "save": ["save", str(tmp_path / "nope"), str(tmp_path / "out"), "--json"],
+            "verify": ["verify", str(tmp_path / "nope"), "--json"]}[cmd]  # fmt: skip
+    code, out, err = run(*args)
+    assert code in (4, 7)
+    obj = json.loads(out)
+    assert obj["ok"] is False
+    assert (obj.get("error") or {}).get("code", code) == code
+
+
+def test_json_usage_error_is_json(tiny):
+    code, out, _ = run("plan", str(tiny("llama")), "--tp", "zero", "--json")
+    assert code == 2
+    assert json.loads(out)["error"]["code"] == 2
+
+
+def test_tp_is_not_read_from_the_environment(tiny, monkeypatch):
+    monkeypatch.setenv("RESHARD_TP", "4")
+    code, out, _ = run("plan", str(tiny("llama")), "--json")
+    assert code == 0 and json.loads(out)["tp"] == 1
