@@ -679,8 +679,10 @@ class _Verifier:
             return s
 
         t0 = time.monotonic()
+        # a reshard output as SOURCE is read back out of its rank files by its own reader
+        reader = ckpt.reader_factory() if ckpt.reader_factory else None
         Executor(plan, ckpt.root, ckpt.tensors, self.out, metadata={}, progress=advance, sync=False,
-                 sink=sink).run()  # fmt: skip
+                 sink=sink, reader=reader).run()  # fmt: skip
         seconds = time.monotonic() - t0
         self.report.stats["compared_bytes"] = self.report.stats.get("compared_bytes", 0) + total
         self.report.stats["deep_seconds"] = round(self.report.stats.get("deep_seconds", 0) + seconds, 3)

@@ -403,3 +403,20 @@ def test_partial_ranks_save(clean, tmp_path):
     assert code == 7
     f = one(rep, "manifest")
     assert "incomplete --ranks save" in f["message"] and RANK1 in f["message"]
+
+
+def test_deep_against_a_reshard_output(clean, tmp_path):
+    """SOURCE may itself be a reshard output: the compare reads it through its own reader."""
+    tp4 = tmp_path / "tp4"
+    save(str(clean[1]), tp4, tp=4, max_part_size=DEFAULT_MAX_PART)
+    code, rep = run(tp4, "--against", clean[1], "--deep")
+    assert code == 0, rep["findings"]
+    assert "deep" in rep["checked"] and rep["stats"]["compared_bytes"] > 0
+    flip(tp4 / RANK1, tensor_at(tp4 / RANK1, QKV).offset + 3)
+    code, rep = run(tp4, "--against", clean[1], "--deep")
+    assert code == 7
+    one(rep, "data", file=RANK1, tensor=QKV)
+    one(rep, "checksum", file=RANK1)
+    code, rep = run(tp4, "--against", clean[1])  # checksums find the file, the source names the tensor
+    assert code == 7
+    one(rep, "data", file=RANK1, tensor=QKV)
