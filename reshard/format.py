@@ -67,15 +67,18 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+def read_header(path: Path, *, size: int | None = None) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
     """Parse and validate a safetensors header.
 
     Returns (tensors by name, `__metadata__`, size of the file). Raises SourceError naming the file
     on any inconsistency: truncation, a length field larger than the file, bad JSON, unknown dtypes,
     offsets outside the file, holes or overlaps.
+
+    size: check the offsets against this size instead of the file's (`verify` reads the header of
+        a truncated file as the size it was written with, to tell which tensors the cut hits).
     """
     try:
-        size = path.stat().st_size
+        size = path.stat().st_size if size is None else size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:

@@ -14,7 +14,7 @@ from typing import TypedDict
 from reshard import __version__
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import fsync_dir
-from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB
+from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, parse_rank_file
 
 FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
@@ -129,7 +129,69 @@ def read_manifest(out_dir: Path) -> Manifest:
     for key in ("layout", "files", "run_id", "source"):
         if key not in obj:
             raise CorruptError(f"{path}: malformed manifest (no {key!r})", "rerun `reshard save`")
+    problems = manifest_problems(obj)
+    if problems:
+        raise CorruptError(f"{path}: malformed manifest ({problems[0]})", "rerun `reshard save`")
     return obj  # type: ignore[return-value]
+
+
+def manifest_problems(m: dict) -> list[str]:
+    """What is wrong with a manifest's fields (types, ranges, file names), in order; [] when valid."""
+    lay = m.get("layout")
+    if not isinstance(lay, dict):
+        return ["layout is not an object"]
+    out = _layout_problems(lay)
+    if not isinstance(m.get("run_id"), str):
+        out.append("run_id is not a string")
+    files = m.get("files")
+    if not isinstance(files, list):
+        return [*out, "files is not a list"]
+    seen: set[str] = set()
+    for i, e in enumerate(files):
+        out += _file_problems(i, e, seen)
+    src = m.get("source_tensors")
+    if src is not None and not isinstance(src, dict):
+        out.append("source_tensors is not an object")
+    return out
+
+
+def _layout_problems(lay: dict) -> list[str]:
+    out = []
+    for k in ("tp", "pp"):
+        if not isinstance(lay.get(k), int) or lay[k] < 1:
+            out.append(f"layout.{k} is {lay.get(k)!r}")
+    if not isinstance(lay.get("ep"), bool):
+        out.append(f"layout.ep is {lay.get('ep')!r}")
+    part = lay.get("pp_layer_partition")
+    if part is not None and (not isinstance(part, list) or not all(isinstance(x, int) for x in part)):
+        out.append(f"layout.pp_layer_partition is {part!r}")
+    return out
+
+
+def _file_problems(i: int, e: object, seen: set[str]) -> list[str]:
+    """Problems of the manifest's files[i]; adds its name to `seen` (a name listed twice is one)."""
+    if not isinstance(e, dict):
+        return [f"files[{i}] is not an object"]
+    out = []
+    name = e.get("name")
+    if not isinstance(name, str) or parse_rank_file(name) is None:
+        out.append(f"files[{i}].name {name!r} is not a rank file name")
+    elif name in seen:
+        out.append(f"{name} is listed twice")
+    else:
+        seen.add(name)
+    for k in ("tp_rank", "pp_rank", "part", "size"):
+        if not isinstance(e.get(k), int) or e[k] < 0:
+            out.append(f"files[{i}].{k} is {e.get(k)!r}")
+    if not isinstance(e.get("sha256"), str):
+        out.append(f"files[{i}].sha256 is {e.get('sha256')!r}")
+    ts = e.get("tensors")
+    if not isinstance(ts, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+        and isinstance(t.get("shape"), list) for t in ts
+    ):  # fmt: skip
+        out.append(f"files[{i}].tensors is malformed")
+    return out
 
 
 # ---- `save --ranks` pieces ------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def test_json_failures_are_json_on_stdout(tmp_path, cmd):
     args = {"plan": ["plan", str(tmp_path / "nope"), "--json"],
             "save": ["save", str(tmp_path / "nope"), str(tmp_path / "out"), "--json"],
             "verify": ["verify", str(tmp_path / "nope"), "--json"]}[cmd]  # fmt: skip
-    code, out, err = run(*args)
+    code, out, _ = run(*args)
     assert code in (4, 7)
     obj = json.loads(out)
     assert obj["ok"] is False

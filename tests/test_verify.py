@@ -378,23 +378,6 @@ def test_foreign_folder_wrong_tp(clean, out):
     assert errors(rep, "shape")  # and ranks 0, 1 hold halves where quarters are expected
 
 
-def test_per_tensor_sums_name_the_tensor(out):
-    """When the manifest records per-tensor sha256 (a proposed save extension), a checksum mismatch
-    names the damaged tensor without the source."""
-    manifest = json.loads((out / "reshard.json").read_text())
-    for e in manifest["files"]:
-        data = (out / e["name"]).read_bytes()
-        tensors, _, _ = read_header(out / e["name"])
-        for t in e["tensors"]:
-            info = tensors[t["name"]]
-            t["sha256"] = hashlib.sha256(data[info.offset : info.offset + info.nbytes]).hexdigest()
-    (out / "reshard.json").write_text(json.dumps(manifest))
-    flip(out / RANK0, tensor_at(out / RANK0, QKV).offset + 5)
-    code, rep = run(out)
-    assert code == 7
-    one(rep, "checksum", file=RANK0, tensor=QKV)
-
-
 def test_partial_ranks_save(clean, tmp_path):
     """A `save --ranks` piece alone: no reshard.json yet; verify says what is still missing."""
     out = tmp_path / "pieces"
@@ -403,3 +386,20 @@ def test_partial_ranks_save(clean, tmp_path):
     assert code == 7
     f = one(rep, "manifest")
     assert "incomplete --ranks save" in f["message"] and RANK1 in f["message"]
+
+
+def test_deep_against_a_reshard_output(clean, tmp_path):
+    """SOURCE may itself be a reshard output: the compare reads it through its own reader."""
+    tp4 = tmp_path / "tp4"
+    save(str(clean[1]), tp4, tp=4, max_part_size=DEFAULT_MAX_PART)
+    code, rep = run(tp4, "--against", clean[1], "--deep")
+    assert code == 0, rep["findings"]
+    assert "deep" in rep["checked"] and rep["stats"]["compared_bytes"] > 0
+    flip(tp4 / RANK1, tensor_at(tp4 / RANK1, QKV).offset + 3)
+    code, rep = run(tp4, "--against", clean[1], "--deep")
+    assert code == 7
+    one(rep, "data", file=RANK1, tensor=QKV)
+    one(rep, "checksum", file=RANK1)
+    code, rep = run(tp4, "--against", clean[1])  # checksums find the file, the source names the tensor
+    assert code == 7
+    one(rep, "data", file=RANK1, tensor=QKV)

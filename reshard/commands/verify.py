@@ -5,11 +5,16 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from reshard.commands.options import json_option, revision_option
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.errors import ExitCode
+
+if TYPE_CHECKING:
+    from reshard.verify import Report
 
 MAX_LINES = 50  # findings shown in the readable report; --json has them all
 PER_KIND = 6  # of one kind
@@ -84,38 +89,56 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
     ctx.exit(report.exit_code)
 
 
-def _render(report, seconds: float) -> None:
+def _render(report: Report, seconds: float) -> None:
+    from rich.markup import escape
+
+    if report.layout:
+        stdout.print(escape(_title(report)))
+    if report.files:
+        stdout.print(_files_table(report))
+    _print_findings(report)
+    stdout.print(escape(_summary(report, seconds)))
+
+
+def _title(report: Report) -> str:
+    lay = report.layout
+    title = f"{report.out_dir}: tp={lay['tp']} pp={lay['pp']} ep={'on' if lay['ep'] else 'off'}"
+    if lay.get("dtype") and lay["dtype"] != "auto":
+        title += f" dtype={lay['dtype']}"
+    if report.run_id:
+        title += f"  run {report.run_id[:12]}"
+    if report.source:
+        title += f"  against {report.source}"
+    return title
+
+
+def _files_table(report: Report):
     from rich.markup import escape
     from rich.table import Table
 
-    lay = report.layout
-    if lay:
-        title = f"{report.out_dir}: tp={lay['tp']} pp={lay['pp']} ep={'on' if lay['ep'] else 'off'}"
-        if lay.get("dtype") and lay["dtype"] != "auto":
-            title += f" dtype={lay['dtype']}"
-        if report.run_id:
-            title += f"  run {report.run_id[:12]}"
-        if report.source:
-            title += f"  against {report.source}"
-        stdout.print(escape(title))
-    if report.files:
-        table = Table("file", "pp", "tp", "keys", "bytes", "findings")
-        for s in report.files:
-            found = report.file_findings(s.name)
-            errors = sum(1 for f in found if f.severity == "error")
-            warnings = len(found) - errors
-            status = "ok" if not found else ", ".join(
-                x for x in (f"{errors} error(s)" if errors else "", f"{warnings} warning(s)" if warnings else "") if x
-            )  # fmt: skip
-            table.add_row(
-                escape(s.name),
-                str(s.pp_rank),
-                str(s.tp_rank),
-                "-" if s.keys is None else str(s.keys),
-                "missing" if s.size is None else human_bytes(s.size),
-                status,
-            )
-        stdout.print(table)
+    table = Table("file", "pp", "tp", "keys", "bytes", "findings")
+    for s in report.files:
+        found = report.file_findings(s.name)
+        errors = sum(1 for f in found if f.severity == "error")
+        warnings = len(found) - errors
+        status = "ok" if not found else ", ".join(
+            x for x in (f"{errors} error(s)" if errors else "", f"{warnings} warning(s)" if warnings else "") if x
+        )  # fmt: skip
+        table.add_row(
+            escape(s.name),
+            str(s.pp_rank),
+            str(s.tp_rank),
+            "-" if s.keys is None else str(s.keys),
+            "missing" if s.size is None else human_bytes(s.size),
+            status,
+        )
+    return table
+
+
+def _print_findings(report: Report) -> None:
+    """At most PER_KIND findings of a kind and MAX_LINES in all; the count of the rest."""
+    from rich.markup import escape
+
     shown: dict[str, int] = {}
     hidden = 0
     for f in report.findings:
@@ -127,6 +150,9 @@ def _render(report, seconds: float) -> None:
     if hidden:
         more = ", ".join(f"{n - PER_KIND} {k}" for k, n in shown.items() if n > PER_KIND)
         stdout.print(f"... and {hidden} more findings ({more or 'see'} --json lists them all)")
+
+
+def _summary(report: Report, seconds: float) -> str:
     keys = sum(s.keys or 0 for s in report.files)
     size = sum(s.size or 0 for s in report.files)
     st = report.stats
@@ -146,6 +172,6 @@ def _render(report, seconds: float) -> None:
     if report.ok:
         verdict = "OK" + (f" with {n_warn} warning(s)" if n_warn else "")
     else:
-        what = "corrupt or incomplete" if report.exit_code == 7 else "layout differs"
+        what = "corrupt or incomplete" if report.exit_code == ExitCode.CORRUPT else "layout differs"
         verdict = f"FAILED ({what}, exit {report.exit_code}): {n_err} error(s), {n_warn} warning(s)"
-    stdout.print(escape(f"{verdict}: {detail}"))
+    return f"{verdict}: {detail}"

@@ -1,0 +1,104 @@
+"""`reshard verify`: check an output folder before it ships.
+
+Four layers of checks, cheapest first:
+
+- structure (`structure.py`): the manifest `reshard.json` is present and valid; every file it lists
+  exists with its size, its safetensors header parses and holds what the manifest says, and was
+  written by the manifest's run; every rank of the layout has files; no stray rank files lie around.
+- keys (`keys.py`): the keys, dtypes and shapes every rank must hold are derived again (the copied
+  config.json plus the source headers recorded in the manifest, or `--against SOURCE`) and diffed
+  per rank with what the headers hold, each difference told as vLLM's ShardedStateLoader would meet it.
+- integrity (`integrity.py`): sha256 of every file against the manifest.
+- deep (`deep.py`, `--against SOURCE --deep`): every output byte regenerated from the source by the
+  executor and compared with the file, naming the first differing tensor of each file.
+
+Findings, not exceptions: `verify()` returns a `Report` (`report.py`) whose exit code is 0 (ok),
+6 (the layout differs from the recorded or requested one) or 7 (corrupt or incomplete; wins over 6).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from reshard.sources import open_source
+from reshard.verify import integrity, keys, structure
+from reshard.verify.deep import compare, locate
+from reshard.verify.report import CORRUPT, CheckedFile, Finding, Progress, Report
+
+__all__ = ["CheckedFile", "Finding", "Progress", "Report", "verify"]
+
+
+def verify(
+    out_dir: Path,
+    *,
+    strict: bool = True,
+    tp: int | None = None,
+    ep: bool | None = None,
+    pp: int | None = None,
+    checksums: bool = True,
+    against: str | None = None,
+    deep: bool = False,
+    revision: str | None = None,
+    progress: Progress | None = None,
+) -> Report:
+    """Check OUT_DIR; see the module docstring and `reshard verify --help`.
+
+    Args:
+        out_dir: a `reshard save` output (or, with `against`, any sharded_state folder).
+        strict: missing keys are errors (vLLM refuses them); False: warnings.
+        tp, ep, pp: the layout it will be served with; None: the recorded one.
+        checksums: sha256 every file against the manifest.
+        against: SOURCE checkpoint (folder or repo id) to derive the expected keys from.
+        deep: with `against`, regenerate every tensor from the source and compare its bytes.
+        revision: Hub revision of `against`.
+        progress: progress(label, total_bytes) -> advance(n) callback, once per byte-heavy phase.
+
+    Raises:
+        ValueError: deep without against.
+        SourceError: `against` cannot be opened.
+    """
+    if deep and not against:
+        raise ValueError("deep needs against")
+    out_dir = Path(out_dir)
+    report = Report(out_dir, source=against)
+    if not out_dir.is_dir():
+        report.add("missing", f"{out_dir}: no such folder", code=CORRUPT)
+        return report
+    folder = structure.read_folder(report, out_dir, tp=tp, pp=pp, ep=ep, against=against)
+    if folder is None:
+        return report
+    report.layout = folder.layout.to_json()
+    structure.check_structure(report, folder)
+    source, ckpt = None, None
+    if against is not None:
+        source = open_source(against, revision, headers_only=not deep)
+        ckpt = source.checkpoint
+        keys.compare_source_tensors(report, folder, ckpt, against)
+    expected = keys.expected_plan(report, folder, ckpt, against)
+    keys.check_asked(report, folder, expected)
+    pending = structure.headers_vs_manifest(folder)
+    plan = expected[0] if expected is not None else None
+    told: set = set()
+    if plan is not None:
+        report.checked.append("keys")
+        told = keys.check_keys(report, folder, plan, strict=strict)
+    # header-vs-manifest differences the key check did not already tell
+    report.findings += [f for f in pending if (f.file, f.tensor) not in told]
+    hash_too = checksums and folder.manifest is not None
+    if deep and source is not None and plan is not None:
+        report.checked.append("deep")
+        compare(report, folder, plan, source, [f for f in folder.files if f.ok], progress, hash_too=hash_too)
+    if hash_too:
+        report.checked.append("checksums")
+        damaged = integrity.check_sums(report, folder, progress, against)
+        if damaged and not deep:
+            locate(report, folder, damaged, plan, source, against, progress)
+    _fill_stats(report.stats)
+    return report
+
+
+def _fill_stats(st: dict) -> None:
+    if st.get("hash_seconds"):
+        st["hash_gb_per_s"] = round(st["hashed_bytes"] / st["hash_seconds"] / 1e9, 3)
+    if st.get("deep_seconds"):
+        st["deep_gb_per_s"] = round(st["compared_bytes"] / st["deep_seconds"] / 1e9, 3)

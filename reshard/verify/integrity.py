@@ -1,0 +1,49 @@
+"""The integrity layer: every file's checksum against the manifest (large sequential reads, files in parallel)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+
+from reshard.hashing import hash_file
+from reshard.verify.report import CORRUPT, RERUN, CheckedFile, Progress, Report, advance_for
+from reshard.verify.structure import Folder
+
+MAX_THREADS = 16
+
+
+def check_sums(report: Report, folder: Folder, progress: Progress | None, against: str | None) -> list[CheckedFile]:
+    """Hash the files of the manifest's size not hashed yet (--deep hashes while comparing), compare
+    every sum with the manifest's; returns the files that differ."""
+    whole = [f for f in folder.files if f.entry and f.size is not None and f.size == f.entry["size"]]
+    hashed = [f for f in whole if f.sha256 is not None]
+    todo = [f for f in whole if f.sha256 is None]
+    _hash(report, folder, todo, progress)
+    damaged = [f for f in hashed + todo if f.sha256 is not None and f.sha256 != f.entry["sha256"]]
+    hint = "" if against else "; add --against SOURCE to find the damaged tensor"
+    for f in damaged:
+        report.add("checksum", f"{f.name}: sha256 differs from the manifest: the file changed after it was "
+                   f"written ({RERUN}{hint})", code=CORRUPT, file=f.name)  # fmt: skip
+    return damaged
+
+
+def _hash(report: Report, folder: Folder, todo: list[CheckedFile], progress: Progress | None) -> None:
+    """Set each file's sha256, several files at once, largest first (balanced threads)."""
+    total = sum(f.size for f in todo)
+    advance = advance_for(progress, "hashing", total)
+    t0 = time.monotonic()
+    workers = max(1, min(len(todo), os.cpu_count() or 4, MAX_THREADS))
+    with cf.ThreadPoolExecutor(workers, thread_name_prefix="reshard-sha") as pool:
+        futures = {
+            pool.submit(hash_file, folder.out / f.name, advance=advance): f for f in sorted(todo, key=lambda f: -f.size)
+        }
+        for fut in cf.as_completed(futures):
+            f = futures[fut]
+            try:
+                f.sha256 = fut.result()
+            except OSError as e:
+                report.add("checksum", f"{f.name}: cannot read ({e.strerror})", code=CORRUPT, file=f.name)
+    if total:
+        report.stats["hashed_bytes"] = total
+        report.stats["hash_seconds"] = round(time.monotonic() - t0, 3)

@@ -1,0 +1,206 @@
+"""The keys layer: what every rank must hold, derived again, diffed with what its files hold.
+
+The expected keys, dtypes and shapes come from planning the layout again: from the copied
+config.json and the source headers recorded in the manifest, or from `--against SOURCE`. Each
+difference is told as vLLM's ShardedStateLoader would meet it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from reshard.checkpoint import Checkpoint
+from reshard.errors import SourceError, UnsupportedError
+from reshard.format import ITEMSIZE, TensorInfo
+from reshard.layout import MANIFEST
+from reshard.plan import OutTensor, Plan, build_plan, natural_key
+from reshard.sources import read_config
+from reshard.verify.report import CORRUPT, LAYOUT, CheckedFile, Report, rank_label
+from reshard.verify.structure import Folder, Layout
+
+Rank = tuple[int, int]  # (pp_rank, tp_rank)
+
+
+def compare_source_tensors(report: Report, folder: Folder, ckpt: Checkpoint, against: str) -> None:
+    """Warn when `against` is not the checkpoint the manifest says the folder was made from."""
+    recorded = (folder.manifest or {}).get("source_tensors")
+    if not recorded:
+        return
+    have = {n: [t.dtype, list(t.shape)] for n, t in ckpt.tensors.items()}
+    diff = sorted(set(recorded) ^ set(have)) + sorted(n for n in recorded if n in have and recorded[n] != have[n])
+    if diff:
+        report.add("source", f"{against} is not the checkpoint this folder was made from: {len(diff)} tensor "
+                   f"header(s) differ (first: {diff[0]})", code=LAYOUT, tensor=diff[0], warn=True)  # fmt: skip
+
+
+def expected_plan(
+    report: Report, folder: Folder, ckpt: Checkpoint | None, against: str | None
+) -> tuple[Plan, Checkpoint] | None:
+    """The folder's layout planned again, from `ckpt` or (None) from the manifest; and what it was planned from."""
+    if ckpt is None:
+        ckpt = _recorded_source(report, folder)
+        if ckpt is None:
+            return None
+    lay = folder.layout
+    try:
+        return plan_layout(ckpt, lay), ckpt
+    except UnsupportedError as e:
+        report.add("keys", f"{lay} cannot be planned for this model: {e}", code=LAYOUT)
+    except SourceError as e:
+        what = against or "config.json and the manifest's source_tensors"
+        report.add("keys", f"cannot derive the expected keys from {what}: {e}", code=CORRUPT)
+    return None
+
+
+def _recorded_source(report: Report, folder: Folder) -> Checkpoint | None:
+    """The source as the folder records it: config.json and the manifest's source_tensors."""
+    assert folder.manifest is not None
+    src = folder.manifest.get("source_tensors")
+    if not src:
+        report.add("keys", "the manifest records no source_tensors (an older reshard): keys checked against "
+                   "the manifest only; pass --against SOURCE for the full check", code=LAYOUT, warn=True)  # fmt: skip
+        return None
+    try:
+        config = read_config(folder.out)
+    except SourceError as e:
+        report.add("keys", f"cannot derive the expected keys: {e.message}", code=CORRUPT, warn=True)
+        return None
+    try:
+        tensors = {}
+        for name, (dtype, shape) in src.items():
+            shape = tuple(int(d) for d in shape)
+            tensors[name] = TensorInfo(name, dtype, shape, MANIFEST, 0, math.prod(shape) * ITEMSIZE[dtype])
+    except (KeyError, TypeError, ValueError) as e:
+        report.add("manifest", f"malformed source_tensors in {MANIFEST} ({e})", code=CORRUPT, file=MANIFEST)
+        return None
+    return Checkpoint(None, config, tensors, [], folder.manifest["source"])
+
+
+def plan_layout(ckpt: Checkpoint, lay: Layout) -> Plan:
+    partition = list(lay.partition) if lay.partition else None
+    return build_plan(ckpt, tp=lay.tp, pp=lay.pp, ep=lay.ep, dtype=lay.dtype, pp_partition=partition)
+
+
+def check_asked(report: Report, folder: Folder, expected: tuple[Plan, Checkpoint] | None) -> None:
+    """--tp/--pp/--ep differ from the recorded layout: an error, unless the files would be the
+    same (--ep on a dense model, or with --tp 1)."""
+    asked, rec = folder.asked, folder.layout
+    if asked is None:
+        return
+    if expected is not None and (asked.tp, asked.pp) == (rec.tp, rec.pp):
+        plan, ckpt = expected
+        try:
+            same = _rank_keys(plan_layout(ckpt, replace(rec, ep=asked.ep))) == _rank_keys(plan)
+        except (UnsupportedError, SourceError):
+            same = False
+        if same:
+            report.add("layout", f"made for {rec}, you asked {asked}: for this model both have the same files",
+                       code=LAYOUT, warn=True)  # fmt: skip
+            return
+    flags = f"--tensor-parallel-size {rec.tp}"
+    flags += f" --pipeline-parallel-size {rec.pp}" if rec.pp > 1 else ""
+    flags += " --enable-expert-parallel" if rec.ep else ""
+    report.add(
+        "layout",
+        f"made for {rec}, you asked {asked}: these files only load with `vllm serve ... "
+        f"--load-format sharded_state {flags}`; re-save for {asked} with `reshard save "
+        f"--tp {asked.tp}{f' --pp {asked.pp}' if asked.pp > 1 else ''}{' --ep' if asked.ep else ''}`",
+        code=LAYOUT,
+    )
+
+
+def _rank_keys(plan: Plan) -> dict[Rank, set[tuple[str, str, tuple[int, ...]]]]:
+    out: dict[Rank, set] = {}
+    for f in plan.files:
+        out.setdefault((f.pp_rank, f.tp_rank), set()).update((t.name, t.dtype, t.shape) for t in f.tensors)
+    return out
+
+
+def expected_by_rank(plan: Plan) -> dict[Rank, dict[str, OutTensor]]:
+    """The tensors each rank must hold, by name."""
+    want: dict[Rank, dict[str, OutTensor]] = {}
+    for f in plan.files:
+        want.setdefault((f.pp_rank, f.tp_rank), {}).update({t.name: t for t in f.tensors})
+    return want
+
+
+# ---- the per-rank diff -------------------------------------------------------------------------------
+
+
+class _KeyCheck:
+    """Tells key differences, each on its file and tensor, and remembers which it told."""
+
+    def __init__(self, report: Report, plan: Plan, strict: bool) -> None:
+        self.report = report
+        self.plan = plan
+        self.strict = strict
+        self.told: set[tuple[str | None, str | None]] = set()  # (file, tensor)
+
+    def tell(self, kind: str, message: str, file: str, label: str, tensor: str, *, warn: bool = False) -> None:
+        self.report.add(kind, f"{file} ({label}): {message}", code=LAYOUT, file=file, tensor=tensor, warn=warn)
+        self.told.add((file, tensor))
+
+    def held(self, files: list[CheckedFile], label: str) -> dict[str, tuple[CheckedFile, TensorInfo]]:
+        """What a rank's files hold, by name; a second copy of a tensor is told."""
+        held: dict[str, tuple[CheckedFile, TensorInfo]] = {}
+        for f in sorted(files, key=lambda f: f.part):
+            for name, info in f.tensors.items():
+                if name in held:
+                    self.tell("duplicate-key", f"{name} is also in {held[name][0].name} (vLLM: KeyError when the "
+                              "second copy loads)", f.name, label, name)  # fmt: skip
+                    continue
+                held[name] = (f, info)
+        return held
+
+    def diff(self, rank: Rank, files: list[CheckedFile], want: dict[str, OutTensor], listed_in: dict) -> None:
+        """One rank: missing and unexpected keys, shapes and dtypes."""
+        label = rank_label(rank, self.plan.pp)
+        held = self.held(files, label)
+        for name in sorted(set(want) | set(held), key=natural_key):
+            w, h = want.get(name), held.get(name)
+            if h is None:
+                where = listed_in.get((rank, name)) or files[0].name
+                self.tell("missing-key", f"{name} is missing (vLLM: ValueError 'Missing keys' at load)",
+                          where, label, name, warn=not self.strict)  # fmt: skip
+            elif w is None:
+                self.tell("unexpected-key", f"{name} is not a parameter of this layout (vLLM: KeyError in "
+                          "ShardedStateLoader)", h[0].name, label, name)  # fmt: skip
+            else:
+                f, info = h
+                if info.shape != w.shape:
+                    self.tell("shape", f"{name} has shape {list(info.shape)}, {plan_dims(self.plan)} needs "
+                              f"{list(w.shape)} ({_shape_effect(info.shape, w.shape)})", f.name, label, name)  # fmt: skip
+                if info.dtype != w.dtype:
+                    self.tell("dtype", f"{name} is {info.dtype}, the layout needs {w.dtype} (vLLM's copy_ casts "
+                              "it silently)", f.name, label, name)  # fmt: skip
+
+
+def check_keys(report: Report, folder: Folder, plan: Plan, *, strict: bool) -> set[tuple[str | None, str | None]]:
+    """Diff every rank's keys, dtypes and shapes with `plan`'s; returns the (file, tensor)s told."""
+    check = _KeyCheck(report, plan, strict)
+    expected = expected_by_rank(plan)
+    by_rank: dict[Rank, list[CheckedFile]] = {}
+    for f in folder.files:
+        by_rank.setdefault(f.rank, []).append(f)
+    listed_in: dict[tuple[Rank, str], str] = {}  # where the manifest puts a tensor
+    for f in folder.files:
+        for t in (f.entry or {}).get("tensors", []):
+            listed_in[(f.rank, t["name"])] = f.name
+    for rank in sorted(by_rank):
+        files = by_rank[rank]
+        want = expected.get(rank)
+        if want is None or not all(f.ok for f in files):
+            continue  # outside the layout, or damaged: already reported
+        check.diff(rank, files, want, listed_in)
+    return check.told
+
+
+def plan_dims(plan: Plan) -> str:
+    return f"tp={plan.tp}" + (f" pp={plan.pp}" if plan.pp > 1 else "") + (" ep" if plan.ep else "")
+
+
+def _shape_effect(have: tuple[int, ...], want: tuple[int, ...]) -> str:
+    if len(have) == len(want) and all(a <= b for a, b in zip(have, want, strict=True)):
+        return "vLLM narrows the parameter to it and leaves the rest uninitialised"
+    return "vLLM's copy_ fails with a size mismatch"

@@ -1,0 +1,173 @@
+"""What `verify` finds and returns: `Finding`s, the `CheckedFile`s it looked at, and the `Report`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reshard.errors import ExitCode
+from reshard.format import TensorInfo
+
+ERROR, WARNING = "error", "warning"
+LAYOUT, CORRUPT = int(ExitCode.LAYOUT_MISMATCH), int(ExitCode.CORRUPT)
+RERUN = "rerun `reshard save --overwrite`"
+
+# Advance callback for one byte-heavy phase: progress(label, total_bytes) -> advance(n) or None.
+Progress = Callable[[str, int], "Callable[[int], None] | None"]
+
+
+@dataclass
+class Finding:
+    """One problem. `code` is the exit code it maps to (6 layout, 7 corrupt); 0 for warnings."""
+
+    severity: str  # "error" | "warning"
+    kind: str
+    message: str
+    file: str | None = None
+    tensor: str | None = None
+    code: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "severity": self.severity,
+            "kind": self.kind,
+            "file": self.file,
+            "tensor": self.tensor,
+            "message": self.message,
+            "exit_code": self.code,
+        }
+
+
+@dataclass
+class CheckedFile:
+    """One rank file as found: where its name puts it, its manifest entry (if any), size, header."""
+
+    name: str
+    pp_rank: int
+    tp_rank: int
+    part: int
+    entry: dict | None = None  # the manifest's entry; None in a folder without manifest
+    size: int | None = None  # None: absent (or not looked at yet)
+    tensors: dict[str, TensorInfo] | None = None  # None: header unreadable (or file absent)
+    meta: dict[str, str] = field(default_factory=dict)
+    sha256: str | None = None  # as computed (None when not hashed)
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return (self.pp_rank, self.tp_rank)
+
+    @property
+    def ok(self) -> bool:
+        return self.tensors is not None
+
+    @property
+    def keys(self) -> int | None:
+        return None if self.tensors is None else len(self.tensors)
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    findings: list[Finding] = field(default_factory=list)
+    files: list[CheckedFile] = field(default_factory=list)
+    layout: dict | None = None  # the layout the folder was checked as
+    recorded: dict | None = None  # the manifest's layout, when there is one
+    run_id: str | None = None
+    source: str | None = None  # --against
+    checked: list[str] = field(default_factory=list)  # what was checked: structure, keys, ...
+    stats: dict = field(default_factory=dict)  # bytes and seconds of the hash and deep phases
+
+    def add(
+        self,
+        kind: str,
+        message: str,
+        *,
+        code: int,
+        file: str | None = None,
+        tensor: str | None = None,
+        warn: bool = False,
+    ) -> None:
+        """Record a finding: an error mapping to `code`, or with `warn` a warning (code 0)."""
+        sev = WARNING if warn else ERROR
+        self.findings.append(Finding(sev, kind, message, file, tensor, 0 if warn else code))
+
+    def count(self, stat: str, amount: float) -> None:
+        """Add to one of `stats`' totals (bytes or seconds of a phase)."""
+        self.stats[stat] = self.stats.get(stat, 0) + amount
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == ERROR]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == WARNING]
+
+    @property
+    def exit_code(self) -> int:
+        codes = {f.code for f in self.errors}
+        if CORRUPT in codes:
+            return CORRUPT
+        if LAYOUT in codes:
+            return LAYOUT
+        return int(ExitCode.OK)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def file_findings(self, name: str) -> list[Finding]:
+        return [f for f in self.findings if f.file == name]
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "exit_code": self.exit_code,
+            "out_dir": str(self.out_dir),
+            "layout": self.layout,
+            "recorded_layout": self.recorded,
+            "run_id": self.run_id,
+            "against": self.source,
+            "checked": self.checked,
+            "files": [self._file_json(s) for s in self.files],
+            "keys": sum(s.keys or 0 for s in self.files),
+            "bytes": sum(s.size or 0 for s in self.files),
+            "errors": len(self.errors),
+            "warnings": len(self.warnings),
+            "findings": [f.to_json() for f in self.findings],
+            "stats": self.stats,
+        }
+
+    def _file_json(self, s: CheckedFile) -> dict:
+        found = self.file_findings(s.name)
+        return {
+            "name": s.name,
+            "pp_rank": s.pp_rank,
+            "tp_rank": s.tp_rank,
+            "part": s.part,
+            "keys": s.keys,
+            "bytes": s.size,
+            "sha256": s.sha256,
+            "errors": sum(1 for f in found if f.severity == ERROR),
+            "warnings": sum(1 for f in found if f.severity == WARNING),
+        }
+
+
+def rank_label(rank: tuple[int, int], pp: int) -> str:
+    return f"rank pp={rank[0]} tp={rank[1]}" if pp > 1 else f"rank {rank[1]}"
+
+
+def advance_for(progress: Progress | None, label: str, total: int) -> Callable[[int], None]:
+    """A thread-safe advance(n) for one phase's progress bar (a no-op without one)."""
+    cb = progress(label, total) if progress and total else None
+    if cb is None:
+        return lambda n: None
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            cb(n)
+
+    return advance

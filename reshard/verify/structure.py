@@ -1,0 +1,302 @@
+"""The structure layer: which files the folder should hold, and whether they are there and whole.
+
+The manifest is present and valid; every file it lists exists with its size, its safetensors
+header parses and holds what the manifest says, and was written by the manifest's run; every rank
+of the layout has files; no stray rank files lie around. A folder without manifest (`--against`)
+is read from its file names instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reshard.errors import CorruptError, SourceError
+from reshard.format import DTYPE_CODES, read_header
+from reshard.layout import CONFIG, MANIFEST, PIECE_MANIFEST_GLOB, PP_PATTERN, TMP_PREFIX, parse_rank_file
+from reshard.manifest import read_manifest
+from reshard.plan import natural_key
+from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, rank_label
+
+_FOREIGN = "or check a folder without manifest with --against SOURCE --tp T"
+_PP_PREFIX = PP_PATTERN[: PP_PATTERN.index("{")]  # names of the pipeline-parallel pattern start so
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    ep: bool
+    dtype: str = "auto"  # user-facing name
+    partition: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp} ep={'on' if self.ep else 'off'}"
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dtype": self.dtype}
+
+
+@dataclass
+class Folder:
+    """The folder as verify checks it: its manifest (if any), its layout and the rank files it should hold.
+
+    rank_code: the exit code of a missing or extra rank: corrupt (incomplete), or for a folder
+        without manifest that is whole for another layout, a layout mismatch.
+    asked: --tp/--pp/--ep, where they differ from the recorded layout.
+    """
+
+    out: Path
+    manifest: dict | None
+    layout: Layout
+    files: list[CheckedFile] = field(default_factory=list)
+    rank_code: int = CORRUPT
+    asked: Layout | None = None
+
+
+def read_folder(
+    report: Report, out: Path, *, tp: int | None, pp: int | None, ep: bool | None, against: str | None
+) -> Folder | None:
+    """The manifest's files and layout, or without one (and `against`) what the file names say.
+
+    None when there is nothing to check further (the findings say why).
+    """
+    manifest = _load_manifest(report, out, against)
+    if manifest is not None:
+        return _manifest_folder(report, out, manifest, tp=tp, pp=pp, ep=ep)
+    if against is not None:
+        return _foreign_folder(report, out, tp=tp, pp=pp, ep=ep)
+    return None  # the manifest finding says what to do
+
+
+def _load_manifest(report: Report, out: Path, against: str | None) -> dict | None:
+    present = (out / MANIFEST).exists()
+    try:
+        manifest = read_manifest(out)
+    except CorruptError as e:
+        if not present and against is not None:
+            report.add("manifest", f"no {MANIFEST}: not written by reshard; checked against {against} only "
+                       "(no checksums, no run ids)", code=CORRUPT, warn=True)  # fmt: skip
+            return None
+        pieces = None if present else _pieces(out)
+        if pieces:
+            report.add("manifest", pieces, code=CORRUPT, file=MANIFEST)
+            return None
+        hint = e.hint or ""
+        if "--against" not in hint:
+            hint = f"{hint or RERUN}, {_FOREIGN}"
+        report.add("manifest", f"{e.message} ({hint})", code=CORRUPT, file=MANIFEST)
+        return None  # with --against, what can be checked still is, as for a foreign folder
+    report.run_id = manifest["run_id"]
+    report.checked.append("manifest")
+    return manifest
+
+
+def _manifest_folder(report: Report, out: Path, m: dict, *, tp: int | None, pp: int | None, ep: bool | None) -> Folder:
+    lay = m["layout"]
+    dtype = str(lay.get("dtype") or "auto")
+    dtype = DTYPE_CODES.get(dtype, dtype)
+    partition = lay.get("pp_layer_partition")
+    recorded = Layout(int(lay["tp"]), int(lay["pp"]), bool(lay["ep"]), dtype,
+                      tuple(partition) if partition else None)  # fmt: skip
+    report.recorded = recorded.to_json()
+    asked = Layout(tp or recorded.tp, pp or recorded.pp, recorded.ep if ep is None else ep, dtype)
+    folder = Folder(out, m, recorded)
+    if (asked.tp, asked.pp, asked.ep) != (recorded.tp, recorded.pp, recorded.ep):
+        folder.asked = asked  # told by keys.check_asked, once the expected keys are known
+    for e in m["files"]:
+        folder.files.append(CheckedFile(e["name"], int(e["pp_rank"]), int(e["tp_rank"]), int(e["part"]), entry=e))
+    return folder
+
+
+def _foreign_folder(report: Report, out: Path, *, tp: int | None, pp: int | None, ep: bool | None) -> Folder:
+    """A folder without manifest: the rank files its names announce, checked as the asked layout."""
+    found: list[tuple[CheckedFile, bool]] = []  # (file, named with the pipeline-parallel pattern)
+    for p in sorted(out.iterdir(), key=lambda p: natural_key(p.name)):
+        if r := parse_rank_file(p.name):
+            found.append((CheckedFile(p.name, r.pp_rank, r.tp_rank, r.part), p.name.startswith(_PP_PREFIX)))
+    pp_files = [f for f, is_pp in found if is_pp]
+    pp = pp or (max(f.pp_rank for f in pp_files) + 1 if pp_files else 1)
+    if tp is None:
+        ranks = [f.tp_rank for f, is_pp in found if is_pp == (pp > 1)]
+        tp = max(ranks) + 1 if ranks else 1
+        report.add("layout", f"no --tp given: assuming tp={tp} from the file names", code=LAYOUT, warn=True)
+    folder = Folder(out, None, Layout(tp, pp, bool(ep)))
+    named = [f for f, is_pp in found if is_pp == (pp > 1)]
+    if named:
+        _tell_named_for(report, folder, n_tp=max(f.tp_rank for f in named) + 1,
+                        n_pp=max(f.pp_rank for f in named) + 1)  # fmt: skip
+    for f, is_pp in found:
+        if is_pp != (pp > 1) or f.tp_rank >= tp or f.pp_rank >= pp:
+            report.add("stray", f"{f.name} does not belong to a {folder.layout} layout (a rank this layout does "
+                       "not have, or another naming pattern): remove it", code=folder.rank_code, file=f.name)  # fmt: skip
+        else:
+            folder.files.append(f)
+    if not found:
+        report.add("missing", f"{out}: no model-rank-*.safetensors files", code=CORRUPT)
+    return folder
+
+
+def _tell_named_for(report: Report, folder: Folder, *, n_tp: int, n_pp: int) -> None:
+    """The files are whole for another layout than the asked one: what is missing or extra follows."""
+    lay = folder.layout
+    if (n_tp, n_pp) == (lay.tp, lay.pp):
+        return
+    folder.rank_code = LAYOUT
+    had = f"tp={n_tp}" + (f" pp={n_pp}" if lay.pp > 1 else "")
+    if lay.tp * lay.pp > n_tp * n_pp:
+        effect = "the ranks beyond find no files and vLLM fails to start"
+    else:
+        effect = (f"vLLM would load only the first {lay.tp * lay.pp} rank(s)' files, each holding 1/{n_tp} of "
+                  "every split weight: shapes differ, and smaller ones load silently half-filled")  # fmt: skip
+    report.add("layout", f"the files are named for {had}, you asked {lay}: {effect}", code=LAYOUT)
+
+
+# ---- structure -------------------------------------------------------------------------------------
+
+
+def check_structure(report: Report, folder: Folder) -> None:
+    """Files present, sized and parsing, of the manifest's run; every rank covered; nothing stray."""
+    report.checked.append("structure")
+    report.files = folder.files
+    for f in folder.files:
+        _check_file(report, folder, f)
+    _check_ranks(report, folder)
+    if folder.manifest is not None:
+        _check_against_manifest(report, folder)
+    out = folder.out
+    if not (out / CONFIG).is_file():
+        report.add("missing-file", f"{CONFIG} is missing: vLLM needs it to serve the folder", code=CORRUPT,
+                   file=CONFIG)  # fmt: skip
+    for p in out.glob(f"{TMP_PREFIX}*"):
+        report.add("leftover", f"{p.name}: temporary folder of an interrupted save (safe to remove)",
+                   code=CORRUPT, file=p.name, warn=True)  # fmt: skip
+
+
+def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
+    """One file: present, of the manifest's size, its header parses, written by the manifest's run."""
+    path = folder.out / f.name
+    try:
+        f.size = path.stat().st_size
+    except FileNotFoundError:
+        report.add("missing-file", f"{f.name} is missing ({rank_label(f.rank, folder.layout.pp)} cannot load)",
+                   code=CORRUPT, file=f.name)  # fmt: skip
+        return
+    except OSError as e:
+        report.add("missing-file", f"{f.name}: cannot stat ({e.strerror})", code=CORRUPT, file=f.name)
+        return
+    want = f.entry["size"] if f.entry else None
+    if want is not None and f.size != want:
+        cut = _cut_tensors(path, f.size, want) if f.size < want else []
+        what = "truncated" if f.size < want else "larger than written"
+        msg = f"{f.name} is {what}: {f.size} bytes, the manifest says {want}"
+        if cut:
+            msg += f"; tensor {cut[0]} is cut" + (f" ({len(cut) - 1} more after it)" if len(cut) > 1 else "")
+        report.add("size", msg, code=CORRUPT, file=f.name, tensor=cut[0] if cut else None)
+    try:
+        f.tensors, f.meta, _ = read_header(path)
+    except SourceError as e:
+        if not (want is not None and f.size != want and "truncated" in e.message):
+            report.add("header", _strip_path(e.message, path), code=CORRUPT, file=f.name)
+        return
+    if folder.manifest is not None:
+        run, want_run = f.meta.get("reshard_run"), folder.manifest["run_id"]
+        if run != want_run:
+            said = f"run {run[:12]}" if run else "no reshard run (not written by reshard)"
+            report.add("run-mix", f"{f.name} comes from {said}, the manifest from run {want_run[:12]}: files of "
+                       f"two runs are mixed ({RERUN})", code=CORRUPT, file=f.name)  # fmt: skip
+
+
+def _check_ranks(report: Report, folder: Folder) -> None:
+    """Every rank of the layout has files."""
+    lay = folder.layout
+    have = {f.rank for f in folder.files}
+    where = "the manifest lists" if folder.manifest is not None else "there is"
+    for p in range(lay.pp):
+        for t in range(lay.tp):
+            if (p, t) not in have:
+                report.add("rank-missing", f"{rank_label((p, t), lay.pp)}: {where} no file for it (vLLM: "
+                           "'Could not find checkpoint files' on that rank)", code=folder.rank_code)  # fmt: skip
+
+
+def _check_against_manifest(report: Report, folder: Folder) -> None:
+    """No listed rank outside the layout, no unlisted rank file, every copied file present."""
+    lay, out = folder.layout, folder.out
+    extra = sorted({f.rank for f in folder.files if f.tp_rank >= lay.tp or f.pp_rank >= lay.pp})
+    for r in extra:
+        report.add("manifest", f"the manifest lists files for {rank_label(r, lay.pp)}, outside {lay}",
+                   code=CORRUPT, file=MANIFEST)  # fmt: skip
+    listed = {f.name for f in folder.files}
+    for p in sorted(out.iterdir(), key=lambda p: natural_key(p.name)):
+        if parse_rank_file(p.name) and p.name not in listed:
+            report.add("stray", f"{p.name} is not in the manifest (left by another run?): vLLM would load "
+                       f"it with its rank; remove it or {RERUN}", code=CORRUPT, file=p.name)  # fmt: skip
+    assert folder.manifest is not None
+    for name in folder.manifest.get("copied") or []:
+        if not (out / name).exists():
+            report.add("missing-file", f"{name} (copied from the source) is missing", code=CORRUPT, file=name)
+
+
+def headers_vs_manifest(folder: Folder) -> list[Finding]:
+    """Where a header and the manifest disagree on a tensor (kept back: the key check may tell it better)."""
+    out = []
+    for f in folder.files:
+        if not f.ok or not f.entry:
+            continue
+        listed = {t["name"]: (t["dtype"], tuple(t["shape"])) for t in f.entry.get("tensors", [])}
+        held = {n: (t.dtype, t.shape) for n, t in f.tensors.items()}
+        for name in sorted(set(listed) | set(held), key=natural_key):
+            a, b = listed.get(name), held.get(name)
+            if a == b:
+                continue
+            if b is None:
+                msg = f"{f.name}: the manifest lists {name}, the file does not hold it"
+            elif a is None:
+                msg = f"{f.name} holds {name}, which the manifest does not list"
+            else:
+                msg = f"{f.name}: {name} is {b[0]} {list(b[1])}, the manifest says {a[0]} {list(a[1])}"
+            out.append(Finding(ERROR, "manifest-mismatch", msg, f.name, name, CORRUPT))
+    return out
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _strip_path(message: str, path: Path) -> str:
+    prefix = f"{path}: "
+    return f"{path.name}: {message[len(prefix) :]}" if message.startswith(prefix) else message
+
+
+def _cut_tensors(path: Path, size: int, written: int) -> list[str]:
+    """Tensors of a file truncated from `written` to `size` bytes that end past its end, in file order."""
+    try:
+        tensors, _, _ = read_header(path, size=written)
+    except SourceError:
+        return []
+    ends = sorted((t.offset + t.nbytes, t.offset, t.name) for t in tensors.values())
+    return [name for end, _, name in ends if end > size]
+
+
+def _pieces(out_dir: Path) -> str | None:
+    """What a folder of `reshard save --ranks` pieces still lacks (its reshard.json comes last)."""
+    found = sorted(out_dir.glob(PIECE_MANIFEST_GLOB))
+    if not found:
+        return None
+    written, all_files, ranks = set(), [], []
+    for p in found:
+        try:
+            piece = json.loads(p.read_text())
+            written.update(f["name"] for f in piece["files"])
+            all_files = all_files or list(piece.get("all_files") or [])
+            ranks += list(piece.get("ranks") or [])
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{out_dir}: no {MANIFEST}, and {p.name} is unreadable ({RERUN})"
+    missing = [n for n in all_files if n not in written or not (out_dir / n).exists()]
+    if not missing:
+        return f"{out_dir}: every piece is written but not assembled: run `reshard assemble {out_dir}`"
+    return (
+        f"{out_dir}: incomplete --ranks save: {len(found)} piece(s) in (engine ranks {', '.join(map(str, sorted(ranks)))}), "
+        f"{len(missing)} of {len(all_files)} files not written yet, e.g. {missing[0]}: run the missing "
+        "`reshard save --ranks ...` pieces"
+    )
