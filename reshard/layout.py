@@ -71,6 +71,13 @@ def parse_rank_file(name: str) -> RankFile | None:
     return None
 
 
+def vllm_globs(*, tp: int, pp: int) -> list[str]:
+    """The globs vLLM's ShardedStateLoader loads, one per rank (its pattern rendered with part="*"):
+    any file they match is loaded by that rank, whatever reshard thinks of it."""
+    pattern = file_pattern(pp)
+    return [pattern.format(rank=t, tp_rank=t, pp_rank=p, part="*") for p in range(pp) for t in range(tp)]
+
+
 def is_rank_file_name(name: str) -> bool:
     """Anything that starts like a rank file (what `--overwrite` replaces and copies skip)."""
     return name.startswith(RANK_FILE_PREFIXES)

@@ -14,6 +14,7 @@ from typing import TypedDict
 from reshard import __version__
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import fsync_dir
+from reshard.hashing import hash_file
 from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, parse_rank_file
 
 FORMAT = "reshard-sharded-state"
@@ -36,6 +37,14 @@ class FileEntry(TypedDict):
     tensors: list[TensorEntry]
 
 
+class SideFile(TypedDict):
+    """A file reshard copied (config, tokenizer, ...), path relative to the output folder."""
+
+    name: str
+    size: int
+    sha256: str
+
+
 class Manifest(TypedDict, total=False):
     format: str
     format_version: int
@@ -47,6 +56,7 @@ class Manifest(TypedDict, total=False):
     total_bytes: int
     files: list[FileEntry]
     copied: list[str]  # config, tokenizer and generation files copied from the source
+    copied_files: list[SideFile]  # every file under `copied`, with its checksum (verify checks them)
     # the source's headers (name -> [dtype, shape]): with the copied config.json, enough to plan
     # this layout again and derive the expected keys (verify), without the source
     source_tensors: dict[str, list]
@@ -57,8 +67,29 @@ class Manifest(TypedDict, total=False):
     all_files: list[str]
 
 
+def side_file_entries(folder: Path, copied: list[str]) -> list[SideFile]:
+    """Size and checksum of every regular file under the copied names (folders walked), sorted."""
+    out: list[SideFile] = []
+    for name in copied:
+        top = folder / name
+        paths = [top] if not top.is_dir() else [p for p in sorted(top.rglob("*")) if p.is_file()]
+        for p in paths:
+            if p.is_symlink():
+                continue
+            out.append({"name": p.relative_to(folder).as_posix(), "size": p.stat().st_size, "sha256": hash_file(p)})
+    return out
+
+
 def build_manifest(
-    plan, written, *, run_id: str, created: str, out_dir: str, copied: list[str], source_tensors: dict
+    plan,
+    written,
+    *,
+    run_id: str,
+    created: str,
+    out_dir: str,
+    copied: list[str],
+    source_tensors: dict,
+    copied_files: list[SideFile] | None = None,
 ) -> Manifest:
     """The manifest of `written` (name, size, sha256 of each file) for `plan` (a `reshard.plan.Plan`)."""
     sums = {w.name: w for w in written}
@@ -90,6 +121,7 @@ def build_manifest(
         "total_bytes": sum(w.size for w in written),
         "files": files,
         "copied": copied,
+        "copied_files": copied_files or [],
         "source_tensors": source_tensors,
         "serve": plan.serve_command(out_dir),
         "notes": plan.notes,

@@ -14,7 +14,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint
-from reshard.errors import SourceError
+from reshard.errors import ReshardError, SourceError, UnsupportedError
 from reshard.format import ITEMSIZE
 from reshard.layout import INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
@@ -30,6 +30,7 @@ from reshard.publish import (
     swap_in,
     write_error,
 )
+from reshard.rules import get_architecture
 from reshard.save import run_executor
 from reshard.sources import OutputSource
 
@@ -65,20 +66,52 @@ def merge_plan(ckpt: Checkpoint, max_shard_size: int) -> Plan:
     )
 
 
+# (original dtype, stored dtype) pairs that round-trip exactly: the stored one holds every value
+_EXACT = {("BF16", "F32"), ("F16", "F32")}
+
+
+def lossy_tensors(ckpt: Checkpoint) -> list[dict]:
+    """Tensors the output holds in a dtype that cannot give back the original values (e.g. a
+    bf16 checkpoint saved with --dtype float16, or a float32 one saved as bfloat16)."""
+    assert ckpt.manifest is not None
+    out = []
+    for name, t in sorted(ckpt.tensors.items(), key=lambda kv: natural_key(kv[0])):
+        original = ckpt.manifest["source_tensors"][name][0]
+        if t.dtype != original and (original, t.dtype) not in _EXACT:
+            out.append({"name": name, "original": original, "stored": t.dtype})
+    return out
+
+
 def merge(
     out_dir: Path,
     hf_dir: Path,
     *,
     max_shard_size: int = DEFAULT_SHARD,
     overwrite: bool = False,
+    allow_lossy: bool = False,
     on_plan: Callable[[Plan], Callable[[int], None] | None] | None = None,
 ) -> dict:
-    """Write the Hugging Face checkpoint that `out_dir` was made from into `hf_dir`."""
+    """Write the Hugging Face checkpoint that `out_dir` was made from into `hf_dir`.
+
+    Refuses (exit 3) when the output holds tensors in a dtype that lost precision against the
+    original, unless `allow_lossy`; the result lists them either way.
+    """
     if not (out_dir / MANIFEST).is_file():
         raise SourceError(f"{out_dir} has no {MANIFEST}: not a complete reshard output")
     source = OutputSource(out_dir)
     ckpt = source.checkpoint
     plan = merge_plan(ckpt, max_shard_size)
+    lossy = lossy_tensors(ckpt)
+    if lossy and not allow_lossy:
+        first = lossy[0]
+        raise UnsupportedError(
+            f"{out_dir} holds {len(lossy)} tensor(s) in a dtype that lost precision against the original "
+            f"(e.g. {first['name']}: {first['original']} saved as {first['stored']}); merging cannot give the "
+            "original checkpoint back",
+            "pass --allow-lossy to write it anyway (converted back to the original dtypes), or merge from an "
+            "output saved with --dtype auto",
+        )
+    config_patch = _spec_layers_patch(ckpt)
     with lock(hf_dir):
         recover(hf_dir)
         check_out_dir(hf_dir, out_dir, overwrite)
@@ -96,6 +129,9 @@ def merge(
                 }
                 (staged / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             copy_files(out_dir, side_files(out_dir), staged)
+            if config_patch and (staged / "config.json").is_file():
+                config = {**json.loads((staged / "config.json").read_text()), **config_patch}
+                (staged / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             swap_in(staged, hf_dir, ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"))
         except OSError as e:
             raise write_error(hf_dir, e) from e
@@ -108,4 +144,19 @@ def merge(
         "tensors": len(ckpt.tensors),
         "bytes": plan.total_bytes,
         "not_in_output": ckpt.missing,
+        "config_patch": config_patch,
+        "lossy": lossy,
     }
+
+
+def _spec_layers_patch(ckpt: Checkpoint) -> dict:
+    """The output holds no speculative (MTP) layers (vLLM's main model skips them), so neither does
+    the merged checkpoint: its config.json must not announce them."""
+    try:
+        _, arch = get_architecture(ckpt.config)
+    except ReshardError:
+        return {}
+    n = ckpt.config.get("num_hidden_layers")
+    if not isinstance(n, int) or not any(m.startswith(f"model.layers.{n}.") for m in ckpt.missing):
+        return {}
+    return {key: 0 for key in arch.spec_layers_key if ckpt.config.get(key)}

@@ -24,7 +24,15 @@ from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError
 from reshard.execute import Executor
 from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
-from reshard.manifest import Manifest, assemble, build_manifest, read_manifest, same_job, write_manifest
+from reshard.manifest import (
+    Manifest,
+    assemble,
+    build_manifest,
+    read_manifest,
+    same_job,
+    side_file_entries,
+    write_manifest,
+)
 from reshard.plan import OutFile, Plan, build_plan
 from reshard.publish import (
     check_free_space,
@@ -193,7 +201,8 @@ def _finish(job: _Job, written: list, staged: Path, out_dir: Path) -> Manifest:
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     copied = _copy_side_files(job.ckpt, job.plan, staged)
     manifest = build_manifest(job.plan, written, run_id=job.run_id, created=created, out_dir=str(out_dir),
-                              copied=copied, source_tensors=job.source_tensors)  # fmt: skip
+                              copied=copied, source_tensors=job.source_tensors,
+                              copied_files=side_file_entries(staged, copied))  # fmt: skip
     if job.piece:
         assert job.chosen is not None
         manifest["ranks"] = job.chosen

@@ -82,3 +82,35 @@ def test_output_with_a_damaged_file_is_refused_as_source(tiny, tmp_path):
         save(str(tmp_path / "out"), tmp_path / "again", tp=1, max_part_size=MAX)
     with pytest.raises(CorruptError):
         merge(tmp_path / "out", tmp_path / "hf")
+
+
+def test_merge_of_a_float16_output_is_refused_unless_lossy_is_allowed(tiny, tmp_path):
+    from reshard.errors import UnsupportedError
+
+    src = tiny("llama")
+    save(str(src), tmp_path / "out", tp=2, dtype="float16", max_part_size=MAX)
+    with pytest.raises(UnsupportedError, match="lost precision"):
+        merge(tmp_path / "out", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    result = merge(tmp_path / "out", tmp_path / "hf", allow_lossy=True)
+    assert result["lossy"] and all(e["original"] == "BF16" and e["stored"] == "F16" for e in result["lossy"])
+
+
+def test_merge_of_a_float32_output_is_exact(tiny, tmp_path):
+    src = tiny("llama")
+    save(str(src), tmp_path / "out", tp=2, dtype="float32", max_part_size=MAX)
+    result = merge(tmp_path / "out", tmp_path / "hf")
+    assert result["lossy"] == []
+    original, merged = load_dir(src, "*.safetensors"), load_dir(tmp_path / "hf", "*.safetensors")
+    assert all(torch.equal(raw(original[k]), raw(merged[k])) for k in original)
+
+
+def test_merge_of_deepseek_says_once_what_it_skipped_and_fixes_the_config(tiny, tmp_path):
+    from tests.test_cli import run
+
+    save(str(tiny("deepseek-v3")), tmp_path / "out", tp=2, max_part_size=MAX)
+    code, out, err = run("merge", str(tmp_path / "out"), str(tmp_path / "hf"))
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 2, notes  # one for the skipped MTP tensors, one for the config
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0

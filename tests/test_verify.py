@@ -403,3 +403,44 @@ def test_deep_against_a_reshard_output(clean, tmp_path):
     code, rep = run(tp4, "--against", clean[1])  # checksums find the file, the source names the tensor
     assert code == 7
     one(rep, "data", file=RANK1, tensor=QKV)
+
+
+@pytest.mark.parametrize("name", ["model-rank-0-part-0.old.safetensors", "model-rank-1-part-0 (copy).safetensors"])
+def test_files_vllm_would_load_but_the_manifest_does_not_list(out, name):
+    """vLLM globs model-rank-{r}-part-*.safetensors: a stray copy would be loaded with that rank."""
+    shutil.copy(out / RANK0, out / name)
+    code, report = run(str(out))
+    assert code == 7
+    assert one(report, "stray", file=name)
+
+
+def test_pp_stray_file_matched_by_the_pp_glob(tiny, tmp_path):
+    out = tmp_path / "pp"
+    save(str(tiny("llama")), out, tp=1, pp=2, max_part_size=DEFAULT_MAX_PART)
+    shutil.copy(out / "model-pp-1-tp-0-part-0.safetensors", out / "model-pp-1-tp-0-part-0-backup.safetensors")
+    code, report = run(str(out))
+    assert code == 7 and one(report, "stray", file="model-pp-1-tp-0-part-0-backup.safetensors")
+
+
+@pytest.mark.parametrize("edit", ["rms_norm_eps", "rope_theta", "num_attention_heads"])
+def test_edited_config_is_caught(out, edit):
+    cfg = json.loads((out / "config.json").read_text())
+    cfg[edit] = cfg.get(edit, 1) * 2
+    (out / "config.json").write_text(json.dumps(cfg))
+    code, report = run(str(out))
+    assert code == 7
+    assert one(report, "checksum", file="config.json")
+
+
+def test_edited_tokenizer_is_caught(out):
+    path = out / "tokenizer.json"
+    path.write_text(path.read_text().replace('"', "'", 1))
+    code, report = run(str(out))
+    assert code == 7 and one(report, "checksum", file="tokenizer.json")
+
+
+def test_every_copied_file_has_a_checksum(out):
+    manifest = json.loads((out / "reshard.json").read_text())
+    sums = {e["name"]: e["sha256"] for e in manifest["copied_files"]}
+    assert set(sums) == set(manifest["copied"]) and "config.json" in sums
+    assert sums["config.json"] == hashlib.sha256((out / "config.json").read_bytes()).hexdigest()

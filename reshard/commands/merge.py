@@ -17,8 +17,11 @@ from reshard.console import byte_progress, emit_json, human_bytes, stdout
 @click.option("--max-shard-size", type=ByteSize(), default="5GiB", show_default=True,
               help="Size of the Hugging Face shards written.")  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace the weights of a non-empty HF_DIR.")
+@click.option("--allow-lossy", is_flag=True,
+              help="Merge even when the output holds tensors in a narrower dtype than the original (e.g. saved "
+                   "with --dtype float16 from bf16): they are converted back, not restored.")  # fmt: skip
 @json_option
-def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, as_json):
+def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
     """Rebuild the Hugging Face checkpoint a reshard output was made from.
 
     Original tensor names, shapes and dtypes (FP8 scales on their original blocks), shards with a
@@ -32,12 +35,22 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, as_json):
         def on_plan(plan):
             return stack.enter_context(byte_progress(plan.total_bytes, "merging", quiet=as_json))
 
-        result = merge(out_dir, hf_dir, max_shard_size=max_shard_size, overwrite=overwrite, on_plan=on_plan)
+        result = merge(out_dir, hf_dir, max_shard_size=max_shard_size, overwrite=overwrite,
+                       allow_lossy=allow_lossy, on_plan=on_plan)  # fmt: skip
     if as_json:
         emit_json(result)
         return
     stdout.print(
         f"wrote {len(result['files'])} files, {result['tensors']} tensors, {human_bytes(result['bytes'])} to {hf_dir}"
     )
-    for name in result["not_in_output"]:
-        stdout.print(f"note: {name} is not in the sharded output (vLLM does not load it) and was not written")
+    missing = result["not_in_output"]
+    if missing:
+        stdout.print(
+            f"note: {len(missing)} tensor(s) of the original are not in the sharded output (vLLM does not load "
+            f"them, e.g. {missing[0]}) and were not written"
+        )
+    for key, value in result["config_patch"].items():
+        stdout.print(f"note: config.json {key} set to {value}: the merged checkpoint has no such layers")
+    if result["lossy"]:
+        stdout.print(f"note: {len(result['lossy'])} tensor(s) converted back from a narrower dtype: values differ "
+                     "from the original (--allow-lossy)")  # fmt: skip

@@ -91,6 +91,7 @@ def verify(
     if hash_too:
         report.checked.append("checksums")
         damaged = integrity.check_sums(report, folder, progress, against)
+        integrity.check_side_files(report, folder)
         if damaged and not deep:
             locate(report, folder, damaged, plan, source, against, progress)
     _fill_stats(report.stats)

@@ -28,6 +28,33 @@ def check_sums(report: Report, folder: Folder, progress: Progress | None, agains
     return damaged
 
 
+def check_side_files(report: Report, folder: Folder) -> None:
+    """Every file reshard copied (config, tokenizer, ...) is there, of its size and checksum: an
+    edited config.json changes what vLLM builds as surely as a changed weight."""
+    m = folder.manifest or {}
+    entries = m.get("copied_files") or []
+    for e in entries:
+        if not isinstance(e, dict) or not all(
+            isinstance(e.get(k), t) for k, t in (("name", str), ("size", int), ("sha256", str))
+        ):
+            report.add("manifest", f"malformed copied_files entry {e!r}", code=CORRUPT, file="reshard.json")
+            continue
+        path = folder.out / e["name"]
+        try:
+            size = path.stat().st_size
+            digest = hash_file(path) if size == e["size"] else None
+        except OSError as err:
+            if not path.exists():
+                continue  # told by the structure check (a copied file is missing)
+            report.add("checksum", f"{e['name']}: cannot read ({err.strerror})", code=CORRUPT, file=e["name"])
+            continue
+        if digest != e["sha256"]:
+            report.add("checksum", f"{e['name']} (copied from the source) changed after it was written: vLLM "
+                       f"would build the model from the edited file ({RERUN})", code=CORRUPT, file=e["name"])  # fmt: skip
+    if entries:
+        report.stats["side_files_checked"] = len(entries)
+
+
 def _hash(report: Report, folder: Folder, todo: list[CheckedFile], progress: Progress | None) -> None:
     """Set each file's sha256, several files at once, largest first (balanced threads)."""
     total = sum(f.size for f in todo)

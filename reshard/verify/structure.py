@@ -8,13 +8,14 @@ is read from its file names instead.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from reshard.errors import CorruptError, SourceError
 from reshard.format import DTYPE_CODES, read_header
-from reshard.layout import CONFIG, MANIFEST, PIECE_MANIFEST_GLOB, PP_PATTERN, TMP_PREFIX, parse_rank_file
+from reshard.layout import CONFIG, MANIFEST, PIECE_MANIFEST_GLOB, PP_PATTERN, TMP_PREFIX, parse_rank_file, vllm_globs
 from reshard.manifest import read_manifest
 from reshard.plan import natural_key
 from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, rank_label
@@ -228,8 +229,10 @@ def _check_against_manifest(report: Report, folder: Folder) -> None:
         report.add("manifest", f"the manifest lists files for {rank_label(r, lay.pp)}, outside {lay}",
                    code=CORRUPT, file=MANIFEST)  # fmt: skip
     listed = {f.name for f in folder.files}
+    globs = vllm_globs(tp=lay.tp, pp=lay.pp)
     for p in sorted(out.iterdir(), key=lambda p: natural_key(p.name)):
-        if parse_rank_file(p.name) and p.name not in listed:
+        loaded = any(fnmatch.fnmatchcase(p.name, g) for g in globs)
+        if (loaded or parse_rank_file(p.name)) and p.name not in listed:
             report.add("stray", f"{p.name} is not in the manifest (left by another run?): vLLM would load "
                        f"it with its rank; remove it or {RERUN}", code=CORRUPT, file=p.name)  # fmt: skip
     assert folder.manifest is not None
