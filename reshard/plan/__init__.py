@@ -1,10 +1,14 @@
 """Planning: from config.json and safetensors headers to every rank's files, without reading a byte.
 
-model     the plan as data (Plan, OutFile, OutTensor, Slice, Fill)
 planner   build_plan: walks the architecture's rule table (reshard.rules), stage by stage
-slicers   one module -> per-rank tensors, by kind (linear, experts: their own modules)
-quant     the quantization scheme, one strategy object per scheme
+context   what the rules see while planning: source lookups, sizes, notes, the scheme
+slicers   one module -> per-rank tensors, by kind; linear and experts in their own modules
+quant     the quantization scheme: one strategy object per scheme, chosen from config.json
+geometry  sizes shared by the slicers and the schemes (Dims, LinearRank, MoeSplit)
 files     which file each tensor goes to (natural_key, split_by_size)
+model     the plan as data (Plan, OutFile, OutTensor, Slice, Fill)
+
+Imports nothing that imports torch or numpy.
 """
 
 from reshard.plan.files import DEFAULT_MAX_PART, natural_key, split_by_size
