@@ -142,6 +142,26 @@ def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
+def plan_times(tp: int = 8, reps: int = 3) -> list[dict]:
+    """`build_plan` from headers alone (tests/fixtures/synthetic.py: the real models' names and shapes, no
+    bytes): best wall and CPU seconds of `reps`, for the largest dense and MoE configs we target."""
+    from reshard.plan import build_plan
+    from tests.fixtures.synthetic import LLAMA_3_70B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
+
+    out = []
+    for name, config, files in (("Llama-3-70B", LLAMA_3_70B, 30), ("Qwen3-235B-A22B-FP8", QWEN3_235B_A22B_FP8, 48)):
+        ckpt = synthetic_checkpoint(config, files=files)
+        wall, cpu = [], []
+        for _ in range(reps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan = build_plan(ckpt, tp=tp)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        tensors = sum(len(f.tensors) for f in plan.files)
+        out.append({"model": name, "tp": tp, "tensors": tensors, "seconds": min(wall), "cpu": min(cpu)})
+    return out
+
+
 # ---- sub-commands run in their own processes ---------------------------------------------------
 
 
@@ -420,6 +440,8 @@ class Bench:
             if a.vllm:
                 self.say("4. vLLM load time")
                 self.results["vllm"] = self.vllm(main, 2)
+            self.say("5. planning time")
+            self.results["plan"] = plan_times()
             self.say("2. peak RSS")
             small = self.make("llama-small", "llama", a.small_size)
             rss = [self.rss(small, a.tp)]
@@ -592,6 +614,18 @@ def report(r: dict) -> str:
                 f"{fmt_s(row['ready_med'])} |"
             )
         L.append("")
+    if r.get("plan"):
+        L += [
+            "## 5. Planning time",
+            "",
+            "`build_plan` at TP 8 from the headers alone (tests/fixtures/synthetic.py: the real models' tensor names, "
+            "shapes and dtypes, every layer; no byte read), best of 3 in this process.",
+            "",
+            "| model | output tensors | wall s | CPU s |",
+            "|---|---:|---:|---:|",
+            *[f"| {x['model']} | {x['tensors']} | {x['seconds']:.2f} | {x['cpu']:.2f} |" for x in r["plan"]],
+            "",
+        ]
     L += targets(r)
     L += [
         "## How `reshard save` gets there",

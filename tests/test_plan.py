@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import time
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -16,12 +18,9 @@ def rank_tensors(plan, tp_rank, pp_rank=0):
     return {t.name: t for f in plan.files if (f.tp_rank, f.pp_rank) == (tp_rank, pp_rank) for t in f.tensors}
 
 
-def test_llama_70b_tp8_plans_from_headers_fast():
-    ckpt = synthetic_checkpoint(LLAMA_3_70B, files=30)
-    t0 = time.perf_counter()
-    plan = build_plan(ckpt, tp=8)
-    seconds = time.perf_counter() - t0
-    assert seconds < 5, f"planning took {seconds:.2f} s"  # a sanity bound; the figure is in the benchmark
+def test_llama_70b_tp8_plans_from_headers():
+    # how long this takes is a figure of scripts/bench.py, not a test
+    plan = build_plan(synthetic_checkpoint(LLAMA_3_70B, files=30), tp=8)
     r3 = rank_tensors(plan, 3)
     # 80 layers x (2 norms + qkv + o + gate_up + down + 4 attention buffers) + embed + norm + lm_head
     assert len(r3) == 80 * 10 + 3
@@ -36,6 +35,13 @@ def test_llama_70b_tp8_plans_from_headers_fast():
     assert len(sizes) == 1
     # 5 GiB parts
     assert max(f.data_bytes for f in plan.files) <= 5 * 1024**3
+
+
+def test_planning_imports_no_torch():
+    code = "import sys, reshard.plan, reshard.rules; sys.exit('torch' in sys.modules or 'numpy' in sys.modules)"
+    root = Path(__file__).resolve().parents[1]  # `-c` puts the working directory first on sys.path
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr or "importing reshard.plan imported torch or numpy"
 
 
 def test_kv_heads_replicated_when_tp_exceeds_them():

@@ -7,7 +7,7 @@ here knows about bytes or torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -85,7 +85,14 @@ class Architecture:
     Attributes:
         names: the `architectures` values of config.json it covers.
         top: modules outside the decoder layers (embedding, final norm, lm_head).
-        layer: modules of every decoder layer, under `model.layers.{L}.`.
+        layer: modules of every decoder layer, under `layer_prefix`.
+        layer_prefix: where decoder layer L's modules live, in vLLM and in the checkpoint
+            (`{layer}` is replaced by L).
+        embedding: the top module that is the input embedding: with pipeline parallelism it is
+            on the first stage (and on the last when the lm_head is tied to it); the other top
+            modules are on the last stage (unless top_on_every_stage).
+        lm_head: the HF module of the output projection; a "tied" checkpoint that still ships
+            its weight is written untied (as vLLM loads it), a tied one's stray copy is skipped.
         dense_mlp: the MLP of a dense layer.
         moe_mlp: the MLP of a mixture-of-experts layer.
         is_moe_layer: which layers use `moe_mlp` (config, layer index) -> bool.
@@ -93,7 +100,7 @@ class Architecture:
         experts_key / moe_intermediate_key: config keys of the expert count (first found) and
             of the expert width.
         tp_at_most_experts: vLLM refuses a tensor-parallel size above the number of experts.
-        top_on_every_stage: with pipeline parallelism, embedding/norm/lm_head on every stage.
+        top_on_every_stage: with pipeline parallelism, every top module on every stage.
         spec_layers_key: config keys (first found) of the number of speculative (MTP) layers
             stored after the decoder layers, `model.layers.{num_hidden_layers + i}.*`, which
             vLLM's main model skips (DeepSeek-V3's num_nextn_predict_layers).
@@ -111,4 +118,10 @@ class Architecture:
     tp_at_most_experts: bool = False
     top_on_every_stage: bool = False
     spec_layers_key: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default=())
+    layer_prefix: str = "model.layers.{layer}."
+    embedding: str = "model.embed_tokens"
+    lm_head: str = "lm_head"
+
+    def prefix(self, layer: int) -> str:
+        """Decoder layer `layer`'s prefix (speculative layers after the last included)."""
+        return self.layer_prefix.format(layer=layer)

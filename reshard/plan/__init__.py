@@ -1,0 +1,36 @@
+"""Planning: from config.json and safetensors headers to every rank's files, without reading a byte.
+
+planner   build_plan: walks the architecture's rule table (reshard.rules), stage by stage
+context   what the rules see while planning: source lookups, sizes, notes, the scheme
+slicers   one module -> per-rank tensors, by kind; linear and experts in their own modules
+quant     the quantization scheme: one strategy object per scheme, chosen from config.json
+geometry  sizes shared by the slicers and the schemes (Dims, LinearRank, MoeSplit)
+files     which file each tensor goes to (natural_key, split_by_size)
+model     the plan as data (Plan, OutFile, OutTensor, Slice, Fill)
+
+Imports nothing that imports torch or numpy.
+"""
+
+from reshard.plan.files import DEFAULT_MAX_PART, natural_key, split_by_size
+from reshard.plan.geometry import Dims
+from reshard.plan.model import Fill, OutFile, OutTensor, Piece, Plan, Slice
+from reshard.plan.planner import build_plan, pp_ranges
+from reshard.plan.quant import Quant
+from reshard.plan.slicers import VOCAB_PADDING
+
+__all__ = [
+    "DEFAULT_MAX_PART",
+    "VOCAB_PADDING",
+    "Dims",
+    "Fill",
+    "OutFile",
+    "OutTensor",
+    "Piece",
+    "Plan",
+    "Quant",
+    "Slice",
+    "build_plan",
+    "natural_key",
+    "pp_ranges",
+    "split_by_size",
+]

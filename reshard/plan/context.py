@@ -1,0 +1,96 @@
+"""What every split rule needs to know while planning: the checkpoint, the layout, the model's sizes.
+
+One `Context` per `build_plan`: it looks source tensors up (and remembers which were used, so that
+strays can be refused), collects notes for the user, and holds the quantization scheme.
+"""
+
+from __future__ import annotations
+
+from reshard.checkpoint import Checkpoint
+from reshard.errors import SourceError, UnsupportedError
+from reshard.format import TensorInfo
+from reshard.plan.geometry import Dims, divisors
+from reshard.plan.quant import Quant, quant_from_config
+from reshard.rules import Architecture, Kind, Module
+
+
+class Context:
+    def __init__(self, ckpt: Checkpoint, arch: Architecture, *, tp: int, ep: bool, dtype: str) -> None:
+        self.ckpt = ckpt
+        self.config = ckpt.config
+        self.arch = arch
+        self.tp = tp
+        self.ep = ep
+        self.dtype = dtype  # the model's, safetensors code
+        self.notes: list[str] = []
+        self.used: set[str] = set()
+        # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
+        # ships its own lm_head; the sharded loader does not, so the output config must say so.
+        untie = bool(self.config.get("tie_word_embeddings")) and f"{arch.lm_head}.weight" in ckpt.tensors
+        self.config_patch: dict = {"tie_word_embeddings": False} if untie else {}
+        if untie:
+            self.note(
+                "config.json says tie_word_embeddings but the checkpoint has its own lm_head: "
+                "written untied, and the copied config.json says tie_word_embeddings: false"
+            )
+        self.dims = dims_from_config(self.config, arch, untie)
+        self.quant: Quant | None = quant_from_config(self.config)
+
+    # ---- the checkpoint (reshard.plan.geometry.Sources) ------------------------------------------
+
+    def src(self, name: str, why: str) -> TensorInfo:
+        t = self.ckpt.tensors.get(name)
+        if t is None:
+            raise SourceError(
+                f"checkpoint lacks tensor {name!r} (needed for vLLM's {why})",
+                "the checkpoint is incomplete or not of the architecture its config.json names",
+            )
+        self.used.add(name)
+        return t
+
+    def mark_used(self, name: str) -> None:
+        self.used.add(name)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # ---- questions the rules ask -------------------------------------------------------------------
+
+    def flag(self, value: bool | str) -> bool:
+        """A module field that is a literal or the config key that says so."""
+        return bool(self.config.get(value, False)) if isinstance(value, str) else value
+
+    def quantized(self, module: Module, hf_prefixes: list[str]) -> bool:
+        if not self.quant or not module.quant:
+            return False
+        return self.quant.quantizes(hf_prefixes, experts=module.kind is Kind.EXPERTS)
+
+    def split(self, size: int, what: str) -> int:
+        """`size` / tp, refused when it does not divide."""
+        if size % self.tp:
+            raise UnsupportedError(
+                f"{what} = {size} is not divisible by --tp {self.tp}",
+                f"use a --tp that divides it: {divisors(size)}",
+            )
+        return size // self.tp
+
+
+def dims_from_config(config: dict, arch: Architecture, untied_by_checkpoint: bool = False) -> Dims:
+    def need(key: str) -> int:
+        if key not in config or config[key] is None:
+            raise SourceError(f"config.json lacks {key!r}, which {arch.names[0]} needs")
+        return int(config[key])
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    return Dims(
+        hidden=hidden,
+        num_layers=need("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        vocab=need("vocab_size"),
+        tie=bool(config.get("tie_word_embeddings", False)) and not untied_by_checkpoint,
+        num_experts=next((int(config[k]) for k in arch.experts_key if config.get(k)), 0) if arch.moe_mlp else 0,
+        moe_intermediate=int(config.get(arch.moe_intermediate_key) or 0) if arch.moe_mlp else 0,
+    )

@@ -1,0 +1,142 @@
+"""Linear layers and plain parameters: replicate, column, row, merged and qkv modules.
+
+A module has one or more slots (q, k, v / gate, up), each a separate HF tensor or a row range of one
+fused HF tensor. Column-parallel kinds give every rank a row range of each slot; row-parallel ones
+a column range of the whole weight; replicated ones all of it.
+"""
+
+from __future__ import annotations
+
+from reshard.errors import SourceError
+from reshard.format import TensorInfo
+from reshard.plan.context import Context
+from reshard.plan.geometry import LinearRank
+from reshard.plan.model import OutTensor, Slice, rows, whole
+from reshard.rules import Kind, Module
+
+COLUMN_KINDS = (Kind.COLUMN, Kind.MERGED, Kind.QKV)
+
+
+def linear(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """Append module `m` of the layer at `prefix` (its weight, scales and bias) to every rank."""
+    target = prefix + m.name
+    slots = [prefix + s for s in m.slots]
+    if m.quant is False and m.kind is Kind.REPLICATE:
+        # norms and other plain parameters: whole, model dtype unless vLLM fixes one
+        t = ctx.src(f"{slots[0]}.{m.param}", target)
+        for r in range(ctx.tp):
+            per_tp[r].append(OutTensor(f"{target}.{m.param}", m.dtype or ctx.dtype, t.shape, (whole(t),)))
+        return
+    if m.param != "weight":
+        raise AssertionError(f"{target}: only plain replicated parameters may be named {m.param!r}")
+    weights, offs, outs = slot_sources(ctx, m, target, slots)
+    quant = ctx.quantized(m, slots)
+    in_size = weights[0].shape[1]
+    bias = ctx.flag(m.bias)
+    if m.kind is Kind.ROW:
+        in_r = ctx.split(in_size, f"input size of {target}")
+    scheme = ctx.quant if quant else None
+    if scheme:
+        for w in weights:
+            scheme.check_weight(w)
+    wdtype = scheme.weight_dtype if scheme else (m.dtype or ctx.dtype)
+    for r in range(ctx.tp):
+        slot_rows = rank_rows(ctx, m, target, outs, r)  # per slot: (start, stop, shard index)
+        cols = (r * in_r, (r + 1) * in_r) if m.kind is Kind.ROW else (0, in_size)
+        pieces = tuple(
+            Slice(w.name, (o + a, cols[0]), (o + b, cols[1]))
+            for w, o, (a, b, _) in zip(weights, offs, slot_rows, strict=True)
+        )
+        shape = (sum(b - a for a, b, _ in slot_rows), cols[1] - cols[0])
+        per_tp[r].append(OutTensor(f"{target}.weight", wdtype, shape, pieces))
+        if scheme:
+            lin = LinearRank(
+                target=target,
+                slots=tuple(slots),
+                fused=m.fused,
+                outs=tuple(outs),
+                offs=tuple(offs),
+                rows=tuple(slot_rows),
+                in_size=in_size,
+                cols=cols,
+                splits_rows=m.kind in COLUMN_KINDS and ctx.tp > 1,
+                splits_cols=m.kind is Kind.ROW and ctx.tp > 1,
+            )
+            per_tp[r].extend(scheme.linear_scales(ctx, lin))
+        if bias:
+            per_tp[r].append(_bias(ctx, m, target, slots, offs, slot_rows))
+
+
+def _bias(
+    ctx: Context, m: Module, target: str, slots: list[str], offs: list[int], slot_rows: list[tuple[int, int, int]]
+) -> OutTensor:
+    bs = [ctx.src(f"{s}.bias", target) for s in slots]
+    if m.kind in (Kind.ROW, Kind.REPLICATE):
+        pieces = tuple(dict.fromkeys(whole(b) for b in bs))  # a fused bias once
+        n = sum(b.shape[0] for b in dict.fromkeys(bs))
+    else:
+        pieces = tuple(rows(b, o + a, o + e) for b, o, (a, e, _) in zip(bs, offs, slot_rows, strict=True))
+        n = sum(e - a for a, e, _ in slot_rows)
+    return OutTensor(f"{target}.bias", m.dtype or ctx.dtype, (n,), pieces)
+
+
+def slot_sources(
+    ctx: Context, m: Module, target: str, slots: list[str]
+) -> tuple[list[TensorInfo], list[int], list[int]]:
+    """Each slot's HF weight, its first row there and its global row count.
+
+    Separate HF tensors: one per slot, from row 0. A fused HF tensor (Phi-3): the slots are
+    consecutive row ranges of it, sized as vLLM's `_load_fused_module_from_checkpoint`
+    does: q/k/v by the head counts, other merged layers in equal parts.
+    """
+    if not m.fused:
+        weights = [ctx.src(f"{s}.weight", target) for s in slots]
+        return weights, [0] * len(weights), [w.shape[0] for w in weights]
+    w = ctx.src(f"{slots[0]}.weight", target)
+    total, n = w.shape[0], len(m.fused)
+    if m.kind is Kind.QKV:
+        d = ctx.dims
+        heads = d.num_heads + 2 * d.num_kv_heads
+        if n != 3 or total % heads:
+            raise SourceError(f"{w.name}: {total} rows do not split into q/k/v of {d.num_heads}/{d.num_kv_heads} heads")
+        hd = total // heads
+        outs = [d.num_heads * hd, d.num_kv_heads * hd, d.num_kv_heads * hd]
+    else:
+        if total % n:
+            raise SourceError(f"{w.name}: {total} rows do not split into {n} equal parts ({', '.join(m.fused)})")
+        outs = [total // n] * n
+    offs = [sum(outs[:i]) for i in range(n)]
+    return [w] * n, offs, outs
+
+
+def rank_rows(ctx: Context, m: Module, target: str, outs: list[int], r: int) -> list[tuple[int, int, int]]:
+    """Per slot, rank r's rows [start, stop) of it and which shard of the slot they are."""
+    if m.kind in (Kind.ROW, Kind.REPLICATE):
+        return [(0, o, 0) for o in outs]
+    if m.kind is Kind.QKV:
+        return _qkv_rows(ctx, target, outs, r)
+    out = []
+    for i, o in enumerate(outs):
+        n = ctx.split(o, f"output size of {target} (slot {i})")
+        out.append((r * n, (r + 1) * n, r))
+    return out
+
+
+def _qkv_rows(ctx: Context, target: str, outs: list[int], r: int) -> list[tuple[int, int, int]]:
+    """q by heads; k and v by KV heads, each replicated on tp / num_kv_heads ranks when fewer."""
+    d, tp = ctx.dims, ctx.tp
+    q, k, v = outs
+    # head sizes from the weights: vLLM's Qwen2 ignores config.head_dim, others use it
+    if q % d.num_heads or k % d.num_kv_heads or v % d.num_kv_heads:
+        raise SourceError(f"{target}: q/k/v rows {q}/{k}/{v} do not split into {d.num_heads}/{d.num_kv_heads} heads")
+    qn = q // tp
+    if tp >= d.num_kv_heads:
+        kv_per_rank, shard = 1, r // (tp // d.num_kv_heads)
+    else:
+        kv_per_rank, shard = d.num_kv_heads // tp, r
+    kn, vn = kv_per_rank * (k // d.num_kv_heads), kv_per_rank * (v // d.num_kv_heads)
+    return [
+        (r * qn, (r + 1) * qn, r),
+        (shard * kn, (shard + 1) * kn, shard),
+        (shard * vn, (shard + 1) * vn, shard),
+    ]

@@ -1,0 +1,164 @@
+"""The plan as data: every rank's files, their tensors, and the source bytes each tensor is made of.
+
+An output tensor is the concatenation, in row-major order, of its pieces: hyper-rectangular slices
+of source tensors (optionally up-sampled, for refined FP8 block scales) and constant fills (vocab
+padding rows, attention buffers). Nothing here reads a byte or imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from reshard import VLLM_LAYOUT, __version__, layout
+from reshard.errors import SourceError
+from reshard.format import DTYPE_CODES, ITEMSIZE, TensorInfo
+
+
+class QuantRecord(Protocol):
+    """What the plan keeps of the checkpoint's quantization (reshard.plan.quant): its manifest entry."""
+
+    def to_json(self) -> dict: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """source[start[0]:stop[0], start[1]:stop[1], ...], after up-sampling each dim by `up`."""
+
+    source: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    up: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(b - a for a, b in zip(self.start, self.stop, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """`count` elements equal to `value`."""
+
+    value: float
+    count: int
+
+    @property
+    def numel(self) -> int:
+        return self.count
+
+
+Piece = Slice | Fill
+
+
+@dataclass(frozen=True, slots=True)
+class OutTensor:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str
+    tp_rank: int
+    pp_rank: int
+    part: int
+    tensors: tuple[OutTensor, ...]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class Plan:
+    """What `save` writes. Serialisable; built before any tensor byte is read."""
+
+    source: dict
+    architecture: str
+    tp: int
+    pp: int
+    ep: bool
+    dtype: str  # model dtype, safetensors code
+    quant: QuantRecord | None
+    files: list[OutFile]
+    layer_ranges: list[tuple[int, int]]  # per pipeline stage: [first, last) layer
+    notes: list[str] = field(default_factory=list)
+    config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
+
+    @property
+    def pattern(self) -> str:
+        return layout.file_pattern(self.pp)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+    def serve_command(self, out_dir: str) -> str:
+        return layout.serve_command(out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype])
+
+    def layout(self) -> dict:
+        return {
+            "vllm_layout": VLLM_LAYOUT,
+            "architecture": self.architecture,
+            "tp": self.tp,
+            "pp": self.pp,
+            "ep": self.ep,
+            "dtype": DTYPE_CODES[self.dtype],
+            "quantization": self.quant.to_json() if self.quant else None,
+            "pattern": self.pattern,
+            "pp_layer_partition": [b - a for a, b in self.layer_ranges],
+        }
+
+    def ranks(self) -> dict[tuple[int, int], list[OutFile]]:
+        out: dict[tuple[int, int], list[OutFile]] = {}
+        for f in self.files:
+            out.setdefault((f.pp_rank, f.tp_rank), []).append(f)
+        return out
+
+    def summary(self) -> dict:
+        """Per-rank key count and bytes, plus the layout: what `reshard plan --json` prints."""
+        ranks = []
+        for (pp_rank, tp_rank), files in sorted(self.ranks().items()):
+            tensors = [t for f in files for t in f.tensors]
+            ranks.append(
+                {
+                    "pp_rank": pp_rank,
+                    "tp_rank": tp_rank,
+                    "files": [f.name for f in files],
+                    "keys": len(tensors),
+                    "bytes": sum(t.nbytes for t in tensors),
+                    "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in tensors],
+                }
+            )
+        return {
+            "reshard_version": __version__,
+            "source": self.source,
+            **self.layout(),
+            "total_bytes": self.total_bytes,
+            "ranks": ranks,
+            "notes": self.notes,
+        }
+
+
+# ---- pieces of source tensors -------------------------------------------------------------------
+
+
+def whole(t: TensorInfo) -> Slice:
+    return Slice(t.name, (0,) * len(t.shape), t.shape)
+
+
+def rows(t: TensorInfo, a: int, b: int) -> Slice:
+    return Slice(t.name, (a,) + (0,) * (len(t.shape) - 1), (b, *t.shape[1:]))
+
+
+def scalar(t: TensorInfo) -> Slice:
+    if t.numel != 1:
+        raise SourceError(f"{t.name} should hold one value, has shape {list(t.shape)}")
+    return whole(t)

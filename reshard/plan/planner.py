@@ -1,0 +1,183 @@
+"""Build the plan: walk the architecture's rule table, stage by stage, into every rank's tensors.
+
+Pure metadata in (config.json + safetensors headers), a `Plan` value out. No torch, no tensor bytes.
+"""
+
+from __future__ import annotations
+
+from reshard.checkpoint import Checkpoint
+from reshard.errors import SourceError, UnsupportedError
+from reshard.format import DTYPE_NAMES
+from reshard.plan.context import Context
+from reshard.plan.files import DEFAULT_MAX_PART, assign_files
+from reshard.plan.geometry import divisors
+from reshard.plan.model import OutTensor, Plan
+from reshard.plan.slicers import add_module, padded_vocab
+from reshard.rules import Module, get_architecture
+
+
+def build_plan(
+    ckpt: Checkpoint,
+    *,
+    tp: int,
+    pp: int = 1,
+    ep: bool = False,
+    dtype: str = "auto",
+    max_part_size: int = DEFAULT_MAX_PART,
+    pp_partition: list[int] | None = None,
+) -> Plan:
+    """Plan every rank's files for vLLM's sharded_state loader.
+
+    Args:
+        ckpt: source metadata (config + headers).
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        ep: vLLM's --enable-expert-parallel layout for MoE experts.
+        dtype: "auto" (config's torch_dtype; float32 becomes bfloat16, as vLLM on GPUs) or a name.
+        max_part_size: split a rank's tensors into parts of at most this many bytes.
+        pp_partition: layers per stage (VLLM_PP_LAYER_PARTITION); default as vLLM.
+
+    Raises:
+        UnsupportedError: unknown architecture or a layout vLLM would refuse.
+        SourceError: a tensor the rules need is missing, or has the wrong shape.
+    """
+    if tp < 1 or pp < 1:
+        raise UnsupportedError("--tp and --pp must be at least 1")
+    arch_name, arch = get_architecture(ckpt.config)
+    ctx = Context(ckpt, arch, tp=tp, ep=ep, dtype=model_dtype(ckpt.config, dtype))
+    check_attention(ctx)
+    ranges = pp_ranges(ctx.dims.num_layers, pp, pp_partition)
+    per_rank = {}
+    for pp_rank in range(len(ranges)):
+        for tp_rank, tensors in enumerate(plan_stage(ctx, ranges, pp_rank)):
+            per_rank[(pp_rank, tp_rank)] = tensors
+    check_unused(ctx, ranges)
+    return Plan(
+        source=ckpt.ref,
+        architecture=arch_name,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        dtype=ctx.dtype,
+        quant=ctx.quant,
+        files=assign_files(per_rank, pp=pp, max_part_size=max_part_size),
+        layer_ranges=ranges,
+        notes=ctx.notes,
+        config_patch=ctx.config_patch,
+    )
+
+
+def model_dtype(config: dict, dtype: str) -> str:
+    """The output's model dtype (safetensors code) for --dtype `dtype`."""
+    if dtype != "auto":
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise UnsupportedError(f"--dtype {dtype}: use auto, bfloat16, float16 or float32")
+        return DTYPE_NAMES[dtype]
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    name = str(name).removeprefix("torch.")
+    if name == "float32":
+        name = "bfloat16"  # vLLM's auto dtype on GPUs downcasts float32 checkpoints
+    if name not in ("bfloat16", "float16"):
+        raise UnsupportedError(f"config.json torch_dtype {name!r} is not supported; pass --dtype")
+    return DTYPE_NAMES[name]
+
+
+def pp_ranges(num_layers: int, pp: int, partition: list[int] | None = None) -> list[tuple[int, int]]:
+    """Layers of each pipeline stage, as vLLM's get_pp_indices (distributed/utils.py)."""
+    if partition is not None:
+        if len(partition) != pp:
+            raise UnsupportedError(f"--pp-layer-partition has {len(partition)} entries for --pp {pp}")
+        if sum(partition) != num_layers:
+            raise UnsupportedError(f"--pp-layer-partition sums to {sum(partition)}, the model has {num_layers} layers")
+        sizes = list(partition)
+    else:
+        if pp > num_layers:
+            raise UnsupportedError(f"--pp {pp} is larger than the number of layers ({num_layers})")
+        sizes = [num_layers // pp] * pp
+        for i in range(num_layers % pp):
+            sizes[-2 - i] += 1  # extra layers go to the stages before the last, backwards
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+# ---- the walk ---------------------------------------------------------------------------------
+
+
+def plan_stage(ctx: Context, ranges: list[tuple[int, int]], pp_rank: int) -> list[list[OutTensor]]:
+    """Pipeline stage `pp_rank`'s tensors, per tensor-parallel rank: its top modules, then its layers."""
+    arch, config = ctx.arch, ctx.config
+    last = len(ranges) - 1
+    per_tp: list[list[OutTensor]] = [[] for _ in range(ctx.tp)]
+    on_stage = [m for m in arch.top if top_on_stage(ctx, m, pp_rank, last)]
+    for m in on_stage:
+        if not m.present(config):
+            continue
+        if ctx.dims.tie and any(t.tied == m.name for t in on_stage):
+            continue  # tied: vLLM's state dict keeps only the lm_head alias
+        add_module(ctx, m, "", per_tp)
+    first, stop = ranges[pp_rank]
+    for layer in range(first, stop):
+        moe = arch.is_moe_layer is not None and arch.is_moe_layer(config, layer)
+        for m in arch.layer + (arch.moe_mlp if moe else arch.dense_mlp):
+            if m.present(config):
+                add_module(ctx, m, arch.prefix(layer), per_tp)
+    return per_tp
+
+
+def top_on_stage(ctx: Context, m: Module, pp_rank: int, last: int) -> bool:
+    """The embedding on the first stage (and the last, when tied), other top modules on the last."""
+    if ctx.arch.top_on_every_stage:
+        return True
+    if m.name == ctx.arch.embedding:
+        return pp_rank == 0 or (ctx.dims.tie and pp_rank == last)
+    return pp_rank == last
+
+
+# ---- checks -------------------------------------------------------------------------------------
+
+
+def check_attention(ctx: Context) -> None:
+    """Head counts and the padded vocabulary must split as vLLM splits them."""
+    d, tp = ctx.dims, ctx.tp
+    if d.num_heads % tp:
+        raise UnsupportedError(
+            f"num_attention_heads={d.num_heads} is not divisible by --tp {tp}",
+            f"use a --tp that divides it: {divisors(d.num_heads)}",
+        )
+    if (d.num_kv_heads >= tp and d.num_kv_heads % tp) or (d.num_kv_heads < tp and tp % d.num_kv_heads):
+        raise UnsupportedError(
+            f"num_key_value_heads={d.num_kv_heads} and --tp {tp} do not divide each other",
+            "vLLM needs one to divide the other",
+        )
+    padded = padded_vocab(d.vocab)
+    if padded % tp:
+        raise UnsupportedError(f"padded vocabulary {padded} (vocab_size {d.vocab}) is not divisible by --tp {tp}")
+
+
+def check_unused(ctx: Context, ranges: list[tuple[int, int]]) -> None:
+    """With every layer planned, a checkpoint tensor no rule read means the wrong architecture."""
+    if ranges[0][0] != 0 or ranges[-1][1] != ctx.dims.num_layers:
+        return
+    arch = ctx.arch
+    spec = spec_layer_prefixes(ctx)
+    extra = [
+        n
+        for n in ctx.ckpt.tensors
+        if n not in ctx.used and not any(n.endswith(s) for s in arch.ignore) and not n.startswith(spec)
+    ]
+    if ctx.dims.tie:
+        extra = [n for n in extra if n != f"{arch.lm_head}.weight"]  # vLLM skips it when tied
+    if extra:
+        raise SourceError(
+            f"{len(extra)} checkpoint tensor(s) match no rule of {arch.names[0]}, e.g. {extra[0]!r}",
+            "the checkpoint does not match its config.json architecture",
+        )
+
+
+def spec_layer_prefixes(ctx: Context) -> tuple[str, ...]:
+    """The MTP layers after the decoder layers, which vLLM's main model skips (get_spec_layer_idx_from_weight_name)."""
+    n = next((int(ctx.config[k]) for k in ctx.arch.spec_layers_key if ctx.config.get(k)), 0)
+    return tuple(ctx.arch.prefix(ctx.dims.num_layers + i) for i in range(n))

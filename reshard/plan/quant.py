@@ -1,0 +1,394 @@
+"""The checkpoint's weight quantization: one strategy object per scheme, chosen once from config.json.
+
+A strategy says which modules it quantizes, writes the scale tensors of a linear layer and of an MoE
+layer's experts, and the KV-cache buffers vLLM's quantized attention registers. Two axes make a
+scheme: the quantization config vLLM builds (`Fp8Config`, `CompressedTensorsConfig`: decides the
+KV-cache buffers and whether MoE block scales may be refined) and the weight-scale layout (block,
+per channel, per tensor). The planner never asks which scheme it has.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from reshard.errors import SourceError, UnsupportedError
+from reshard.format import TensorInfo
+from reshard.plan.geometry import LinearRank, MoeSplit, Sources, cdiv
+from reshard.plan.model import Fill, OutTensor, Slice, scalar, whole
+
+# per rank: the scale tensors of an MoE layer's experts on that rank
+RankScales = Callable[[int], list[OutTensor]]
+
+
+@dataclass(frozen=True)
+class Quant:
+    """A quantization scheme, as vLLM reads it (a concrete subclass below is one scheme)."""
+
+    block: tuple[int, int] | None  # weight_block_size / block_structure
+    static_activations: bool
+    ignored: tuple[str, ...]
+
+    method: ClassVar[str]  # "fp8" (Fp8Config) or "compressed-tensors" (float-quantized W8A8)
+    strategy: ClassVar[str]  # "block", "tensor" or "channel"
+    scale_name: ClassVar[str] = "weight_scale"
+    weight_dtype: ClassVar[str] = "F8_E4M3"  # every scheme reshard supports is FP8 W8A8
+
+    def check_weight(self, w: TensorInfo) -> None:
+        """A weight this scheme quantizes must be stored quantized."""
+        if w.dtype != self.weight_dtype:
+            raise SourceError(f"{w.name} is {w.dtype}, but config.json says it is FP8")
+
+    def ignores(self, prefix: str) -> bool:
+        for entry in self.ignored:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], prefix):
+                    return True
+            elif entry == prefix:
+                return True
+        return False
+
+    def quantizes(self, prefixes: list[str], *, experts: bool = False) -> bool:
+        """Whether the module whose HF slots are `prefixes` is quantized.
+
+        `experts`: the prefix is a fused-MoE experts list, which vLLM (is_layer_skipped) also
+        skips when an ignore entry contains it, e.g. names one of its experts.
+        """
+        skipped = [self.ignores(p) or (experts and any(p in entry for entry in self.ignored)) for p in prefixes]
+        if any(skipped) and not all(skipped):
+            raise UnsupportedError(f"some but not all shards of {prefixes[0]} are quantized; vLLM refuses this")
+        return not all(skipped)
+
+    def to_json(self) -> dict:
+        return {
+            "method": self.method,
+            "strategy": self.strategy,
+            "weight_block_size": list(self.block) if self.block else None,
+            "activation_scheme": "static" if self.static_activations else "dynamic",
+        }
+
+    # ---- what each scheme provides -----------------------------------------------------------
+
+    def kv_buffers(self, target: str, dtype: str) -> list[OutTensor]:
+        """The attention layer's KV-cache method parameters (`dtype`: the model's)."""
+        raise NotImplementedError
+
+    def linear_scales(self, sources: Sources, lin: LinearRank) -> list[OutTensor]:
+        """The scale tensors of a quantized linear layer on one rank."""
+        raise NotImplementedError
+
+    def expert_scales(self, sources: Sources, split: MoeSplit) -> RankScales:
+        """Looks up and checks every expert's scales once; returns a rank's scale tensors by rank."""
+        raise NotImplementedError
+
+
+# ---- the quantization config vLLM builds -------------------------------------------------------
+
+
+class _Fp8Config(Quant):
+    method = "fp8"
+    refines_moe_blocks = True  # Fp8MoEMethod refines the MoE scale grid when a TP split cuts a block
+
+    def kv_buffers(self, target: str, dtype: str) -> list[OutTensor]:
+        # Fp8KVCacheMethod parameters (0-d, model dtype, -1.0), deleted after loading
+        return [
+            OutTensor(f"{target}.{s}", dtype, (), (Fill(-1.0, 1),))
+            for s in ("k_scale", "v_scale", "q_scale", "prob_scale")
+        ]
+
+
+class _CompressedTensors(Quant):
+    method = "compressed-tensors"
+    refines_moe_blocks = False  # its MoE method validates the checkpoint's blocks as they are
+
+    def kv_buffers(self, target: str, dtype: str) -> list[OutTensor]:
+        # CompressedTensorsKVCacheMethod without a kv_cache_scheme: scales [1] of ones, zero
+        # points [1] of zeros in the model dtype
+        scales = [OutTensor(f"{target}.{s}", "F32", (1,), (Fill(1.0, 1),)) for s in ("k_scale", "v_scale", "q_scale")]
+        zeros = ("k_zero_point", "v_zero_point", "q_zero_point")
+        return scales + [OutTensor(f"{target}.{s}", dtype, (1,), (Fill(0.0, 1),)) for s in zeros]
+
+
+# ---- the weight-scale layouts --------------------------------------------------------------------
+
+
+class _BlockScales(Quant):
+    """One scale per [bn, bk] block of a weight: sliced by block rows / columns with the weight."""
+
+    strategy = "block"
+    refines_moe_blocks: ClassVar[bool]
+
+    def linear_scales(self, sources: Sources, lin: LinearRank) -> list[OutTensor]:
+        assert self.block is not None
+        scales = lin.per_slot(sources, self.scale_name)
+        bn, bk = self.block
+        in_r = lin.cols[1] - lin.cols[0]
+        if lin.splits_cols and in_r % bk:
+            raise UnsupportedError(
+                f"{lin.target}: per-rank input size {in_r} is not divisible by the FP8 block {bk}",
+                "vLLM refuses this split; use a smaller --tp",
+            )
+        parts = [b - a for a, b, _ in lin.rows]
+        # ColumnParallelLinear._maybe_allow_fp8_block_shape_mismatch: a layer of several slots,
+        # one of which is not a block multiple, skips the block-shape validation (DeepSeek's
+        # fused_qkv_a_proj, [q_lora_rank, kv_lora_rank + rope])
+        several = len(lin.slots) > 1
+        mismatch_allowed = several and any(p % bn for p in parts)
+        nc = cdiv(in_r, bk)
+        c0 = (lin.cols[0] // in_r) * nc  # row-parallel: this rank's block columns
+        total = sum(lin.outs) if lin.fused else None
+        pieces = []
+        for i, (s, (a, b, shard), o, off) in enumerate(zip(scales, lin.rows, lin.outs, lin.offs, strict=True)):
+            part = b - a
+            checked = lin.splits_rows or (several and i < len(lin.slots) - 1)
+            if checked and part % bn and not mismatch_allowed:
+                raise UnsupportedError(
+                    f"{lin.target}: per-rank output size {part} is not divisible by the FP8 block {bn}",
+                    "vLLM refuses this split; use a smaller --tp",
+                )
+            rows_in = total if total is not None else o
+            if s.shape != (cdiv(rows_in, bn), cdiv(lin.in_size, bk)):
+                raise SourceError(
+                    f"{s.name} has shape {list(s.shape)}, block {list(self.block)} of a [{rows_in}, {lin.in_size}] "
+                    f"weight needs {[cdiv(rows_in, bn), cdiv(lin.in_size, bk)]}"
+                )
+            if off % bn:
+                raise UnsupportedError(
+                    f"{lin.target}: slot {lin.fused[i] if lin.fused else i} of the fused {s.name} starts at row "
+                    f"{off}, not on an FP8 block boundary ({bn})"
+                )
+            nr = cdiv(part, bn)
+            r0 = off // bn + shard * nr
+            pieces.append(Slice(s.name, (r0, c0), (r0 + nr, c0 + nc)))
+        n_rows = sum(p.stop[0] - p.start[0] for p in pieces)
+        if n_rows != cdiv(sum(parts), bn):
+            raise UnsupportedError(f"{lin.target}: FP8 block scales do not tile the fused weight")
+        return [OutTensor(f"{lin.target}.{self.scale_name}", "F32", (n_rows, nc), tuple(pieces))]
+
+    def moe_block(self, sources: Sources, split: MoeSplit) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The FP8 block grid of the MoE scales and the up-sampling factors (oracle/fp8.py)."""
+        assert self.block is not None
+        bn, bk = self.block
+        ip = split.ip
+        if ip % bn == 0 and (split.moe_tp == 1 or ip % bk == 0):
+            return (bn, bk), (1, 1)
+        f = math.gcd(bn, bk, ip, split.hidden)
+        if f >= 32 and self.refines_moe_blocks:
+            sources.note(
+                f"FP8 MoE block scales refined from [{bn}, {bk}] to [{f}, {f}] for the per-rank "
+                f"intermediate size {ip}, as vLLM 0.32 does"
+            )
+            return (f, f), (bn // f, bk // f)
+        what = "output_size of gate's and up's weight" if ip % bn else "input_size of down's weight"
+        raise UnsupportedError(
+            f"{split.target}: {what} = {ip} per rank is not divisible by the FP8 block {bn}, and no finer block >= 32 fits",
+            "use --ep, or a smaller --tp",
+        )
+
+    def expert_scales(self, sources: Sources, split: MoeSplit) -> RankScales:
+        (bn, bk), upf = self.moe_block(sources, split)
+        up = upf if upf != (1, 1) else None
+        nr13, nc13 = cdiv(split.ip, bn), cdiv(split.hidden, bk)
+        nr2, nc2 = cdiv(split.hidden, bn), cdiv(split.ip, bk)
+        gate, up_proj, down = split.names
+        s13: list[tuple[TensorInfo, TensorInfo]] = []
+        s2: list[TensorInfo] = []
+        for e in range(split.num):
+            pair = (split.tensor(sources, e, gate, self.scale_name), split.tensor(sources, e, up_proj, self.scale_name))
+            for s in pair:
+                if (s.shape[0] * upf[0]) // split.moe_tp != nr13 or s.shape[1] * upf[1] != nc13:
+                    raise UnsupportedError(f"{s.name}: FP8 block scales do not tile this split")
+            s = split.tensor(sources, e, down, self.scale_name)
+            if (s.shape[1] * upf[1]) // split.moe_tp != nc2 or s.shape[0] * upf[0] != nr2:
+                raise UnsupportedError(f"{s.name}: FP8 block scales do not tile this split")
+            s13.append(pair)
+            s2.append(s)
+
+        def rank(r: int) -> list[OutTensor]:
+            experts = split.experts(r)
+            r13, c2 = nr13 * split.shard(r), nc2 * split.shard(r)
+            b13, b2 = (
+                ((r13, 0), (r13 + nr13, nc13), up),
+                ((0, c2), (nr2, c2 + nc2), up),
+            )  # bounds shared by every expert
+            p13 = tuple(Slice(s.name, *b13) for e in experts for s in s13[e])
+            p2 = tuple(Slice(s2[e].name, *b2) for e in experts)
+            n = len(experts)
+            return [
+                OutTensor(f"{split.target}.w13_{self.scale_name}", "F32", (n, 2 * nr13, nc13), p13),
+                OutTensor(f"{split.target}.w2_{self.scale_name}", "F32", (n, nr2, nc2), p2),
+            ]
+
+        return rank
+
+
+class _ChannelScales(Quant):
+    """One scale per output row, [out, 1]: sliced like the weight's rows."""
+
+    strategy = "channel"
+
+    def linear_scales(self, sources: Sources, lin: LinearRank) -> list[OutTensor]:
+        pieces = []
+        for s, (a, b, _), o, off in zip(
+            lin.per_slot(sources, "weight_scale"), lin.rows, lin.outs, lin.offs, strict=True
+        ):
+            total = sum(lin.outs) if lin.fused else o
+            if s.shape != (total, 1):
+                raise SourceError(f"{s.name} has shape {list(s.shape)}, per-channel scales need {[total, 1]}")
+            pieces.append(Slice(s.name, (off + a, 0), (off + b, 1)))
+        if self.static_activations:
+            raise UnsupportedError(f"{lin.target}: static input scales with per-channel weights are not supported")
+        n_rows = sum(b - a for a, b, _ in lin.rows)
+        return [OutTensor(f"{lin.target}.weight_scale", "F32", (n_rows, 1), tuple(pieces))]
+
+    def expert_scales(self, sources: Sources, split: MoeSplit) -> RankScales:
+        gate, up, down = split.names
+        s13: list[tuple[TensorInfo, TensorInfo]] = []
+        for e in range(split.num):
+            pair = (split.tensor(sources, e, gate, "weight_scale"), split.tensor(sources, e, up, "weight_scale"))
+            for sc in pair:
+                if sc.shape != (split.inter, 1):
+                    raise SourceError(f"{sc.name} has shape {list(sc.shape)}, expected {[split.inter, 1]}")
+            s13.append(pair)
+        s2 = [whole(split.tensor(sources, e, down, "weight_scale")) for e in range(split.num)]
+
+        def rank(r: int) -> list[OutTensor]:
+            experts, ip = split.experts(r), split.ip
+            off = split.shard(r) * ip
+            b13 = ((off, 0), (off + ip, 1))  # bounds shared by every expert
+            p13 = tuple(Slice(sc.name, *b13) for e in experts for sc in s13[e])
+            n = len(experts)
+            return [
+                OutTensor(f"{split.target}.w13_weight_scale", "F32", (n, 2 * ip, 1), p13),
+                OutTensor(
+                    f"{split.target}.w2_weight_scale", "F32", (n, split.hidden, 1), tuple(s2[e] for e in experts)
+                ),
+            ]
+
+        return rank
+
+
+class _TensorScales(Quant):
+    """One scale per weight (and, with static activations, one input scale): whole on every rank."""
+
+    strategy = "tensor"
+
+    def linear_scales(self, sources: Sources, lin: LinearRank) -> list[OutTensor]:
+        n = len(lin.outs)
+        scales = tuple(scalar(s) for s in lin.per_slot(sources, "weight_scale"))
+        out = [OutTensor(f"{lin.target}.weight_scale", "F32", (n,), scales)]
+        if self.static_activations:
+            inputs = tuple(scalar(s) for s in lin.per_slot(sources, "input_scale"))
+            out.append(OutTensor(f"{lin.target}.input_scale", "F32", (n,), inputs))
+        return out
+
+    def expert_scales(self, sources: Sources, split: MoeSplit) -> RankScales:
+        gate, up, down = split.names
+        num = range(split.num)
+        s13 = [
+            (
+                scalar(split.tensor(sources, e, gate, "weight_scale")),
+                scalar(split.tensor(sources, e, up, "weight_scale")),
+            )
+            for e in num
+        ]
+        s2 = [scalar(split.tensor(sources, e, down, "weight_scale")) for e in num]
+        if self.static_activations:
+            # one slot per expert; vLLM keeps the last of gate/up it loads (up sorts last)
+            i13 = [scalar(split.tensor(sources, e, up, "input_scale")) for e in num]
+            i2 = [scalar(split.tensor(sources, e, down, "input_scale")) for e in num]
+            for e in num:
+                sources.mark_used(f"{split.base}.{e}.{gate}.input_scale")
+
+        def rank(r: int) -> list[OutTensor]:
+            experts = split.experts(r)
+            n, t = len(experts), split.target
+            out = [
+                OutTensor(f"{t}.w13_weight_scale", "F32", (n, 2), tuple(s for e in experts for s in s13[e])),
+                OutTensor(f"{t}.w2_weight_scale", "F32", (n,), tuple(s2[e] for e in experts)),
+            ]
+            if self.static_activations:
+                out.append(OutTensor(f"{t}.w13_input_scale", "F32", (n,), tuple(i13[e] for e in experts)))
+                out.append(OutTensor(f"{t}.w2_input_scale", "F32", (n,), tuple(i2[e] for e in experts)))
+            return out
+
+        return rank
+
+
+# ---- the schemes ---------------------------------------------------------------------------------
+
+
+class Fp8Block(_Fp8Config, _BlockScales):
+    """`quant_method: fp8` with `weight_block_size` (DeepSeek-V3, Qwen3-*-FP8): `weight_scale_inv` blocks."""
+
+    scale_name = "weight_scale_inv"
+
+
+class Fp8Tensor(_Fp8Config, _TensorScales):
+    """`quant_method: fp8` without blocks: per-tensor scales, dynamic or static input scales."""
+
+
+class CompressedTensorsBlock(_CompressedTensors, _BlockScales):
+    """compressed-tensors FP8 with `strategy: block`."""
+
+
+class CompressedTensorsChannel(_CompressedTensors, _ChannelScales):
+    """compressed-tensors FP8 with `strategy: channel` (llm-compressor's FP8_DYNAMIC)."""
+
+
+class CompressedTensorsTensor(_CompressedTensors, _TensorScales):
+    """compressed-tensors FP8 with `strategy: tensor`."""
+
+
+def quant_from_config(config: dict) -> Quant | None:
+    """The scheme config.json's quantization_config describes; None when it has none."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", ""))
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method != "fp8":
+        raise UnsupportedError(
+            f"quantization {method!r} is not supported",
+            "supported: fp8 (block, per-tensor) and compressed-tensors FP8 (tensor, channel, block)",
+        )
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if len(block) != 2:
+            raise UnsupportedError(f"weight_block_size must have 2 dimensions, got {block}")
+        block = (int(block[0]), int(block[1]))
+    static = qc.get("activation_scheme", "dynamic") == "static"
+    if block and static:
+        raise UnsupportedError("block FP8 with a static activation scheme is refused by vLLM")
+    ignored = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+    return Fp8Block(block, static, ignored) if block else Fp8Tensor(None, static, ignored)
+
+
+def _compressed_tensors(qc: dict) -> Quant:
+    """Compressed-tensors FP8 (W8A8, float-quantized): one config group targeting Linear layers."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if qc.get("kv_cache_scheme"):
+        raise UnsupportedError("compressed-tensors kv_cache_scheme is not supported yet")
+    if len(groups) != 1:
+        raise UnsupportedError(f"compressed-tensors with {len(groups)} config groups is not supported")
+    weights = groups[0].get("weights") or {}
+    inputs = groups[0].get("input_activations") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise UnsupportedError(
+            "compressed-tensors: only FP8 weights (type float, 8 bits) are supported",
+            f"this checkpoint has {weights.get('type')} {weights.get('num_bits')}-bit weights",
+        )
+    static = bool(inputs) and not inputs.get("dynamic", True)
+    ignored = tuple(qc.get("ignore") or [])
+    strategy = str(weights.get("strategy"))
+    if strategy == "block":
+        return CompressedTensorsBlock(tuple(weights["block_structure"]), static, ignored)
+    if strategy == "channel":
+        return CompressedTensorsChannel(None, static, ignored)
+    if strategy == "tensor":
+        return CompressedTensorsTensor(None, static, ignored)
+    raise UnsupportedError(f"compressed-tensors weight strategy {strategy!r} is not supported")

@@ -1,0 +1,65 @@
+"""One module of the rule table -> its tensors on every rank, by kind.
+
+Linear kinds live in reshard.plan.linear, routed experts in reshard.plan.experts; the vocabulary
+(embedding, lm_head) and the attention buffers, which have no quantized weight, are here.
+"""
+
+from __future__ import annotations
+
+from reshard.errors import SourceError
+from reshard.plan.context import Context
+from reshard.plan.experts import experts
+from reshard.plan.geometry import cdiv
+from reshard.plan.linear import linear
+from reshard.plan.model import Fill, OutTensor, Piece, rows
+from reshard.rules import Kind, Module
+
+VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
+
+
+def padded_vocab(vocab: int) -> int:
+    return cdiv(vocab, VOCAB_PADDING) * VOCAB_PADDING
+
+
+def add_module(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """Append module `m`, under `prefix` ("" for a top module), to every rank's tensors."""
+    if m.kind is Kind.ATTENTION:
+        attention(ctx, m, prefix, per_tp)
+    elif m.kind is Kind.EXPERTS:
+        experts(ctx, m, prefix, per_tp)
+    elif m.kind is Kind.VOCAB:
+        vocab(ctx, m, prefix, per_tp)
+    else:
+        linear(ctx, m, prefix, per_tp)
+
+
+def attention(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """The attention layer's buffers: vLLM's unit scales, plus the quantized KV-cache method's."""
+    target = prefix + m.name
+    buffers = [
+        OutTensor(f"{target}.{s}", "F32", (), (Fill(1.0, 1),))
+        for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+    ]
+    if ctx.quant and m.quant:
+        buffers += ctx.quant.kv_buffers(target, ctx.dtype)
+    for r in range(ctx.tp):
+        per_tp[r].extend(buffers)
+
+
+def vocab(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """Embedding / lm_head rows, padded to a multiple of 64 with zero rows, then split."""
+    target = prefix + m.name
+    source = prefix + (m.tied if (m.tied and ctx.dims.tie) else m.name)
+    t = ctx.src(f"{source}.weight", target)
+    v, h = ctx.dims.vocab, t.shape[1] if len(t.shape) == 2 else 0
+    if t.shape[0] != v:
+        raise SourceError(f"{t.name} has {t.shape[0]} rows, config vocab_size is {v}")
+    n = padded_vocab(v) // ctx.tp
+    for r in range(ctx.tp):
+        a, b = min(r * n, v), min((r + 1) * n, v)
+        pieces: list[Piece] = []
+        if b > a:
+            pieces.append(rows(t, a, b))
+        if n - (b - a):
+            pieces.append(Fill(0.0, (n - (b - a)) * h))
+        per_tp[r].append(OutTensor(f"{target}.weight", ctx.dtype, (n, h), tuple(pieces)))
