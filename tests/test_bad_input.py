@@ -140,3 +140,45 @@ def test_tp_is_not_read_from_the_environment(tiny, monkeypatch):
     monkeypatch.setenv("RESHARD_TP", "4")
     code, out, _ = run("plan", str(tiny("llama")), "--json")
     assert code == 0 and json.loads(out)["tp"] == 1
+
+
+def _set_shape(name: str, shape: list[int]):
+    def fn(h: dict) -> dict:
+        h[name] = {**h[name], "shape": shape}
+        return h
+
+    return fn
+
+
+SHAPE_CASES = {
+    # same bytes, other shapes: the kind of damage that loads silently into vLLM
+    "transposed down_proj": ("model.layers.0.mlp.down_proj.weight", "T"),
+    "reshaped q_proj": ("model.layers.0.self_attn.q_proj.weight", "half"),
+    "up_proj beside gate_proj": ("model.layers.1.mlp.up_proj.weight", "half"),
+    "transposed embedding": ("model.embed_tokens.weight", "T"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPE_CASES))
+def test_source_shapes_are_checked_against_config(tiny, tmp_path, case):
+    name, how = SHAPE_CASES[case]
+    src = corrupt(tiny, tmp_path)
+    head = json.loads(
+        (src / "model.safetensors").read_bytes()[
+            8 : 8 + struct.unpack("<Q", (src / "model.safetensors").read_bytes()[:8])[0]
+        ]
+    )
+    rows, cols = head[name]["shape"]
+    shape = [cols, rows] if how == "T" else [rows * 2, cols // 2]
+    rewrite_header(src / "model.safetensors", _set_shape(name, shape))
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4, err
+    assert name in err and "expected" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_intermediate_size_disagreeing_with_the_tensors(tiny, tmp_path):
+    src = corrupt(tiny, tmp_path)
+    edit_json(src / "config.json", lambda c: {**c, "intermediate_size": c["intermediate_size"] * 2})
+    code, _, err = run("plan", str(src), "--tp", "2")
+    assert code == 4 and "intermediate_size" in err

@@ -30,6 +30,7 @@ def linear(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) 
     if m.param != "weight":
         raise AssertionError(f"{target}: only plain replicated parameters may be named {m.param!r}")
     weights, offs, outs = slot_sources(ctx, m, target, slots)
+    check_shapes(ctx, m, weights, outs)
     quant = ctx.quantized(m, slots)
     in_size = weights[0].shape[1]
     bias = ctx.flag(m.bias)
@@ -78,6 +79,31 @@ def _bias(
         pieces = tuple(rows(b, o + a, o + e) for b, o, (a, e, _) in zip(bs, offs, slot_rows, strict=True))
         n = sum(e - a for a, e, _ in slot_rows)
     return OutTensor(f"{target}.bias", m.dtype or ctx.dtype, (n,), pieces)
+
+
+def check_shapes(ctx: Context, m: Module, weights: list[TensorInfo], outs: list[int]) -> None:
+    """Each slot's HF weight against config.json (the module's `dims`; a row-parallel layer feeds the
+    residual stream, so its rows are `hidden_size`) and against its sibling slots: a transposed or
+    reshaped tensor would otherwise be sliced into garbage that loads without a word."""
+    rows_key, cols_key = m.dims
+    if m.kind is Kind.ROW and rows_key is None:
+        rows_key = "hidden_size"
+    for w, n in zip(weights, outs, strict=True):
+        if len(w.shape) != 2:
+            raise SourceError(f"{w.name} has shape {list(w.shape)}; a linear weight is 2-D")
+        want = (_config_int(ctx, rows_key) or n, _config_int(ctx, cols_key) or weights[0].shape[1])
+        if (n, w.shape[1]) != want:
+            got = list(w.shape) if not m.fused else f"{n} rows of {list(w.shape)}"
+            said = " and ".join(f"{k}" for k in (rows_key, cols_key) if k) or "the other slots"
+            raise SourceError(
+                f"{w.name} has shape {got}, expected {list(want)} (from config.json {said})",
+                "the tensor is transposed or reshaped, or config.json does not match the weights",
+            )
+
+
+def _config_int(ctx: Context, key: str | None) -> int | None:
+    value = ctx.config.get(key) if key else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def slot_sources(

@@ -51,9 +51,12 @@ def vocab(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -
     target = prefix + m.name
     source = prefix + (m.tied if (m.tied and ctx.dims.tie) else m.name)
     t = ctx.src(f"{source}.weight", target)
-    v, h = ctx.dims.vocab, t.shape[1] if len(t.shape) == 2 else 0
-    if t.shape[0] != v:
-        raise SourceError(f"{t.name} has {t.shape[0]} rows, config vocab_size is {v}")
+    v, h = ctx.dims.vocab, ctx.dims.hidden
+    if t.shape != (v, h):
+        raise SourceError(
+            f"{t.name} has shape {list(t.shape)}, expected {[v, h]} (from config.json vocab_size and hidden_size)",
+            "the tensor is transposed or reshaped, or config.json does not match the weights",
+        )
     n = padded_vocab(v) // ctx.tp
     for r in range(ctx.tp):
         a, b = min(r * n, v), min((r + 1) * n, v)

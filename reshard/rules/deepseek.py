@@ -8,7 +8,7 @@ under `self_attn.mla_attn.`. The router and the noaux_tc bias are handed to the 
 (`mlp.experts.gate`), shared experts live under `mlp.experts._shared_experts._layer`.
 """
 
-from reshard.rules.llama import NORMS
+from reshard.rules.llama import DOWN, FROM_HIDDEN, NORMS, UP
 from reshard.rules.spec import Architecture, Kind, Module, replicate
 
 TOP = (
@@ -26,14 +26,15 @@ MLA_ATTENTION = (
         Kind.REPLICATE,
         ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
         when="q_lora_rank",
+        dims=FROM_HIDDEN,
     ),
     replicate(MLA + "q_a_layernorm", "self_attn.q_a_layernorm", when="q_lora_rank"),
-    Module(MLA + "q_b_proj", Kind.COLUMN, ("self_attn.q_b_proj",), when="q_lora_rank"),
+    Module(MLA + "q_b_proj", Kind.COLUMN, ("self_attn.q_b_proj",), when="q_lora_rank", dims=(None, "q_lora_rank")),
     # without q_lora_rank (V2-Lite): a replicated kv_a_proj_with_mqa and a column q_proj
     Module("self_attn.kv_a_proj_with_mqa", Kind.REPLICATE, when=lambda c: not c.get("q_lora_rank")),
     Module(MLA + "q_proj", Kind.COLUMN, ("self_attn.q_proj",), when=lambda c: not c.get("q_lora_rank")),
     replicate("self_attn.kv_a_layernorm"),
-    Module("self_attn.kv_b_proj", Kind.COLUMN),  # rows per head: [k_nope; v]
+    Module("self_attn.kv_b_proj", Kind.COLUMN, dims=(None, "kv_lora_rank")),  # rows per head: [k_nope; v]
     Module(MLA + "o_proj", Kind.ROW, ("self_attn.o_proj",)),
     # MLAAttention is not an Attention: Fp8Config gives it no KV-cache method, so only buffers
     Module(MLA + "mla_attn", Kind.ATTENTION, quant=False),
@@ -41,8 +42,8 @@ MLA_ATTENTION = (
 
 # DeepseekV2MLP: never a bias
 DENSE_MLP = (
-    Module("mlp.gate_up_proj", Kind.MERGED, ("mlp.gate_proj", "mlp.up_proj")),
-    Module("mlp.down_proj", Kind.ROW),
+    Module("mlp.gate_up_proj", Kind.MERGED, ("mlp.gate_proj", "mlp.up_proj"), dims=UP),
+    Module("mlp.down_proj", Kind.ROW, dims=DOWN),
 )
 
 SHARED = "mlp.experts._shared_experts._layer."

@@ -6,7 +6,7 @@ no lm_head module at all (the logits use the embedding), so its file keeps
 only as `lm_head.weight`. Embedding, norm and lm_head are built on every pipeline stage.
 """
 
-from reshard.rules.llama import ATTN, QKV
+from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, QKV, UP
 from reshard.rules.spec import Architecture, Kind, Module, replicate
 
 NORMS = (
@@ -17,14 +17,14 @@ NORMS = (
 )
 
 ATTENTION = (
-    Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias"),
+    Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN),
     Module("self_attn.o_proj", Kind.ROW, bias="attention_bias"),
 )
 
 # Gemma2MLP / Gemma3MLP: no bias
 GEMMA_MLP = (
-    Module("mlp.gate_up_proj", Kind.MERGED, ("mlp.gate_proj", "mlp.up_proj")),
-    Module("mlp.down_proj", Kind.ROW),
+    Module("mlp.gate_up_proj", Kind.MERGED, ("mlp.gate_proj", "mlp.up_proj"), dims=UP),
+    Module("mlp.down_proj", Kind.ROW, dims=DOWN),
 )
 
 GEMMA2 = Architecture(

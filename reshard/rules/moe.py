@@ -4,7 +4,7 @@ vLLM keeps each alias under its smallest state-dict key, so the router handed to
 runner is `mlp.experts.gate` and shared experts live under `mlp.experts._shared_experts._layer`.
 """
 
-from reshard.rules.llama import ATTN, MLP, NORMS, QKV, QWEN2_ATTENTION, QWEN3_ATTENTION, TOP
+from reshard.rules.llama import ATTN, FROM_HIDDEN, MLP, NORMS, QKV, QWEN2_ATTENTION, QWEN3_ATTENTION, TOP
 from reshard.rules.spec import Architecture, Kind, Module, replicate
 
 
@@ -42,8 +42,18 @@ QWEN2_MOE = Architecture(
     moe_mlp=(
         replicate("mlp.gate"),  # not handed to the runner: no alias, never quantized
         Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
-        Module(SHARED + "gate_up_proj", Kind.MERGED, ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")),
-        Module(SHARED + "down_proj", Kind.ROW, ("mlp.shared_expert.down_proj",)),
+        Module(
+            SHARED + "gate_up_proj",
+            Kind.MERGED,
+            ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+            dims=("shared_expert_intermediate_size", "hidden_size"),
+        ),
+        Module(
+            SHARED + "down_proj",
+            Kind.ROW,
+            ("mlp.shared_expert.down_proj",),
+            dims=("hidden_size", "shared_expert_intermediate_size"),
+        ),
         replicate(SHARED + "expert_gate", "mlp.shared_expert_gate"),
     ),
     is_moe_layer=sparse_layer,
@@ -56,7 +66,7 @@ MIXTRAL = Architecture(
     top=TOP,
     layer=(
         *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, QKV),
+        Module("self_attn.qkv_proj", Kind.QKV, QKV, dims=FROM_HIDDEN),
         Module("self_attn.o_proj", Kind.ROW),
         ATTN,
     ),

@@ -5,7 +5,7 @@ q/k/v (head counts) and gate/up sizes, slices each part per rank as for separate
 fuses the rank's parts again; a per-tensor FP8 scale of a fused tensor fills every slot.
 """
 
-from reshard.rules.llama import ATTN, NORMS, TOP
+from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, NORMS, TOP, UP
 from reshard.rules.spec import Architecture, Kind, Module
 
 PHI3 = Architecture(
@@ -13,12 +13,12 @@ PHI3 = Architecture(
     top=TOP,
     layer=(
         *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, bias="attention_bias", fused=("q", "k", "v")),
+        Module("self_attn.qkv_proj", Kind.QKV, bias="attention_bias", fused=("q", "k", "v"), dims=FROM_HIDDEN),
         Module("self_attn.o_proj", Kind.ROW, bias="attention_bias"),
         ATTN,
     ),
     dense_mlp=(
-        Module("mlp.gate_up_proj", Kind.MERGED, bias="mlp_bias", fused=("gate", "up")),
-        Module("mlp.down_proj", Kind.ROW, bias="mlp_bias"),
+        Module("mlp.gate_up_proj", Kind.MERGED, bias="mlp_bias", fused=("gate", "up"), dims=UP),
+        Module("mlp.down_proj", Kind.ROW, bias="mlp_bias", dims=DOWN),
     ),
 )

@@ -48,6 +48,9 @@ class Module:
             (`sources[0]`, Phi-3's qkv_proj / gate_up_proj); these name the slots. vLLM
             splits it with the global sizes (QKV: by the head counts; otherwise equal parts),
             then slices each slot per rank as if it had been separate.
+        dims: the config keys of each slot's HF weight shape (rows, columns), checked before
+            anything is written; None leaves that side unchecked (sizes config.json does not
+            name directly). ROW modules always produce `hidden_size` rows (the residual stream).
     """
 
     name: str
@@ -61,6 +64,7 @@ class Module:
     param: str = "weight"
     dtype: str | None = None
     fused: tuple[str, ...] = ()
+    dims: tuple[str | None, str | None] = (None, None)
 
     @property
     def slots(self) -> tuple[str, ...]:
