@@ -111,7 +111,7 @@ def _tile(name: str, shape: tuple[int, ...], regs: list[Region]) -> list[Region]
 
 
 class OutputReader:
-    """The SourceReader interface over an output folder's regions."""
+    """A `reshard.checkpoint.Reader` over an output folder's regions (`read` only)."""
 
     def __init__(self, root: Path, regions: dict[str, list[Region]]) -> None:
         self.root = root
@@ -128,7 +128,7 @@ class OutputReader:
         self.bytes_read += nbytes
         return data
 
-    def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | None = None) -> memoryview:
+    def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         shape = t.shape if t.shape else (1,)
         item = ITEMSIZE[t.dtype]
         row_bytes = t.nbytes // shape[0]

@@ -16,6 +16,7 @@ from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError, SourceError
 from reshard.execute import Executor
 from reshard.format import fsync_dir
+from reshard.io import FileReader
 from reshard.manifest import MANIFEST, build_manifest, write_manifest
 from reshard.plan import OutFile, Plan, build_plan
 from reshard.source import INDEX, Checkpoint, open_checkpoint
@@ -306,11 +307,9 @@ def run_executor(
     kwargs: dict = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
     if max_memory:
         kwargs["max_memory"] = max_memory
-    if ckpt.reader_factory:  # SOURCE is a reshard output: read tensors back out of its rank files
-        kwargs["reader"] = ckpt.reader_factory()
-    executor = Executor(
-        plan, ckpt.root, ckpt.tensors, out, metadata=metadata, device=device, progress=progress, **kwargs
-    )
+    # a reshard output as SOURCE brings its own reader (its tensors are read back out of its rank files)
+    reader = ckpt.reader_factory() if ckpt.reader_factory else FileReader(ckpt.root)
+    executor = Executor(plan, reader, ckpt.tensors, out, metadata=metadata, device=device, progress=progress, **kwargs)
     return executor.run()
 
 

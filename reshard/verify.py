@@ -653,6 +653,7 @@ class _Verifier:
     def _deep(self, expected: Plan, ckpt: Checkpoint, files: list[_File], *, hash_too: bool | None = None) -> None:
         """Regenerate each file's tensors from the source with the executor; compare byte for byte."""
         from reshard.execute import Executor  # numpy-heavy; only when asked
+        from reshard.io import FileReader
 
         if hash_too is None:
             hash_too = self.checksums and self.manifest is not None
@@ -679,7 +680,8 @@ class _Verifier:
             return s
 
         t0 = time.monotonic()
-        Executor(plan, ckpt.root, ckpt.tensors, self.out, metadata={}, progress=advance, sync=False,
+        reader = ckpt.reader_factory() if ckpt.reader_factory else FileReader(ckpt.root)
+        Executor(plan, reader, ckpt.tensors, self.out, metadata={}, progress=advance, sync=False,
                  sink=sink).run()  # fmt: skip
         seconds = time.monotonic() - t0
         self.report.stats["compared_bytes"] = self.report.stats.get("compared_bytes", 0) + total
@@ -953,7 +955,7 @@ class _CompareSink:
             self.hasher = None
 
     def close(self, sync: bool):
-        from reshard.execute import Written
+        from reshard.io import Written
 
         if self.hasher is not None:
             self.hasher.shutdown(wait=True)
