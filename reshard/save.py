@@ -263,8 +263,8 @@ def run_executor(
     if max_memory:
         kwargs["max_memory"] = max_memory
     ckpt = source.checkpoint
-    executor = Executor(plan, ckpt.root, ckpt.tensors, out, metadata=metadata, device=device, progress=progress,
-                        reader=source.open_reader(), **kwargs)  # fmt: skip
+    executor = Executor(plan, source.open_reader(), ckpt.tensors, out, metadata=metadata, device=device,
+                        progress=progress, **kwargs)  # fmt: skip
     return executor.run()
 
 

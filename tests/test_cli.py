@@ -116,10 +116,10 @@ def test_non_empty_out_dir_needs_overwrite(tiny, tmp_path):
 
 
 def test_interrupt_leaves_nothing_that_looks_complete(tiny, tmp_path, monkeypatch):
-    import reshard.execute as ex
+    import reshard.io.writer as ex
 
     calls = {"n": 0}
-    real = ex._FileWriter.write
+    real = ex.FileWriter.write
 
     def flaky(self, data):
         calls["n"] += 1
@@ -127,7 +127,7 @@ def test_interrupt_leaves_nothing_that_looks_complete(tiny, tmp_path, monkeypatc
             raise KeyboardInterrupt
         return real(self, data)
 
-    monkeypatch.setattr(ex._FileWriter, "write", flaky)
+    monkeypatch.setattr(ex.FileWriter, "write", flaky)
     out = tmp_path / "out"
     code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
     assert code == 130 and "interrupted" in err
@@ -136,7 +136,7 @@ def test_interrupt_leaves_nothing_that_looks_complete(tiny, tmp_path, monkeypatc
 
 
 def test_interrupted_overwrite_keeps_previous_output(tiny, tmp_path, monkeypatch):
-    import reshard.execute as ex
+    import reshard.io.writer as ex
 
     out = tmp_path / "out"
     assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
@@ -145,19 +145,19 @@ def test_interrupted_overwrite_keeps_previous_output(tiny, tmp_path, monkeypatch
     def boom(self, data):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ex._FileWriter, "write", boom)
+    monkeypatch.setattr(ex.FileWriter, "write", boom)
     code, _, _ = run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")
     assert code == 130
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_disk_full(tiny, tmp_path, monkeypatch):
-    import reshard.execute as ex
+    import reshard.io.writer as ex
 
     def full(self, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ex._FileWriter, "write", full)
+    monkeypatch.setattr(ex.FileWriter, "write", full)
     code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2")
     assert code == 5 and "disk full" in err
     assert list(tmp_path.iterdir()) == []  # nothing created, nothing left beside OUT_DIR

@@ -8,6 +8,7 @@ from pathlib import Path
 from reshard.checkpoint import Checkpoint, Reader
 from reshard.errors import SourceError
 from reshard.format import TensorInfo, read_header
+from reshard.io import FileReader
 from reshard.layout import CONFIG, INDEX, SINGLE
 from reshard.sources.validate import check_config, check_index
 
@@ -24,9 +25,7 @@ class LocalSource:
         return self._checkpoint
 
     def open_reader(self) -> Reader:
-        from reshard.execute import SourceReader
-
-        return SourceReader(self.root)
+        return FileReader(self.root)
 
 
 def read_local(root: Path, ref: dict) -> Checkpoint:

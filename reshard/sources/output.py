@@ -133,7 +133,7 @@ class OutputReader:
         self.bytes_read += nbytes
         return data
 
-    def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | None = None) -> memoryview:
+    def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         shape = t.shape if t.shape else (1,)
         item = ITEMSIZE[t.dtype]
         row_bytes = t.nbytes // shape[0]

@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from reshard.checkpoint import Source
-from reshard.execute import Executor, Written
+from reshard.execute import Executor
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.hashing import new_hasher
+from reshard.io import Written
 from reshard.plan import OutFile, OutTensor, Plan, natural_key
 from reshard.verify.keys import expected_by_rank
 from reshard.verify.report import CORRUPT, CheckedFile, Progress, Report, advance_for
@@ -55,7 +56,7 @@ def compare(
     # the source's own reader: a reshard output as SOURCE is read back out of its rank files
     ckpt = source.checkpoint
     t0 = time.monotonic()
-    Executor(plan, ckpt.root, ckpt.tensors, folder.out, metadata={}, sync=False, sink=sink, reader=source.open_reader(),
+    Executor(plan, source.open_reader(), ckpt.tensors, folder.out, metadata={}, sync=False, sink=sink,
              progress=advance_for(progress, "comparing", total)).run()  # fmt: skip
     report.count("compared_bytes", total)
     report.stats["deep_seconds"] = round(report.stats.get("deep_seconds", 0) + time.monotonic() - t0, 3)

@@ -1,0 +1,64 @@
+"""Element bytes in another dtype: casts (exactly as torch's `.to()`) and fill values.
+
+Dtypes are safetensors codes ("BF16", ...); the torch dtype of a code is the one `reshard.format`
+names for it (`DTYPE_CODES`). torch is imported only when a cast needs it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+
+from reshard.format import DTYPE_CODES, ITEMSIZE
+
+
+def fill_bytes(value: float, count: int, dtype: str) -> bytes:
+    """`count` elements of `dtype`, each `value` (zeros in any dtype; other values in float dtypes)."""
+    if value == 0.0:
+        return bytes(count * ITEMSIZE[dtype])
+    if dtype == "F32":
+        return np.full(count, value, np.float32).tobytes()
+    if dtype == "F16":
+        return np.full(count, value, np.float16).tobytes()
+    if dtype == "BF16":
+        bits = np.full(count, value, np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+        return rounded.astype(np.uint16).tobytes()
+    raise ValueError(f"cannot fill {dtype} with {value}")
+
+
+class Caster:
+    """Converts element bytes between dtypes exactly as torch's `.to()` (what vLLM's copy_ does).
+
+    With device != "cpu" every piece also goes through that device (`--device cuda`).
+    """
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self._torch: ModuleType | None = None
+
+    def torch(self) -> ModuleType:
+        if self._torch is None:
+            import torch
+
+            self._torch = torch
+        return self._torch
+
+    def __call__(self, data: np.ndarray, src: str, dst: str) -> np.ndarray:
+        """`data` (uint8, [..., itemsize of src]) as `dst` elements: `data` itself when nothing changes."""
+        if src == dst and self.device == "cpu":
+            return data
+        if self.device == "cpu" and dst == "F32" and src in ("BF16", "F16"):
+            if src == "F16":
+                return data.view(np.float16).astype(np.float32).view(np.uint8)
+            return (data.view(np.uint16).astype(np.uint32) << 16).view(np.uint8)
+        torch = self.torch()
+        t = torch.from_numpy(np.ascontiguousarray(data)).view(self._dtype(src))
+        if self.device != "cpu":
+            t = t.to(self.device)
+        t = t.to(self._dtype(dst)).contiguous()
+        return t.view(torch.uint8).cpu().numpy()
+
+    def _dtype(self, code: str):  # a torch.dtype
+        return getattr(self.torch(), DTYPE_CODES[code])

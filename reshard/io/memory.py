@@ -1,0 +1,157 @@
+"""The executor's memory: reused page-aligned chunk buffers (slabs) and a byte budget for fresh arrays.
+
+Memory is bounded by `max_memory`: a fixed set of reused chunk buffers (one comes back once every
+writer is done with the views into it) plus a byte budget for the rare pieces that are fresh
+arrays (dtype casts, up-sampled scales, fills). Each open output file adds its two staging buffers
+on top (`reshard.io.writer`). Readers wait for buffers, the main thread for budget; writers never
+wait on memory, so all waits end.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+
+DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
+MIN_SLAB = 1024 * 1024
+ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
+
+
+def aligned_buffer(size: int) -> mmap.mmap:
+    """Page-aligned private memory (as O_DIRECT needs), faulted in at once: page by page costs
+    ~2x more, and buffers are reused, so they are touched in full anyway."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
+    try:
+        return mmap.mmap(-1, size, flags=flags)
+    except (OSError, TypeError, ValueError):
+        return mmap.mmap(-1, size)
+
+
+class Stopped(Exception):
+    """The run is being torn down: a thread waiting for memory gives up."""
+
+
+class Lease:
+    """A counted claim on memory: given back to the budget when its last holder releases it."""
+
+    __slots__ = ("mem", "refs")
+
+    mem: Memory
+    refs: int
+
+    def hold(self) -> None:
+        with self.mem.cond:
+            self.refs += 1
+
+    def release(self) -> None:
+        with self.mem.cond:
+            self.refs -= 1
+            if self.refs == 0:
+                self._give_back()
+                self.mem.cond.notify_all()
+
+    def _give_back(self) -> None:
+        raise NotImplementedError
+
+
+class Slab(Lease):
+    """A reused page-aligned buffer; free again once every holder of a view into it let go."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, mem: Memory, size: int) -> None:
+        self.mem = mem
+        self.buf = aligned_buffer(size)
+        self.refs = 0
+
+    def _give_back(self) -> None:
+        self.mem.free.append(self)
+
+
+class Fresh(Lease):
+    """The budget share of one fresh array, given back when its last holder is done with it."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, mem: Memory, nbytes: int) -> None:
+        self.mem = mem
+        self.nbytes = nbytes
+        self.refs = 1
+
+    def _give_back(self) -> None:
+        self.mem.fresh -= self.nbytes
+
+
+class Memory:
+    """`count` slabs of `slab` bytes handed out as an arena (by the reader threads, one at a time),
+    and a budget of `fresh_limit` bytes for fresh arrays (main thread and readers).
+
+    Only writers free memory and they never wait for any, so every wait here ends; an oversized
+    request waits only until nothing fresh is in flight.
+    """
+
+    def __init__(self, max_memory: int, chunk_bytes: int) -> None:
+        self.slab = -(-max(chunk_bytes, MIN_SLAB) // ALIGN) * ALIGN + 2 * ALIGN  # + room to align reads
+        self.fresh_limit = max(self.slab, max_memory // 4)
+        self.count = max(2, (max_memory - self.fresh_limit) // self.slab)
+        self.cond = threading.Condition()
+        self.free: list[Slab] = []
+        self.made = 0
+        self.fresh = 0
+        self.stopped = False
+        self.cur: Slab | None = None  # the arena's slab; the allocating thread holds one reference
+        self.off = 0
+
+    def alloc(self, nbytes: int) -> tuple[memoryview, Lease]:
+        """A page-aligned region; its holder owns one reference to the returned lease."""
+        if nbytes > self.slab:
+            fresh = self.account(nbytes)
+            return memoryview(aligned_buffer(nbytes)), fresh
+        if self.cur is None or self.off + nbytes > self.slab:
+            if self.cur is not None:
+                self.cur.release()
+                self.cur = None
+            self.cur = self._take()
+            self.cur.refs = 1
+            self.off = 0
+        start = self.off
+        self.off += -(-nbytes // ALIGN) * ALIGN
+        self.cur.hold()
+        return memoryview(self.cur.buf)[start : start + nbytes], self.cur
+
+    def _take(self) -> Slab:
+        with self.cond:
+            while not self.free and self.made >= self.count:
+                if self.stopped:
+                    raise Stopped
+                self.cond.wait()
+            if self.free:
+                return self.free.pop()
+            self.made += 1
+        return Slab(self, self.slab)
+
+    def account(self, nbytes: int) -> Fresh:
+        """Count a fresh array against the budget, first waiting for writers to free some if needed."""
+        nbytes = max(nbytes, 256)  # a queued write costs something even when tiny
+        with self.cond:
+            while self.fresh and self.fresh + nbytes > self.fresh_limit:
+                if self.stopped:
+                    raise Stopped
+                self.cond.wait()
+            self.fresh += nbytes
+        return Fresh(self, nbytes)
+
+    def drop_arena(self) -> None:
+        """Give back the arena's own reference to its current slab (allocating threads stopped)."""
+        if self.cur is not None:
+            self.cur.release()
+            self.cur = None
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        self.drop_arena()
+        self.free.clear()

@@ -1,0 +1,137 @@
+"""Reading source tensors' bytes from local safetensors files.
+
+`FileReader` is the `reshard.checkpoint.Reader` of a local checkpoint folder. It is also an
+`AlignedReader`: it can say ahead of a read how much page-aligned memory the read needs, so that
+the prefetching threads (`reshard.io.prefetch`) can read into reused aligned buffers with
+O_DIRECT (RESHARD_DIRECT_READS=1; default: through the page cache, with the kernel's read-ahead).
+Other readers (a reshard output as SOURCE) implement `Reader` only.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import errno
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from reshard.errors import SourceError
+from reshard.format import TensorInfo
+from reshard.io.memory import ALIGN
+
+DIRECT_READS = os.environ.get("RESHARD_DIRECT_READS", "0") == "1"
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """How to make one read: with `fd` (an O_DIRECT descriptor; None: the ordinary read) from
+    file offset `offset`, into a region of `size` bytes."""
+
+    fd: int | None
+    offset: int
+    size: int
+
+
+class AlignedReader(abc.ABC):
+    """A `Reader` whose reads can be prepared: sized first, then made into a region the caller
+    allocates (page-aligned). Readers declare it by subclassing."""
+
+    @abc.abstractmethod
+    def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
+        """Bytes [start, start + nbytes) of tensor `t`, into `buf` if given (see `Reader.read`)."""
+
+    @abc.abstractmethod
+    def prepare(self, t: TensorInfo, start: int, nbytes: int) -> Prepared:
+        """Open what reading these bytes needs; say how to read them and how large a region to give."""
+
+    @abc.abstractmethod
+    def read_prepared(
+        self, t: TensorInfo, start: int, nbytes: int, prepared: Prepared, region: memoryview
+    ) -> memoryview:
+        """Read as `prepared` says, into `region` (of `prepared.size` bytes); a view of the bytes."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class FileReader(AlignedReader):
+    """Positioned reads from a checkpoint folder's safetensors files (thread-safe once files are
+    open; `prepare` is called by one thread at a time)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fds: dict[str, int] = {}
+        self.direct_fds: dict[str, int | None] = {}
+        self.stale: list[int] = []
+        self.lock = threading.Lock()
+
+    def fd(self, name: str) -> int:
+        if name not in self.fds:
+            try:
+                self.fds[name] = os.open(self.root / name, os.O_RDONLY)
+            except OSError as e:
+                raise SourceError(f"cannot open {self.root / name}: {e.strerror}") from e
+        return self.fds[name]
+
+    def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
+        out = memoryview(buf)[:nbytes] if buf is not None else memoryview(bytearray(nbytes))
+        self._fill(self.fd(t.file), t, t.offset + start, out, nbytes)
+        return out
+
+    def prepare(self, t: TensorInfo, start: int, nbytes: int) -> Prepared:
+        """With O_DIRECT: the block-aligned span around the bytes, into page-aligned memory."""
+        self.fd(t.file)
+        fd = self._direct_fd(t.file)
+        pos = t.offset + start
+        if fd is None:
+            return Prepared(None, pos, nbytes)
+        a0 = pos // ALIGN * ALIGN
+        return Prepared(fd, a0, -(-(pos + nbytes) // ALIGN) * ALIGN - a0)
+
+    def read_prepared(
+        self, t: TensorInfo, start: int, nbytes: int, prepared: Prepared, region: memoryview
+    ) -> memoryview:
+        fd, a0 = prepared.fd, prepared.offset
+        pos = t.offset + start
+        if fd is None:
+            return self.read(t, start, nbytes, region)
+        try:
+            self._fill(fd, t, a0, region, pos + nbytes - a0)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise SourceError(f"cannot read {self.root / t.file}: {e.strerror}") from e
+            with self.lock:  # O_DIRECT refused for reads: buffered from now on
+                if self.direct_fds.get(t.file) == fd:
+                    self.direct_fds[t.file] = None
+                    self.stale.append(fd)
+            return self.read(t, start, nbytes, region[:nbytes])
+        return region[pos - a0 : pos - a0 + nbytes]
+
+    def _direct_fd(self, name: str) -> int | None:
+        if name not in self.direct_fds:
+            fd = None
+            if DIRECT_READS and hasattr(os, "O_DIRECT"):
+                with contextlib.suppress(OSError):
+                    fd = os.open(self.root / name, os.O_RDONLY | os.O_DIRECT)
+            self.direct_fds[name] = fd
+        return self.direct_fds[name]
+
+    @staticmethod
+    def _fill(fd: int, t: TensorInfo, pos: int, out: memoryview, need: int) -> None:
+        """Read into `out` from `pos` until at least `need` bytes (EOF may cut the rest of `out`)."""
+        got = 0
+        while got < need:
+            n = os.preadv(fd, [out[got:]], pos + got)
+            if n == 0:
+                raise SourceError(f"{t.file}: truncated while reading {t.name}", "download it again")
+            got += n
+
+    def close(self) -> None:
+        for fd in [*self.fds.values(), *self.direct_fds.values(), *self.stale]:
+            if fd is not None:
+                os.close(fd)
+        self.fds.clear()
+        self.direct_fds.clear()
+        self.stale.clear()

@@ -1,0 +1,120 @@
+"""The writer threads: one per open output file, feeding its sink in submission order.
+
+Each gets *views* of source rows (strided column slices included) and gathers them into its sink;
+file I/O, numpy copies and hashlib release the GIL, so the writers use every core. Writers free
+memory (releasing the leases of what they wrote) and never wait for any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from reshard.io.memory import Lease
+from reshard.io.writer import STAGE_BYTES, GatheringSink, Sink, Written
+
+if TYPE_CHECKING:
+    from reshard.plan import OutTensor
+
+_BEGIN, _WRITE, _CLOSE, _ABORT = range(4)
+
+
+class Worker:
+    """Feeds one sink from its own thread, in submission order."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.gather = sink.write_array if isinstance(sink, GatheringSink) else None
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.aborting = False
+        self.result: Written | None = None
+        self.stage: np.ndarray | None = None
+        self.thread = threading.Thread(target=self._run, name="reshard-writer", daemon=True)
+        self.thread.start()
+
+    # main thread
+    def begin(self, tensor: OutTensor) -> None:
+        self._check()
+        self.q.put((_BEGIN, tensor, None))
+
+    def write(self, data: np.ndarray | bytes, lease: Lease) -> None:
+        """Queue `data`; `lease` (one reference, owned by the caller) is released once written."""
+        if self.error is not None:
+            lease.release()
+            self._check()
+        self.q.put((_WRITE, data, lease))
+
+    def close(self, sync: bool) -> None:
+        self._check()
+        self.q.put((_CLOSE, sync, None))
+
+    def abort(self) -> None:
+        self.aborting = True  # queued writes are dropped, not written
+        self.q.put((_ABORT, None, None))
+
+    def join(self) -> Written:
+        self.thread.join()
+        self._check()
+        assert self.result is not None
+        return self.result
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    # writer thread
+    def _run(self) -> None:
+        while True:
+            op, arg, lease = self.q.get()
+            if op == _WRITE:
+                try:
+                    if self.error is None and not self.aborting:
+                        self._write(arg)
+                except BaseException as e:
+                    self.error = e
+                finally:
+                    del arg
+                    lease.release()
+            elif op == _BEGIN:
+                if self.error is None:
+                    try:
+                        self.sink.begin(arg)
+                    except BaseException as e:
+                        self.error = e
+            elif op == _CLOSE:
+                if self.error is None and not self.aborting:
+                    try:
+                        self.result = self.sink.close(arg)
+                    except BaseException as e:
+                        self.error = e
+                if self.result is None:
+                    with contextlib.suppress(Exception):
+                        self.sink.abort()
+                return
+            else:
+                with contextlib.suppress(Exception):
+                    self.sink.abort()
+                return
+
+    def _write(self, data: np.ndarray | bytes) -> None:
+        if isinstance(data, bytes):
+            self.sink.write(data)
+        elif data.flags.c_contiguous:
+            self.sink.write(memoryview(data).cast("B"))
+        elif self.gather is not None:
+            self.gather(data)
+        else:  # a strided slice for a sink that takes bytes only: gather row blocks here
+            row = data[0].nbytes
+            step = max(1, STAGE_BYTES // row)
+            if self.stage is None or self.stage.nbytes < min(step, data.shape[0]) * row:
+                self.stage = np.empty(max(STAGE_BYTES, row), np.uint8)
+            for r0 in range(0, data.shape[0], step):
+                part = data[r0 : r0 + step]
+                dst = self.stage[: part.nbytes].reshape(part.shape)
+                np.copyto(dst, part)
+                self.sink.write(memoryview(dst).cast("B"))
