@@ -8,6 +8,7 @@ import click
 
 from reshard.commands.options import json_option
 from reshard.console import emit_json, stdout
+from reshard.layout import MANIFEST
 
 
 @click.command("assemble")
@@ -25,5 +26,5 @@ def assemble_cmd(out_dir, as_json):
     if as_json:
         emit_json({"ok": True, "files": len(manifest["files"]), "serve": manifest["serve"]})
     else:
-        stdout.print(f"assembled {len(manifest['files'])} files into {out_dir / 'reshard.json'}")
+        stdout.print(f"assembled {len(manifest['files'])} files into {out_dir / MANIFEST}")
         stdout.print(manifest["serve"])

@@ -19,6 +19,7 @@ from reshard.commands.options import (
     tp_option,
 )
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.layout import MANIFEST
 from reshard.plan import DEFAULT_MAX_PART
 
 
@@ -88,7 +89,7 @@ def save_cmd(
         return
     if "ranks" in m:
         done = len(m["files"])
-        msg = f"wrote ranks {ranks} ({done} files) of {m['all_files'].__len__()}; reshard.json appears when all pieces are in"
+        msg = f"wrote ranks {ranks} ({done} files) of {m['all_files'].__len__()}; {MANIFEST} appears when all pieces are in"
         if as_json:
             emit_json({"ok": True, "complete": False, "out_dir": str(out_dir), "ranks": m["ranks"], "files": done})
         else:
@@ -96,7 +97,7 @@ def save_cmd(
         return
     if as_json:
         emit_json({
-            "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / "reshard.json"),
+            "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / MANIFEST),
             "layout": m["layout"], "files": len(m["files"]), "bytes": m["total_bytes"],
             "seconds": round(seconds, 3), "serve": m["serve"], "run_id": m["run_id"],
         })  # fmt: skip

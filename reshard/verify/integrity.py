@@ -7,6 +7,7 @@ import os
 import time
 
 from reshard.hashing import hash_file
+from reshard.layout import MANIFEST
 from reshard.verify.report import CORRUPT, RERUN, CheckedFile, Progress, Report, advance_for
 from reshard.verify.structure import Folder
 
@@ -37,7 +38,7 @@ def check_side_files(report: Report, folder: Folder) -> None:
         if not isinstance(e, dict) or not all(
             isinstance(e.get(k), t) for k, t in (("name", str), ("size", int), ("sha256", str))
         ):
-            report.add("manifest", f"malformed copied_files entry {e!r}", code=CORRUPT, file="reshard.json")
+            report.add("manifest", f"malformed copied_files entry {e!r}", code=CORRUPT, file=MANIFEST)
             continue
         path = folder.out / e["name"]
         try:

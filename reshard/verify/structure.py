@@ -15,7 +15,16 @@ from pathlib import Path
 
 from reshard.errors import CorruptError, SourceError
 from reshard.format import DTYPE_CODES, read_header
-from reshard.layout import CONFIG, MANIFEST, PIECE_MANIFEST_GLOB, PP_PATTERN, TMP_PREFIX, parse_rank_file, vllm_globs
+from reshard.layout import (
+    CONFIG,
+    MANIFEST,
+    PIECE_MANIFEST_GLOB,
+    PP_PATTERN,
+    RANK_FILE_GLOBS,
+    TMP_PREFIX,
+    parse_rank_file,
+    vllm_globs,
+)
 from reshard.manifest import read_manifest
 from reshard.plan import natural_key
 from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, rank_label
@@ -135,7 +144,7 @@ def _foreign_folder(report: Report, out: Path, *, tp: int | None, pp: int | None
         else:
             folder.files.append(f)
     if not found:
-        report.add("missing", f"{out}: no model-rank-*.safetensors files", code=CORRUPT)
+        report.add("missing", f"{out}: no {RANK_FILE_GLOBS[0]} files", code=CORRUPT)
     return folder
 
 

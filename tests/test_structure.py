@@ -1,0 +1,98 @@
+"""The shape of the code itself: imports point one way (no cycle, lazy imports included), modules
+stay small, and every file name comes from one place."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "reshard"
+MAX_LINES = 400
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Module -> the reshard modules it imports anywhere in its body (function-level too)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in modules and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(graph[n]):
+            # a package's __init__ re-exporting its own submodules is not a cycle of concerns
+            if d.startswith(n + "."):
+                continue
+            if state.get(d) == 1:
+                return [*stack[stack.index(d) :], d]
+            if d not in state and (found := visit(d)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    assert _cycle(_imports()) is None, f"import cycle: {' -> '.join(_cycle(_imports()) or [])}"
+
+
+def test_lower_layers_do_not_import_upper_ones():
+    graph = _imports()
+    low = (
+        "reshard.format",
+        "reshard.layout",
+        "reshard.rules",
+        "reshard.errors",
+        "reshard.hashing",
+        "reshard.checkpoint",
+    )
+    high = ("reshard.cli", "reshard.commands", "reshard.save", "reshard.merge", "reshard.verify", "reshard.sources")
+    for mod, deps in graph.items():
+        if mod.startswith(low):
+            bad = sorted(d for d in deps if d.startswith(high) or d.startswith(("reshard.plan", "reshard.execute")))
+            assert not bad, f"{mod} imports {bad}"
+        if mod.startswith("reshard.plan"):
+            bad = sorted(d for d in deps if d.startswith((*high, "reshard.execute", "reshard.io")))
+            assert not bad, f"{mod} imports {bad}"
+
+
+def test_modules_stay_small():
+    big = {_module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, big
+
+
+def test_file_names_live_in_layout():
+    """Rank-file and manifest names are spelled only in reshard/layout.py."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "layout.py":
+            continue
+        text = path.read_text()
+        for literal in ('"model-rank-', '"model-pp-', '"reshard.json"', "reshard.ranks-"):
+            assert literal not in text, f"{path.relative_to(PACKAGE.parent)} spells {literal}"
