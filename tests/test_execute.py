@@ -30,3 +30,22 @@ def test_read_per_piece_equals_one_pass(tiny, tmp_path, monkeypatch, arch, tp, e
     for f in streamed.plan.files:  # the data sections (headers differ in their run id)
         a, b = ((tmp_path / d / f.name).read_bytes() for d in "ab")
         assert a[8 + int.from_bytes(a[:8], "little") :] == b[8 + int.from_bytes(b[:8], "little") :], f.name
+
+
+def test_a_tensor_short_of_its_declared_bytes_is_refused(tiny, tmp_path):
+    """Defence in depth behind the planner's shape checks: a file whose tensor got fewer bytes than
+    its header declares would be unreadable; the writer refuses it (exit 4), nothing is published."""
+    from reshard.errors import SourceError
+    from reshard.io import FileReader
+    from reshard.plan import OutFile, OutTensor, Slice
+    from reshard.plan import build_plan as plan_of
+
+    src = open_source(str(tiny("llama")))
+    ckpt = src.checkpoint
+    norm = ckpt.tensors["model.norm.weight"]
+    half = Slice(norm.name, (0,), (norm.shape[0] // 2,))
+    bad = OutTensor("model.norm.weight", norm.dtype, norm.shape, (half,))
+    plan = plan_of(ckpt, tp=1)
+    plan.files = [OutFile("model-rank-0-part-0.safetensors", 0, 0, 0, (bad,))]
+    with pytest.raises(SourceError, match="header declares"):
+        ex.Executor(plan, FileReader(ckpt.root), ckpt.tensors, tmp_path, metadata={}).run()

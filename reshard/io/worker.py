@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from reshard.errors import SourceError
 from reshard.io.memory import Lease
 from reshard.io.writer import STAGE_BYTES, GatheringSink, Sink, Written
 
@@ -34,6 +35,8 @@ class Worker:
         self.aborting = False
         self.result: Written | None = None
         self.stage: np.ndarray | None = None
+        self.tensor: OutTensor | None = None  # the tensor being written, and the bytes it got so far
+        self.got = 0
         self.thread = threading.Thread(target=self._run, name="reshard-writer", daemon=True)
         self.thread.start()
 
@@ -83,12 +86,15 @@ class Worker:
             elif op == _BEGIN:
                 if self.error is None:
                     try:
+                        self._tensor_done()
+                        self.tensor, self.got = arg, 0
                         self.sink.begin(arg)
                     except BaseException as e:
                         self.error = e
             elif op == _CLOSE:
                 if self.error is None and not self.aborting:
                     try:
+                        self._tensor_done()
                         self.result = self.sink.close(arg)
                     except BaseException as e:
                         self.error = e
@@ -101,7 +107,19 @@ class Worker:
                     self.sink.abort()
                 return
 
+    def _tensor_done(self) -> None:
+        """Every tensor must get exactly the bytes its header declares, or the file is unreadable."""
+        t = self.tensor
+        if t is not None and self.got != t.nbytes:
+            raise SourceError(
+                f"{t.name}: its pieces gave {self.got} bytes, its header declares {t.nbytes} "
+                f"({t.dtype} {list(t.shape)}): a source tensor's shape disagrees with its neighbours'",
+                "check the source checkpoint's headers (a damaged or hand-edited file?)",
+            )
+        self.tensor = None
+
     def _write(self, data: np.ndarray | bytes) -> None:
+        self.got += len(data) if isinstance(data, bytes) else data.nbytes
         if isinstance(data, bytes):
             self.sink.write(data)
         elif data.flags.c_contiguous:
