@@ -182,3 +182,8 @@ def test_config_intermediate_size_disagreeing_with_the_tensors(tiny, tmp_path):
     edit_json(src / "config.json", lambda c: {**c, "intermediate_size": c["intermediate_size"] * 2})
     code, _, err = run("plan", str(src), "--tp", "2")
     assert code == 4 and "intermediate_size" in err
+
+
+def test_ep_on_a_dense_model_is_refused(tiny, tmp_path):
+    code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2", "--ep")
+    assert code == 3 and "no experts" in err and "drop --ep" in err

@@ -14,7 +14,7 @@ Imports nothing that imports torch or numpy.
 from reshard.plan.files import DEFAULT_MAX_PART, natural_key, split_by_size
 from reshard.plan.geometry import Dims
 from reshard.plan.model import Fill, OutFile, OutTensor, Piece, Plan, Slice
-from reshard.plan.planner import build_plan, pp_ranges
+from reshard.plan.planner import build_plan, num_experts, pp_ranges
 from reshard.plan.quant import Quant
 from reshard.plan.slicers import VOCAB_PADDING
 
@@ -31,6 +31,7 @@ __all__ = [
     "Slice",
     "build_plan",
     "natural_key",
+    "num_experts",
     "pp_ranges",
     "split_by_size",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_NAMES
-from reshard.plan.context import Context
+from reshard.plan.context import Context, dims_from_config
 from reshard.plan.files import DEFAULT_MAX_PART, assign_files
 from reshard.plan.geometry import divisors
 from reshard.plan.model import OutTensor, Plan
@@ -45,6 +45,11 @@ def build_plan(
         raise UnsupportedError("--tp and --pp must be at least 1")
     arch_name, arch = get_architecture(ckpt.config)
     ctx = Context(ckpt, arch, tp=tp, ep=ep, dtype=model_dtype(ckpt.config, dtype))
+    if ep and not ctx.dims.num_experts:
+        raise UnsupportedError(
+            f"--ep is vLLM's expert-parallel layout, and this {arch_name} has no experts",
+            "drop --ep: a dense model's layout is the same without it",
+        )
     check_attention(ctx)
     ranges = pp_ranges(ctx.dims.num_layers, pp, pp_partition)
     per_rank = {}
@@ -65,6 +70,12 @@ def build_plan(
         notes=ctx.notes,
         config_patch=ctx.config_patch,
     )
+
+
+def num_experts(config: dict) -> int:
+    """How many routed experts the model has (0 for a dense model)."""
+    _, arch = get_architecture(config)
+    return dims_from_config(config, arch).num_experts
 
 
 def model_dtype(config: dict, dtype: str) -> str:
