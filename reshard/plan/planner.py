@@ -189,6 +189,10 @@ def check_unused(ctx: Context, ranges: list[tuple[int, int]]) -> None:
 
 
 def spec_layer_prefixes(ctx: Context) -> tuple[str, ...]:
-    """The MTP layers after the decoder layers, which vLLM's main model skips (get_spec_layer_idx_from_weight_name)."""
+    """The MTP layers after the decoder layers, which vLLM's main model skips (get_spec_layer_idx_from_weight_name).
+
+    Only layers the checkpoint holds are named (a config may announce more than it ships)."""
     n = next((int(ctx.config[k]) for k in ctx.arch.spec_layers_key if ctx.config.get(k)), 0)
-    return tuple(ctx.arch.prefix(ctx.dims.num_layers + i) for i in range(n))
+    first = ctx.dims.num_layers
+    held = {layer for name in ctx.ckpt.tensors if (layer := ctx.arch.layer_of(name)) is not None}
+    return tuple(ctx.arch.prefix(i) for i in sorted(held) if first <= i < first + n)

@@ -129,3 +129,11 @@ class Architecture:
     def prefix(self, layer: int) -> str:
         """Decoder layer `layer`'s prefix (speculative layers after the last included)."""
         return self.layer_prefix.format(layer=layer)
+
+    def layer_of(self, tensor: str) -> int | None:
+        """The decoder layer a checkpoint tensor belongs to, or None (embedding, final norm, ...)."""
+        head, _, tail = self.layer_prefix.partition("{layer}")
+        if not tensor.startswith(head):
+            return None
+        number = tensor[len(head) :].split(tail, 1)[0] if tail else tensor[len(head) :]
+        return int(number) if number.isdigit() else None

@@ -6,59 +6,95 @@ so the planner can take types for granted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import PurePosixPath
 
 from reshard.errors import SourceError
 
-# config keys that, where present, must be positive integers (top level and in text_config)
-_POSITIVE = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "num_key_value_heads",
-    "vocab_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_experts",
-    "num_local_experts",
-    "n_routed_experts",
-    "head_dim",
-    "num_experts_per_tok",
-)
-# keys that, where present, must be non-negative integers (0 is meaningful)
-_COUNTS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "q_lora_rank",
-           "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "shared_expert_intermediate_size",
-           "decoder_sparse_step")  # fmt: skip
+Check = Callable[[object], bool]
+
+
+MAX_DIM = 1 << 31  # no real model comes near: a larger value is damage, and would be planned for ever
+
+
+def _int(least: int) -> Check:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and least <= v <= MAX_DIM
+
+
+def _list_of(check: Check) -> Check:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _is(*types: type) -> Check:
+    return lambda v: isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+
+
+POSITIVE, COUNT, FLAG, NAME, NAMES = _int(1), _int(0), _is(bool), _is(str), _list_of(_is(str))
+WHAT = {POSITIVE: f"a positive integer (at most {MAX_DIM})", COUNT: f"a non-negative integer (at most {MAX_DIM})", FLAG: "true or false", NAME: "a string",
+        NAMES: "a list of strings"}  # fmt: skip
+
+# every config.json key the planner reads, and what it must be where present (null = absent)
+CONFIG_SCHEMA: dict[str, Check] = {
+    **dict.fromkeys(("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+                     "vocab_size", "intermediate_size", "moe_intermediate_size", "num_experts",
+                     "num_local_experts", "n_routed_experts", "head_dim", "num_experts_per_tok",
+                     "decoder_sparse_step", "moe_layer_freq"), POSITIVE),
+    **dict.fromkeys(("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "q_lora_rank",
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "shared_expert_intermediate_size"), COUNT),
+    **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), FLAG),
+    **dict.fromkeys(("torch_dtype", "dtype", "topk_method", "scoring_func"), NAME),
+    "architectures": NAMES,
+    "mlp_only_layers": _list_of(COUNT),
+}  # fmt: skip
+QUANT_SCHEMA: dict[str, Check] = {
+    "quant_method": NAME,
+    "activation_scheme": NAME,
+    "weight_block_size": _list_of(POSITIVE),
+    "ignored_layers": NAMES,
+    "modules_to_not_convert": NAMES,
+    "ignore": NAMES,
+    "config_groups": _is(dict),
+    "kv_cache_scheme": _is(dict),
+}
+GROUP_SCHEMA: dict[str, Check] = {"weights": _is(dict), "input_activations": _is(dict), "targets": NAMES}
+ARGS_SCHEMA: dict[str, Check] = {"type": NAME, "num_bits": POSITIVE, "strategy": NAME, "dynamic": FLAG,
+                                 "block_structure": _list_of(POSITIVE)}  # fmt: skip
 _REFETCH = "the checkpoint's config.json is damaged: download it again or fix it"
 
 
 def check_config(config: object, where: str) -> dict:
-    """config.json must be an object with well-typed model dimensions; returns it."""
+    """config.json must be an object whose keys the planner reads are well typed; returns it."""
     if not isinstance(config, dict):
         raise SourceError(f"{where}: config.json is a JSON {type(config).__name__}, not an object", _REFETCH)
-    arch = config.get("architectures")
-    if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
-        raise SourceError(f"{where}: config.json 'architectures' must be a list of names, found {arch!r}", _REFETCH)
-    _check_numbers(config, where, "")
+    _check(config, CONFIG_SCHEMA, where, "")
     text = config.get("text_config")
     if text is not None:
         if not isinstance(text, dict):
-            raise SourceError(f"{where}: config.json 'text_config' must be an object, found {text!r}", _REFETCH)
-        _check_numbers(text, where, "text_config.")
+            raise SourceError(f"{where}: config.json text_config must be an object, found {text!r}", _REFETCH)
+        _check(text, CONFIG_SCHEMA, where, "text_config.")
     quant = config.get("quantization_config")
-    if quant is not None and not isinstance(quant, dict):
-        raise SourceError(f"{where}: config.json 'quantization_config' must be an object, found {quant!r}", _REFETCH)
+    if quant is not None:
+        if not isinstance(quant, dict):
+            raise SourceError(f"{where}: config.json quantization_config must be an object, found {quant!r}", _REFETCH)
+        _check(quant, QUANT_SCHEMA, where, "quantization_config.")
+        for name, group in (quant.get("config_groups") or {}).items():
+            prefix = f"quantization_config.config_groups.{name}."
+            if not isinstance(group, dict):
+                raise SourceError(f"{where}: config.json {prefix[:-1]} must be an object, found {group!r}", _REFETCH)
+            _check(group, GROUP_SCHEMA, where, prefix)
+            for part in ("weights", "input_activations"):
+                if group.get(part):
+                    _check(group[part], ARGS_SCHEMA, where, f"{prefix}{part}.")
     return config
 
 
-def _check_numbers(config: dict, where: str, prefix: str) -> None:
-    for key, least in [*((k, 1) for k in _POSITIVE), *((k, 0) for k in _COUNTS)]:
-        value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            want = "a positive integer" if least else "a non-negative integer"
-            raise SourceError(f"{where}: config.json {prefix}{key} must be {want}, found {value!r}", _REFETCH)
+def _check(obj: dict, schema: dict[str, Check], where: str, prefix: str) -> None:
+    for key, ok in schema.items():
+        value = obj.get(key)
+        if value is not None and not ok(value):
+            want = WHAT.get(ok, "an object" if key in ("config_groups", "kv_cache_scheme") else "a list of integers")
+            raise SourceError(f"{where}: config.json {prefix}{key} must be {want}, found {value!r}"[:300], _REFETCH)
 
 
 def check_index(index: object, where: str) -> list[str]:
