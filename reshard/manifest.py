@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import TypedDict
 
-from reshard import __version__
+from reshard import VLLM_VERSIONS, __version__
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import fsync_dir
 from reshard.hashing import hash_file
@@ -53,6 +53,9 @@ class Manifest(TypedDict, total=False):
     created: str
     source: dict  # {"path"} or {"repo_id", "revision", "commit"}; re-shards add "resharded_from"
     layout: dict  # Plan.layout(): vllm_layout, architecture, tp, pp, ep, dtype, quantization, pattern, ...
+    # the vLLM releases that load this layout (reshard.VLLM_VERSIONS when written), e.g. ">=0.32,<0.34";
+    # absent from manifests written before it was recorded (their layout.vllm_layout says)
+    vllm_versions: str
     total_bytes: int
     files: list[FileEntry]
     copied: list[str]  # config, tokenizer and generation files copied from the source
@@ -118,6 +121,7 @@ def build_manifest(
         "created": created,
         "source": plan.source,
         "layout": plan.layout(),
+        "vllm_versions": VLLM_VERSIONS,
         "total_bytes": sum(w.size for w in written),
         "files": files,
         "copied": copied,
@@ -175,6 +179,8 @@ def manifest_problems(m: dict) -> list[str]:
     out = _layout_problems(lay)
     if not isinstance(m.get("run_id"), str):
         out.append("run_id is not a string")
+    if "vllm_versions" in m and not isinstance(m["vllm_versions"], str):
+        out.append(f"vllm_versions is {m['vllm_versions']!r}")
     files = m.get("files")
     if not isinstance(files, list):
         return [*out, "files is not a list"]

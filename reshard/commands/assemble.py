@@ -9,6 +9,7 @@ import click
 from reshard.commands.options import json_option
 from reshard.console import emit_json, stdout
 from reshard.layout import MANIFEST
+from reshard.vllm_versions import recorded_range, serve_note
 
 
 @click.command("assemble")
@@ -23,8 +24,11 @@ def assemble_cmd(out_dir, as_json):
 
     manifest = assemble(out_dir)
     assert manifest is not None
+    spec = recorded_range(manifest)
     if as_json:
-        emit_json({"ok": True, "files": len(manifest["files"]), "serve": manifest["serve"]})
+        emit_json({"ok": True, "files": len(manifest["files"]), "serve": manifest["serve"], "vllm_versions": spec})
     else:
         stdout.print(f"assembled {len(manifest['files'])} files into {out_dir / MANIFEST}")
+        if spec:
+            stdout.print(f"note: {serve_note(spec)}")
         stdout.print(manifest["serve"])

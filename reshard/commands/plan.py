@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from reshard import VLLM_VERSIONS
 from reshard.commands.options import (
     dtype_option,
     ep_option,
@@ -14,6 +15,7 @@ from reshard.commands.options import (
     tp_option,
 )
 from reshard.console import emit_json, human_bytes, stdout
+from reshard.vllm_versions import serve_note
 
 
 @click.command("plan")
@@ -40,6 +42,7 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, ou
     plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=pp_partition)
     summary = plan.summary()
     summary["serve"] = plan.serve_command(out_dir)
+    summary["vllm_versions"] = VLLM_VERSIONS
     summary["source_bytes"] = ckpt.total_bytes
     if as_json:
         if not show_tensors:
@@ -66,6 +69,6 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, ou
             for t in r["tensors"]:
                 stdout.print(f"  {t['name']}  {t['dtype']}  {t['shape']}")
     stdout.print(f"source {human_bytes(ckpt.total_bytes)}, output {human_bytes(plan.total_bytes)}")
-    for note in plan.notes:
+    for note in [*plan.notes, serve_note()]:
         stdout.print(f"note: {note}")
     stdout.print(summary["serve"])

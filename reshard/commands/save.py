@@ -21,6 +21,7 @@ from reshard.commands.options import (
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
 from reshard.layout import MANIFEST
 from reshard.plan import DEFAULT_MAX_PART
+from reshard.vllm_versions import serve_note
 
 
 @click.command("save")
@@ -99,11 +100,13 @@ def save_cmd(
         emit_json({
             "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / MANIFEST),
             "layout": m["layout"], "files": len(m["files"]), "bytes": m["total_bytes"],
-            "seconds": round(seconds, 3), "serve": m["serve"], "run_id": m["run_id"],
+            "seconds": round(seconds, 3), "serve": m["serve"], "vllm_versions": m["vllm_versions"],
+            "run_id": m["run_id"],
         })  # fmt: skip
         return
     stdout.print(
         f"wrote {len(m['files'])} files, {human_bytes(m['total_bytes'])} in {seconds:.1f} s "
         f"({result.plan.tp * result.plan.pp} ranks) to {out_dir}"
     )
+    stdout.print(f"note: {serve_note(m['vllm_versions'])}")
     stdout.print(m["serve"])

@@ -105,6 +105,8 @@ def _title(report: Report) -> str:
     title = f"{report.out_dir}: tp={lay['tp']} pp={lay['pp']} ep={'on' if lay['ep'] else 'off'}"
     if lay.get("dtype") and lay["dtype"] != "auto":
         title += f" dtype={lay['dtype']}"
+    if report.vllm_versions:
+        title += f"  for vLLM {report.vllm_versions}"
     if report.run_id:
         title += f"  run {report.run_id[:12]}"
     if report.source:

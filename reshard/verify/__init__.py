@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from reshard import vllm_versions
 from reshard.sources import open_source
 from reshard.verify import integrity, keys, structure
 from reshard.verify.deep import compare, locate
@@ -68,6 +69,8 @@ def verify(
     if folder is None:
         return report
     report.layout = folder.layout.to_json()
+    if folder.manifest is not None:
+        _check_vllm(report, folder.manifest)
     structure.check_structure(report, folder)
     source, ckpt = None, None
     if against is not None:
@@ -96,6 +99,16 @@ def verify(
             locate(report, folder, damaged, plan, source, against, progress)
     _fill_stats(report.stats)
     return report
+
+
+def _check_vllm(report: Report, manifest: dict) -> None:
+    """A warning when the vLLM installed here is outside the releases the folder is for."""
+    report.vllm_versions = vllm_versions.recorded_range(manifest)
+    found = vllm_versions.installed_vllm()
+    report.vllm_installed = f"{found[0]} {found[1]}" if found else None
+    problem = vllm_versions.mismatch(report.vllm_versions, found)
+    if problem:
+        report.add("vllm-version", problem, code=0, warn=True)
 
 
 def _fill_stats(st: dict) -> None:

