@@ -187,3 +187,10 @@ def test_config_intermediate_size_disagreeing_with_the_tensors(tiny, tmp_path):
 def test_ep_on_a_dense_model_is_refused(tiny, tmp_path):
     code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2", "--ep")
     assert code == 3 and "no experts" in err and "drop --ep" in err
+
+
+def test_expert_substitution_is_refused(tiny, tmp_path):
+    src = corrupt(tiny, tmp_path, "qwen3-moe")
+    edit_json(src / "config.json", lambda c: {**c, "approximate_experts": True})
+    code, _, err = run("plan", str(src), "--tp", "2")
+    assert code == 3 and "expert substitution" in err

@@ -44,6 +44,7 @@ def build_plan(
     if tp < 1 or pp < 1:
         raise UnsupportedError("--tp and --pp must be at least 1")
     arch_name, arch = get_architecture(ckpt.config)
+    _refuse_opt_in_layouts(ckpt.config)
     ctx = Context(ckpt, arch, tp=tp, ep=ep, dtype=model_dtype(ckpt.config, dtype))
     if ep and not ctx.dims.num_experts:
         raise UnsupportedError(
@@ -70,6 +71,17 @@ def build_plan(
         notes=ctx.notes,
         config_patch=ctx.config_patch,
     )
+
+
+def _refuse_opt_in_layouts(config: dict) -> None:
+    """vLLM 0.33's expert substitution (opt-in, from config.json) changes the MoE layout it builds;
+    reshard does not write it (docs/vllm-versions.md)."""
+    transform = (config.get("compression_config") or {}).get("transform_config") or {}
+    if config.get("approximate_experts") or (isinstance(transform, dict) and transform.get("expert_substitution")):
+        raise UnsupportedError(
+            "config.json asks for vLLM 0.33's expert substitution, whose MoE layout reshard does not write",
+            "remove approximate_experts / expert_substitution from config.json, or serve the original checkpoint",
+        )
 
 
 def num_experts(config: dict) -> int:
