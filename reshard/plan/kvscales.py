@@ -110,6 +110,11 @@ def fp8_kv_params(sources: Sources, target: str, dtype: str, found: dict[str, st
         name = found.get(p)
         piece = scalar(sources.src(name, f"{target}.{p}")) if name else Fill(-1.0, 1)
         out.append(OutTensor(f"{target}.{p}", dtype, (), (piece,)))
+    if found:
+        sources.note(
+            "FP8 KV-cache scales are written in the model dtype, as vLLM's parameters hold them: "
+            "`reshard merge` gives back their names, and their values rounded to that dtype (--allow-lossy)"
+        )
     return out
 
 
