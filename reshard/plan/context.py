@@ -10,6 +10,7 @@ from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan.geometry import Dims, divisors
+from reshard.plan.kvscales import KV_PARAMS, kv_scale_sources
 from reshard.plan.quant import Quant, quant_from_config
 from reshard.rules import Architecture, Kind, Module
 
@@ -35,6 +36,9 @@ class Context:
             )
         self.dims = dims_from_config(self.config, arch, untie)
         self.quant: Quant | None = quant_from_config(self.config)
+        fp8 = self.quant is not None and self.quant.method == "fp8"
+        # vLLM KV-cache parameter -> the checkpoint tensors vLLM loads into it
+        self.kv_scales = kv_scale_sources(ckpt.tensors, fp8_config=fp8)
 
     # ---- the checkpoint (reshard.plan.geometry.Sources) ------------------------------------------
 
@@ -65,6 +69,20 @@ class Context:
         if not self.quant or not module.quant:
             return False
         return self.quant.quantizes(hf_prefixes, experts=module.kind is Kind.EXPERTS)
+
+    def kv_found(self, target: str) -> dict[str, str]:
+        """The attention layer `target`'s KV-cache parameters the checkpoint holds a tensor for."""
+        found = {}
+        for param in KV_PARAMS:
+            names = self.kv_scales.get(f"{target}.{param}", [])
+            if len(names) > 1:
+                raise UnsupportedError(
+                    f"{len(names)} checkpoint tensors are vLLM's {target}.{param}: {', '.join(names)}",
+                    "vLLM keeps whichever it reads last; keep one of them in the checkpoint",
+                )
+            if names:
+                found[param] = names[0]
+        return found
 
     def split(self, size: int, what: str) -> int:
         """`size` / tp, refused when it does not divide."""

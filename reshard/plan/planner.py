@@ -11,9 +11,10 @@ from reshard.format import DTYPE_NAMES
 from reshard.plan.context import Context, dims_from_config
 from reshard.plan.files import DEFAULT_MAX_PART, assign_files
 from reshard.plan.geometry import divisors
+from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
 from reshard.plan.slicers import add_module, padded_vocab
-from reshard.rules import Module, get_architecture
+from reshard.rules import Kind, Module, get_architecture
 
 
 def build_plan(
@@ -193,6 +194,7 @@ def check_unused(ctx: Context, ranges: list[tuple[int, int]]) -> None:
     ]
     if ctx.dims.tie:
         extra = [n for n in extra if n != f"{arch.lm_head}.weight"]  # vLLM skips it when tied
+    check_kv_scales_unused(ctx, extra)
     if extra:
         raise SourceError(
             f"{len(extra)} checkpoint tensor(s) match no rule of {arch.names[0]}, e.g. {extra[0]!r}",
@@ -208,3 +210,27 @@ def spec_layer_prefixes(ctx: Context) -> tuple[str, ...]:
     first = ctx.dims.num_layers
     held = {layer for name in ctx.ckpt.tensors if (layer := ctx.arch.layer_of(name)) is not None}
     return tuple(ctx.arch.prefix(i) for i in sorted(held) if first <= i < first + n)
+
+
+def check_kv_scales_unused(ctx: Context, extra: list[str]) -> None:
+    """KV-cache scales no attention layer took: say what vLLM 0.32 does with them, and refuse."""
+    kv = [(n, vllm_kv_name(n, fp8_config=True)) for n in extra]
+    kv = [(n, m) for n, m in kv if m is not None]
+    if not kv:
+        return
+    name, mapped = kv[0]
+    if not ctx.quant:
+        why = "vLLM 0.32 maps KV-cache scale names only for a quantized checkpoint; without a quantization_config it fails on the unknown name"
+    elif any(m.kind is Kind.ATTENTION and not m.quant for m in ctx.arch.layer):
+        why = (
+            "vLLM 0.32 drops them with a warning: MLA attention gets no FP8 KV-cache scale parameters from the "
+            "quantization config, so its KV-cache scales stay 1.0 whatever the checkpoint says"
+        )
+    elif mapped.endswith("_zero_point") and ctx.quant.method == "fp8":
+        why = "vLLM 0.32 ignores them: quant_method fp8 has no KV-cache zero points"
+    else:
+        why = f"vLLM 0.32 renames it {mapped!r}, which this model does not have, and does not load it"
+    raise UnsupportedError(
+        f"{len(kv)} KV-cache scale tensor(s) that vLLM would not load, e.g. {name!r}: {why}",
+        "reshard refuses rather than lose them; remove them from the checkpoint to serve it as vLLM does",
+    )

@@ -18,7 +18,8 @@ from typing import ClassVar
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan.geometry import LinearRank, MoeSplit, Sources, cdiv
-from reshard.plan.model import Fill, OutTensor, Slice, scalar, whole
+from reshard.plan.kvscales import KvHeads, ct_kv_params, fp8_kv_params, kv_cache_scheme
+from reshard.plan.model import OutTensor, Slice, scalar, whole
 
 # per rank: the scale tensors of an MoE layer's experts on that rank
 RankScales = Callable[[int], list[OutTensor]]
@@ -31,6 +32,7 @@ class Quant:
     block: tuple[int, int] | None  # weight_block_size / block_structure
     static_activations: bool
     ignored: tuple[str, ...]
+    kv_strategy: str | None = None  # compressed-tensors kv_cache_scheme: "tensor" or "attn_head"
 
     method: ClassVar[str]  # "fp8" (Fp8Config) or "compressed-tensors" (float-quantized W8A8)
     strategy: ClassVar[str]  # "block", "tensor" or "channel"
@@ -63,17 +65,23 @@ class Quant:
         return not all(skipped)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "method": self.method,
             "strategy": self.strategy,
             "weight_block_size": list(self.block) if self.block else None,
             "activation_scheme": "static" if self.static_activations else "dynamic",
         }
+        if self.kv_strategy:
+            out["kv_cache_scheme"] = self.kv_strategy
+        return out
 
     # ---- what each scheme provides -----------------------------------------------------------
 
-    def kv_buffers(self, target: str, dtype: str) -> list[OutTensor]:
-        """The attention layer's KV-cache method parameters (`dtype`: the model's)."""
+    def kv_buffers(
+        self, sources: Sources, target: str, dtype: str, found: dict[str, str], heads: KvHeads
+    ) -> list[OutTensor]:
+        """The attention layer's KV-cache method parameters on one rank (`dtype`: the model's;
+        `found`: parameter -> the checkpoint tensor vLLM loads into it, reshard.plan.kvscales)."""
         raise NotImplementedError
 
     def linear_scales(self, sources: Sources, lin: LinearRank) -> list[OutTensor]:
@@ -92,24 +100,20 @@ class _Fp8Config(Quant):
     method = "fp8"
     refines_moe_blocks = True  # Fp8MoEMethod refines the MoE scale grid when a TP split cuts a block
 
-    def kv_buffers(self, target: str, dtype: str) -> list[OutTensor]:
-        # Fp8KVCacheMethod parameters (0-d, model dtype, -1.0), deleted after loading
-        return [
-            OutTensor(f"{target}.{s}", dtype, (), (Fill(-1.0, 1),))
-            for s in ("k_scale", "v_scale", "q_scale", "prob_scale")
-        ]
+    def kv_buffers(
+        self, sources: Sources, target: str, dtype: str, found: dict[str, str], heads: KvHeads
+    ) -> list[OutTensor]:
+        return fp8_kv_params(sources, target, dtype, found)
 
 
 class _CompressedTensors(Quant):
     method = "compressed-tensors"
     refines_moe_blocks = False  # its MoE method validates the checkpoint's blocks as they are
 
-    def kv_buffers(self, target: str, dtype: str) -> list[OutTensor]:
-        # CompressedTensorsKVCacheMethod without a kv_cache_scheme: scales [1] of ones, zero
-        # points [1] of zeros in the model dtype
-        scales = [OutTensor(f"{target}.{s}", "F32", (1,), (Fill(1.0, 1),)) for s in ("k_scale", "v_scale", "q_scale")]
-        zeros = ("k_zero_point", "v_zero_point", "q_zero_point")
-        return scales + [OutTensor(f"{target}.{s}", dtype, (1,), (Fill(0.0, 1),)) for s in zeros]
+    def kv_buffers(
+        self, sources: Sources, target: str, dtype: str, found: dict[str, str], heads: KvHeads
+    ) -> list[OutTensor]:
+        return ct_kv_params(sources, target, dtype, found, self.kv_strategy, heads)
 
 
 # ---- the weight-scale layouts --------------------------------------------------------------------
@@ -371,8 +375,7 @@ def quant_from_config(config: dict) -> Quant | None:
 def _compressed_tensors(qc: dict) -> Quant:
     """Compressed-tensors FP8 (W8A8, float-quantized): one config group targeting Linear layers."""
     groups = list((qc.get("config_groups") or {}).values())
-    if qc.get("kv_cache_scheme"):
-        raise UnsupportedError("compressed-tensors kv_cache_scheme is not supported yet")
+    kv = kv_cache_scheme(qc.get("kv_cache_scheme"))
     if len(groups) != 1:
         raise UnsupportedError(f"compressed-tensors with {len(groups)} config groups is not supported")
     weights = groups[0].get("weights") or {}
@@ -386,9 +389,9 @@ def _compressed_tensors(qc: dict) -> Quant:
     ignored = tuple(qc.get("ignore") or [])
     strategy = str(weights.get("strategy"))
     if strategy == "block":
-        return CompressedTensorsBlock(tuple(weights["block_structure"]), static, ignored)
+        return CompressedTensorsBlock(tuple(weights["block_structure"]), static, ignored, kv)
     if strategy == "channel":
-        return CompressedTensorsChannel(None, static, ignored)
+        return CompressedTensorsChannel(None, static, ignored, kv)
     if strategy == "tensor":
-        return CompressedTensorsTensor(None, static, ignored)
+        return CompressedTensorsTensor(None, static, ignored, kv)
     raise UnsupportedError(f"compressed-tensors weight strategy {strategy!r} is not supported")

@@ -10,6 +10,7 @@ from reshard.errors import SourceError
 from reshard.plan.context import Context
 from reshard.plan.experts import experts
 from reshard.plan.geometry import cdiv
+from reshard.plan.kvscales import KvHeads
 from reshard.plan.linear import linear
 from reshard.plan.model import Fill, OutTensor, Piece, rows
 from reshard.rules import Kind, Module
@@ -40,10 +41,12 @@ def attention(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]
         OutTensor(f"{target}.{s}", "F32", (), (Fill(1.0, 1),))
         for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
     ]
-    if ctx.quant and m.quant:
-        buffers += ctx.quant.kv_buffers(target, ctx.dtype)
+    quant = ctx.quant if m.quant else None
+    found = ctx.kv_found(target) if quant else {}
     for r in range(ctx.tp):
         per_tp[r].extend(buffers)
+        if quant:
+            per_tp[r].extend(quant.kv_buffers(ctx, target, ctx.dtype, found, KvHeads(ctx.dims.num_kv_heads, ctx.tp, r)))
 
 
 def vocab(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
