@@ -194,7 +194,8 @@ def check_unused(ctx: Context, ranges: list[tuple[int, int]]) -> None:
     ]
     if ctx.dims.tie:
         extra = [n for n in extra if n != f"{arch.lm_head}.weight"]  # vLLM skips it when tied
-    check_kv_scales_unused(ctx, extra)
+    skipped = skip_kv_scales_vllm_ignores(ctx, extra)
+    extra = [n for n in extra if n not in skipped]
     if extra:
         raise SourceError(
             f"{len(extra)} checkpoint tensor(s) match no rule of {arch.names[0]}, e.g. {extra[0]!r}",
@@ -212,25 +213,32 @@ def spec_layer_prefixes(ctx: Context) -> tuple[str, ...]:
     return tuple(ctx.arch.prefix(i) for i in sorted(held) if first <= i < first + n)
 
 
-def check_kv_scales_unused(ctx: Context, extra: list[str]) -> None:
-    """KV-cache scales no attention layer took: say what vLLM 0.32 does with them, and refuse."""
+def skip_kv_scales_vllm_ignores(ctx: Context, extra: list[str]) -> set[str]:
+    """KV-cache scales no attention layer took. Where vLLM 0.32 drops them at load (MLA attention has
+    no KV-cache scale parameters; `quant_method: fp8` has no zero points), they are left out as vLLM
+    leaves them, with a note; where it would fail or mis-load, refuse. Returns the names left out."""
     kv = [(n, vllm_kv_name(n, fp8_config=True)) for n in extra]
     kv = [(n, m) for n, m in kv if m is not None]
     if not kv:
-        return
+        return set()
     name, mapped = kv[0]
+    if ctx.quant and any(m.kind is Kind.ATTENTION and not m.quant for m in ctx.arch.layer):
+        ctx.note(
+            f"{len(kv)} KV-cache scale tensor(s) left out, e.g. {name}: vLLM 0.32 drops them with a warning "
+            "(MLA attention has no FP8 KV-cache scale parameters; its scales stay 1.0), so the output matches it"
+        )
+        return {n for n, _ in kv}
+    zero_points = [n for n, m in kv if m.endswith("_zero_point")]
+    if ctx.quant and ctx.quant.method == "fp8" and len(zero_points) == len(kv):
+        ctx.note(
+            f"{len(kv)} KV-cache zero point(s) left out, e.g. {name}: quant_method fp8 has none, vLLM 0.32 ignores them"
+        )
+        return set(zero_points)
     if not ctx.quant:
         why = "vLLM 0.32 maps KV-cache scale names only for a quantized checkpoint; without a quantization_config it fails on the unknown name"
-    elif any(m.kind is Kind.ATTENTION and not m.quant for m in ctx.arch.layer):
-        why = (
-            "vLLM 0.32 drops them with a warning: MLA attention gets no FP8 KV-cache scale parameters from the "
-            "quantization config, so its KV-cache scales stay 1.0 whatever the checkpoint says"
-        )
-    elif mapped.endswith("_zero_point") and ctx.quant.method == "fp8":
-        why = "vLLM 0.32 ignores them: quant_method fp8 has no KV-cache zero points"
     else:
         why = f"vLLM 0.32 renames it {mapped!r}, which this model does not have, and does not load it"
     raise UnsupportedError(
         f"{len(kv)} KV-cache scale tensor(s) that vLLM would not load, e.g. {name!r}: {why}",
-        "reshard refuses rather than lose them; remove them from the checkpoint to serve it as vLLM does",
+        "remove them from the checkpoint to serve it as vLLM does",
     )

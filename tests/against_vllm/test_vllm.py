@@ -155,7 +155,8 @@ STATE_CASES: list[Case] = (
         # qkv_proj.{k,v}_scale, {k,v,q}_proj.output_scale + prob_output_scale; MoE: the same in reverse
         # with the deprecated .kv_scale (k only); compressed-tensors kv_cache_scheme tensor (with
         # q_scale and zero points) and attn_head (per-head k/v, KV heads replicated at TP 4).
-        # MLA (DeepSeek): vLLM drops them, reshard refuses: test_mla_kv_scales_are_dropped_by_vllm.
+        # MLA (DeepSeek): vLLM drops them at load (no KV-cache scale parameters); so does reshard
+        Case("deepseek-v3+fp8-tensor-kv-mla", 2),
         Case("llama+fp8-tensor-kv", 2),
         Case("qwen3-moe+fp8-tensor-kv-alt", 2),
         Case("llama+ct-tensor-kv", 2),
@@ -332,31 +333,6 @@ def test_generation_matches(case: Case, suite: Suite):
     )
     suite.timings.append((f"generate {case.id} (default + sharded_state)", time.perf_counter() - t0))
     assert got == ref, f"greedy tokens differ:\n default loader: {ref}\n sharded_state:  {got}"
-
-
-@needs_reshard
-@pytest.mark.moe
-@pytest.mark.fp8
-def test_mla_kv_scales_are_dropped_by_vllm(suite: Suite):
-    """vLLM 0.32 gives MLA attention no FP8 KV-cache scale parameters (Fp8Config and
-    compressed-tensors give a KV-cache method to `Attention` only, MLAAttention is not one): it
-    loads a DeepSeek checkpoint's .self_attn.{q,k,v}_scale nowhere ("k_scale is not loaded"
-    warning) and keeps the unit buffers. reshard refuses such a checkpoint, naming that."""
-    from safetensors import safe_open
-
-    case = Case("deepseek-v3+fp8-tensor-kv-mla", 2)
-    res = suite.resharded(case)
-    assert res.rc == 3 and "drops them with a warning: MLA attention" in res.output, res.output[-2000:]
-    exp = suite.expected(case)
-    for r in range(case.tp):
-        with safe_open(exp / vllm_state.expected_name(0, r), "pt") as f:
-            keys = f.keys()  # a safe_open is not iterable
-            attn = {k for k in keys if ".mla_attn.mla_attn." in k and "layers.0." in k}
-            assert attn == {f"model.layers.0.self_attn.mla_attn.mla_attn._{s}_scale" for s in "kvq"} | {
-                "model.layers.0.self_attn.mla_attn.mla_attn._prob_scale"
-            }
-            assert all(f.get_tensor(k).item() == 1.0 for k in attn)
-            assert not [k for k in keys if k.endswith(("k_scale", "v_scale", "q_scale")) and "._" not in k]
 
 
 @pytest.mark.harness
