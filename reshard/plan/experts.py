@@ -49,6 +49,12 @@ def _allocation(ctx: Context, split: MoeSplit, scheme: Quant | None) -> MoeSplit
     if backend != "auto":
         ctx.moe_pin = backend  # asked for: the serve line names it, whatever the layout
     if scheme is None:
+        if backend == "humming" and backends.unquantized_depends(ip):
+            raise UnsupportedError(
+                f"--moe-backend humming: vLLM serves {split.target}'s unquantized experts with auto's choice, "
+                f"whose layout depends on the GPU for a per-rank intermediate size of {ip}",
+                "use --moe-backend triton or flashinfer_trtllm for this model",
+            )
         alloc = backends.unquantized_alloc(backend, ip)
         if backend == "auto" and backends.unquantized_depends(ip):
             ctx.moe_pin = "triton"
