@@ -32,6 +32,7 @@ writers never wait on memory, so all waits end.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,16 @@ def _row_bytes(t: TensorInfo) -> int:
 
 def _bounds(p: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (p.start, p.stop) if p.start else ((0,), (1,))
+
+
+def _pad(arr: np.ndarray, pad: tuple[int, ...], value: float, dtype: str) -> np.ndarray:
+    """Rows of `arr` ([rows, *inner, itemsize] uint8) at the origin of [rows, *pad[1:]], `value` elsewhere."""
+    shape = (arr.shape[0], *pad[1:])
+    out = np.frombuffer(bytearray(fill_bytes(value, math.prod(shape), dtype)), np.uint8).reshape(
+        (*shape, arr.shape[-1])
+    )
+    out[tuple(slice(0, n) for n in arr.shape[:-1])] = arr
+    return out
 
 
 def _upsample(arr: np.ndarray, up: tuple[int, ...]) -> np.ndarray:
@@ -339,7 +350,7 @@ class Executor:
                 r0, r1 = max(a[0], c0), min(b[0], c1)
                 if r1 > r0:
                     idx = (slice(r0 - c0, r1 - c0), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
-                    self._write(h, arr[idx], src_dtype, lease)
+                    self._write(h, arr[idx], src_dtype, lease, p)
                 if b[0] <= c1:
                     h.cursor += 1
                     continue
@@ -362,13 +373,18 @@ class Executor:
             self._write(h, _upsample(arr, p.up)[idx], src_dtype, None)
         else:
             idx = (slice(None), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
-            self._write(h, arr[idx], src_dtype, lease)
+            self._write(h, arr[idx], src_dtype, lease, p)
         h.cursor += 1
         self._advance_fills(h)
 
-    def _write(self, h: _Holder, part: np.ndarray, src_dtype: str, lease: Lease | None) -> None:
-        """Queue `part` for h's writer; `lease`: what `part` is a view of (None: a fresh array)."""
+    def _write(
+        self, h: _Holder, part: np.ndarray, src_dtype: str, lease: Lease | None, piece: Slice | None = None
+    ) -> None:
+        """Queue `part` for h's writer; `lease`: what `part` is a view of (None: a fresh array);
+        `piece`: a padded Slice's trailing dims are filled out here."""
         out = self.cast(part, src_dtype, h.tensor.dtype)
+        if piece is not None and piece.pad is not None:
+            out = _pad(out, piece.pad, piece.fill, h.tensor.dtype)
         if out is part and lease is not None:
             lease.hold()
             h.writer.write(out, lease)

@@ -100,12 +100,24 @@ def rank_files_in(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-def serve_command(out_dir: str, *, tp: int, pp: int, ep: bool, dtype: str, load_format: str = "sharded_state") -> str:
-    """The `vllm serve` line that loads `out_dir` as written (dtype: torch's name, e.g. bfloat16)."""
+def serve_command(
+    out_dir: str,
+    *,
+    tp: int,
+    pp: int,
+    ep: bool,
+    dtype: str,
+    load_format: str = "sharded_state",
+    moe_backend: str | None = None,
+) -> str:
+    """The `vllm serve` line that loads `out_dir` as written (dtype: torch's name, e.g. bfloat16;
+    moe_backend: pinned where the experts' layout depends on vLLM's MoE backend)."""
     parts = [f"vllm serve {out_dir} --load-format {load_format}", f"--tensor-parallel-size {tp}"]
     if pp > 1:
         parts.append(f"--pipeline-parallel-size {pp}")
     if ep:
         parts.append("--enable-expert-parallel")
     parts.append(f"--dtype {dtype}")
+    if moe_backend:
+        parts.append(f"--moe-backend {moe_backend}")
     return " ".join(parts)

@@ -96,6 +96,7 @@ def save(
     max_memory: int | None = None,
     ranks: str | None = None,
     on_plan: Callable[[Plan], Progress | None] | None = None,
+    moe_backend: str = "auto",
 ) -> SaveResult:
     """Write every rank's files of `source` into `out_dir`; see `reshard save --help`."""
     group = Group.from_env()
@@ -103,7 +104,14 @@ def save(
     try:
         src = open_source(source, revision)
         plan = build_plan(
-            src.checkpoint, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size, pp_partition=pp_partition
+            src.checkpoint,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            dtype=dtype,
+            max_part_size=max_part_size,
+            pp_partition=pp_partition,
+            moe_backend=moe_backend,
         )
         job = _job(src, plan, ranks, group)
         with lock(out_dir) if coordinator else contextlib.nullcontext():

@@ -175,3 +175,66 @@ def test_fp8_moe_split_vllm_refuses():
     with pytest.raises(UnsupportedError, match="use --ep, or a smaller --tp"):
         build_plan(synthetic_checkpoint(cfg), tp=8)
     build_plan(synthetic_checkpoint(cfg), tp=8, ep=True)
+
+
+# ---- --moe-backend (reshard.plan.backends) -------------------------------------------------------
+
+
+def _plan_cli(monkeypatch, ckpt, *args: str) -> str:
+    """`reshard plan --tensors ...` on a header-only checkpoint; its stdout."""
+    import types
+
+    import reshard.sources
+    from tests.test_cli import run
+
+    monkeypatch.setattr(reshard.sources, "open_source", lambda *a, **k: types.SimpleNamespace(checkpoint=ckpt))
+    monkeypatch.setenv("COLUMNS", "400")
+    code, out, err = run("plan", "Qwen/Qwen3-235B-A22B-FP8", "--tp", "8", "--tensors", *args)
+    assert code == 0, err
+    return out
+
+
+def test_qwen3_235b_fp8_tp8_moe_backends(qwen235, monkeypatch):
+    L = "model.layers.5.mlp.experts.routed_experts."
+    padded = {"w13_weight": [128, 512, 4096], "w13_weight_scale_inv": [128, 4, 32],
+              "w2_weight": [128, 4096, 256], "w2_weight_scale_inv": [128, 32, 2]}  # fmt: skip
+    refined = {"w13_weight": [128, 384, 4096], "w13_weight_scale_inv": [128, 6, 64],
+               "w2_weight": [128, 4096, 192], "w2_weight_scale_inv": [128, 64, 3]}  # fmt: skip
+    for backend, want in (("deep_gemm", padded), ("auto", refined)):
+        out = _plan_cli(monkeypatch, qwen235, "--moe-backend", backend)
+        for name, shape in want.items():
+            assert f"{L}{name}  " in out and f"  {shape}" in out.split(f"{L}{name}  ", 1)[1].split("\n", 1)[0]
+        serve = out.strip().splitlines()[-1]
+        assert serve.startswith("vllm serve OUT_DIR")
+        assert ("--moe-backend deep_gemm" in serve) == (backend == "deep_gemm")
+        assert "--moe-backend" not in serve or backend != "auto"  # FP8 auto refines on every GPU: no pin
+    plan = build_plan(qwen235, tp=8, moe_backend="deep_gemm")
+    assert plan.layout()["moe_backend"] == "deep_gemm" and plan.moe_pin == "deep_gemm"
+    r5, r6 = rank_tensors(plan, 5), rank_tensors(plan, 6)
+    w13 = r5[L + "w13_weight"].pieces
+    assert (w13[0].start, w13[0].stop) == ((1280, 0), (1536, 4096))  # rank 5: rows [1280, 1536), whole blocks
+    assert all(isinstance(p, Fill) and p.value == 0.0 for p in r6[L + "w13_weight"].pieces)
+    assert all(isinstance(p, Fill) and p.value == 1.0 for p in r6[L + "w2_weight_scale_inv"].pieces)
+    assert any("ranks 6-7 hold only zero weights and 1.0 scales" in n for n in plan.notes)
+
+
+def test_bf16_moe_auto_pins_triton_and_trtllm_rounds_up():
+    from tests.fixtures.synthetic import QWEN3_235B_A22B_FP8 as cfg
+
+    bf16 = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    ckpt = synthetic_checkpoint({**bf16, "num_hidden_layers": 1})
+    L = "model.layers.0.mlp.experts.routed_experts."
+    auto = build_plan(ckpt, tp=8)
+    assert rank_tensors(auto, 0)[L + "w13_weight"].shape == (128, 384, 4096)
+    assert auto.moe_pin == "triton" and "--moe-backend triton" in auto.serve_command("out")
+    assert any("silently wrong" in n for n in auto.notes)
+    trt = build_plan(ckpt, tp=8, moe_backend="flashinfer_trtllm")
+    t = rank_tensors(trt, 3)
+    assert t[L + "w13_weight"].shape == (128, 512, 4096) and t[L + "w2_weight"].shape == (128, 4096, 256)
+    gate, pad, up = t[L + "w13_weight"].pieces[:3]
+    assert (gate.start[0], gate.stop[0], pad.count, up.start[0]) == (576, 768, 64 * 4096, 576)
+    down = t[L + "w2_weight"].pieces[0]
+    assert (down.start, down.stop, down.pad) == ((0, 576), (4096, 768), (4096, 256))
+    assert "--moe-backend flashinfer_trtllm" in trt.serve_command("out")
+    # the per-rank size is a multiple of 128 at TP 4 (384): one layout for every backend, nothing pinned
+    assert build_plan(ckpt, tp=4).moe_pin is None

@@ -6,6 +6,8 @@ import re
 
 import click
 
+from reshard.plan.backends import MOE_BACKENDS
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
@@ -66,4 +68,10 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print one JS
 partition_option = click.option(
     "--pp-layer-partition", "pp_partition", metavar="N,N,...", callback=_partition,
     help="Layers per pipeline stage, as VLLM_PP_LAYER_PARTITION (give vLLM the same value).",
+)  # fmt: skip
+moe_backend_option = click.option(
+    "--moe-backend", "moe_backend", default="auto", show_default=True, metavar="NAME",
+    type=click.Choice(MOE_BACKENDS),
+    help="vLLM's --moe-backend the folder is for. Some pad the experts (deep_gemm, flashinfer_*, marlin... with "
+    "block FP8; flashinfer_trtllm, aiter with bf16); the serve line pins the backend whenever the layout depends on it.",
 )  # fmt: skip

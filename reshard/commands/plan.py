@@ -9,6 +9,7 @@ from reshard.commands.options import (
     dtype_option,
     ep_option,
     json_option,
+    moe_backend_option,
     partition_option,
     pp_option,
     revision_option,
@@ -25,11 +26,12 @@ from reshard.vllm_versions import serve_note
 @ep_option
 @dtype_option
 @partition_option
+@moe_backend_option
 @revision_option
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor of every rank.")
 @click.option("--out-dir", default="OUT_DIR", show_default=True, help="Folder name used in the serve line.")
 @json_option
-def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, out_dir, as_json):
+def plan_cmd(source, tp, pp, ep, dtype, pp_partition, moe_backend, revision, show_tensors, out_dir, as_json):
     """Show what each rank will hold, without writing or downloading weights.
 
     For a Hub repo id only config.json and the safetensors headers are fetched, so a model's
@@ -39,7 +41,7 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, revision, show_tensors, ou
     from reshard.sources import open_source
 
     ckpt = open_source(source, revision, headers_only=True).checkpoint
-    plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=pp_partition)
+    plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=pp_partition, moe_backend=moe_backend)
     summary = plan.summary()
     summary["serve"] = plan.serve_command(out_dir)
     summary["vllm_versions"] = VLLM_VERSIONS

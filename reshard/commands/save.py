@@ -13,6 +13,7 @@ from reshard.commands.options import (
     dtype_option,
     ep_option,
     json_option,
+    moe_backend_option,
     partition_option,
     pp_option,
     revision_option,
@@ -32,6 +33,7 @@ from reshard.vllm_versions import serve_note
 @ep_option
 @dtype_option
 @partition_option
+@moe_backend_option
 @click.option("--max-part-size", type=ByteSize(), default=DEFAULT_MAX_PART, show_default="5GiB",
               help="Split each rank's tensors into files of at most this size.")  # fmt: skip
 @click.option("--max-memory", type=ByteSize(), default="512MiB", show_default=True,
@@ -53,6 +55,7 @@ def save_cmd(
     ep,
     dtype,
     pp_partition,
+    moe_backend,
     max_part_size,
     max_memory,
     revision,
@@ -82,7 +85,7 @@ def save_cmd(
         result = save(
             source, out_dir, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size,
             revision=revision, device=device, overwrite=overwrite, ranks=ranks, max_memory=max_memory,
-            pp_partition=pp_partition, on_plan=on_plan,
+            pp_partition=pp_partition, on_plan=on_plan, moe_backend=moe_backend,
         )  # fmt: skip
     seconds = time.monotonic() - t0
     m = result.manifest

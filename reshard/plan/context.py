@@ -16,7 +16,9 @@ from reshard.rules import Architecture, Kind, Module
 
 
 class Context:
-    def __init__(self, ckpt: Checkpoint, arch: Architecture, *, tp: int, ep: bool, dtype: str) -> None:
+    def __init__(
+        self, ckpt: Checkpoint, arch: Architecture, *, tp: int, ep: bool, dtype: str, moe_backend: str = "auto"
+    ) -> None:
         self.ckpt = ckpt
         self.config = ckpt.config
         self.arch = arch
@@ -24,6 +26,8 @@ class Context:
         self.ep = ep
         self.dtype = dtype  # the model's, safetensors code
         self.notes: list[str] = []
+        self.moe_backend = moe_backend  # vLLM's --moe-backend (reshard.plan.backends)
+        self.moe_pin: str | None = None  # what the serve line must pin, set by the experts
         self.used: set[str] = set()
         # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
         # ships its own lm_head; the sharded loader does not, so the output config must say so.

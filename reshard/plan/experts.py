@@ -2,16 +2,20 @@
 
 Under tensor parallelism every rank holds a slice of every expert's intermediate size; under expert
 parallelism (--ep) whole experts, split linearly across ranks. Each expert's tensors are looked up
-and checked once per layer, then sliced per rank.
+and checked once per layer, then sliced per rank. Some of vLLM's MoE backends allocate a larger
+per-rank intermediate size (reshard.plan.backends): the rest is zeros.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
+from reshard.plan import backends
 from reshard.plan.context import Context
 from reshard.plan.geometry import MoeSplit, divisors
-from reshard.plan.model import OutTensor, Slice
+from reshard.plan.model import OutTensor, padded_cols, padded_rows
 from reshard.plan.quant import Quant
 from reshard.rules import Module
 
@@ -20,22 +24,59 @@ def experts(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]])
     """Append the experts module `m` of the layer at `prefix` to every rank."""
     split = _split(ctx, m, prefix)
     scheme = ctx.quant if ctx.quantized(m, [split.base]) else None
+    split = _allocation(ctx, split, scheme)
     weights = _weights(ctx, split, scheme)
     scales = scheme.expert_scales(ctx, split) if scheme else None
     wdtype = scheme.weight_dtype if scheme else ctx.dtype
-    ip, hidden = split.ip, split.hidden
+    width, hidden = split.width, split.hidden
     for r in range(ctx.tp):
         local = split.experts(r)
-        off = split.shard(r) * ip
-        # every expert's slice has the same bounds: one pair of tuples for all of them
-        r13, r2 = ((off, 0), (off + ip, hidden)), ((0, off), (hidden, off + ip))
-        w13 = tuple(Slice(w.name, *r13) for e in local for w in weights[e][:2])
-        w2 = tuple(Slice(weights[e][2].name, *r2) for e in local)
+        start, size = split.real(r)
+        w13 = tuple(
+            p for e in local for w in weights[e][:2] for p in padded_rows(w.name, start, size, width, hidden, 0.0)
+        )
+        w2 = tuple(padded_cols(weights[e][2].name, hidden, start, size, width, 0.0) for e in local)
         n = len(local)
-        per_tp[r].append(OutTensor(f"{split.target}.w13_weight", wdtype, (n, 2 * ip, hidden), w13))
-        per_tp[r].append(OutTensor(f"{split.target}.w2_weight", wdtype, (n, hidden, ip), w2))
+        per_tp[r].append(OutTensor(f"{split.target}.w13_weight", wdtype, (n, 2 * width, hidden), w13))
+        per_tp[r].append(OutTensor(f"{split.target}.w2_weight", wdtype, (n, hidden, width), w2))
         if scales:
             per_tp[r].extend(scales(r))
+
+
+def _allocation(ctx: Context, split: MoeSplit, scheme: Quant | None) -> MoeSplit:
+    """The per-rank size vLLM allocates with the asked --moe-backend, and what the serve line pins."""
+    backend, ip = ctx.moe_backend, split.ip
+    if backend != "auto":
+        ctx.moe_pin = backend  # asked for: the serve line names it, whatever the layout
+    if scheme is None:
+        if backend == "humming" and backends.unquantized_depends(ip):
+            raise UnsupportedError(
+                f"--moe-backend humming: vLLM serves {split.target}'s unquantized experts with auto's choice, "
+                f"whose layout depends on the GPU for a per-rank intermediate size of {ip}",
+                "use --moe-backend triton or flashinfer_trtllm for this model",
+            )
+        alloc = backends.unquantized_alloc(backend, ip)
+        if backend == "auto" and backends.unquantized_depends(ip):
+            ctx.moe_pin = "triton"
+            ctx.note(backends.pin_note(ip, backends.unquantized_alloc("flashinfer_trtllm", ip)))
+        elif alloc != ip:
+            ctx.note(backends.round_note(backend, ip, alloc))
+        return replace(split, alloc=alloc) if alloc != ip else split
+    if scheme.block is None or not getattr(scheme, "refines_moe_blocks", False):
+        return split  # per-tensor / per-channel / compressed-tensors experts: one layout for every backend
+    bn = scheme.block[0]
+    refinable = backends.refined_block(scheme.block, ip, split.moe_tp, split.hidden) is not None
+    if not backends.fp8_block_pads(backend, scheme.block, ip, split.moe_tp, refinable):
+        return split
+    if split.inter % bn or split.hidden % bn:
+        raise UnsupportedError(
+            f"--moe-backend {backend}: vLLM pads {split.target}'s TP shard to whole {bn}-blocks only when the "
+            f"intermediate size ({split.inter}) and hidden size ({split.hidden}) are multiples of {bn}",
+            "vLLM refuses this layout; use --ep, or --moe-backend auto",
+        )
+    alloc = -(-ip // bn) * bn
+    ctx.note(backends.pad_note(backend, ip, alloc, split.inter, ctx.tp))
+    return replace(split, alloc=alloc, blocked=True)
 
 
 def _split(ctx: Context, m: Module, prefix: str) -> MoeSplit:

@@ -92,6 +92,8 @@ class MoeSplit:
     hidden: int
     tp: int
     ep: bool
+    alloc: int = 0  # per-rank intermediate size vLLM allocates, when a backend pads it (backends.py)
+    blocked: bool = False  # FP8 block padding: rank r holds [r * alloc, (r + 1) * alloc) of `inter`
 
     def tensor(self, sources: Sources, e: int, proj: str, param: str) -> TensorInfo:
         return sources.src(f"{self.base}.{e}.{proj}.{param}", f"{self.target} (expert {e})")
@@ -104,6 +106,18 @@ class MoeSplit:
     def ip(self) -> int:
         """Intermediate size per rank."""
         return self.inter // self.moe_tp
+
+    @property
+    def width(self) -> int:
+        """The per-rank intermediate size of the parameters (ip, or what a backend pads it to)."""
+        return self.alloc or self.ip
+
+    def real(self, r: int) -> tuple[int, int]:
+        """Rank r's first row of the unsharded intermediate dim and how many it holds (<= width)."""
+        if self.blocked:
+            start = min(r * self.width, self.inter)
+            return start, min(self.width, self.inter - start)
+        return self.shard(r) * self.ip, self.ip
 
     def shard(self, r: int) -> int:
         """Which of the moe_tp slices of every expert rank r holds."""

@@ -24,15 +24,24 @@ class QuantRecord(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Slice:
-    """source[start[0]:stop[0], start[1]:stop[1], ...], after up-sampling each dim by `up`."""
+    """source[start[0]:stop[0], start[1]:stop[1], ...], after up-sampling each dim by `up`.
+
+    `pad`: the piece's extent per dim when larger than the slice (trailing dims only: a padded
+    dim 0 is a Fill after it): the slice sits at the origin, `fill` everywhere else (the columns
+    past a rank's real intermediate size in vLLM's padded MoE down projections).
+    """
 
     source: str
     start: tuple[int, ...]
     stop: tuple[int, ...]
     up: tuple[int, ...] | None = None
+    pad: tuple[int, ...] | None = None
+    fill: float = 0.0
 
     @property
     def numel(self) -> int:
+        if self.pad is not None:
+            return math.prod(self.pad)
         return math.prod(b - a for a, b in zip(self.start, self.stop, strict=True))
 
 
@@ -91,6 +100,8 @@ class Plan:
     layer_ranges: list[tuple[int, int]]  # per pipeline stage: [first, last) layer
     notes: list[str] = field(default_factory=list)
     config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
+    moe_backend: str = "auto"  # --moe-backend asked for (reshard.plan.backends)
+    moe_pin: str | None = None  # the --moe-backend the serve line must name: the layout depends on it
 
     @property
     def pattern(self) -> str:
@@ -101,7 +112,9 @@ class Plan:
         return sum(f.data_bytes for f in self.files)
 
     def serve_command(self, out_dir: str) -> str:
-        return layout.serve_command(out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype])
+        return layout.serve_command(
+            out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin
+        )
 
     def layout(self) -> dict:
         return {
@@ -114,6 +127,8 @@ class Plan:
             "quantization": self.quant.to_json() if self.quant else None,
             "pattern": self.pattern,
             "pp_layer_partition": [b - a for a, b in self.layer_ranges],
+            "moe_backend": self.moe_backend,
+            "moe_backend_pinned": self.moe_pin,
         }
 
     def ranks(self) -> dict[tuple[int, int], list[OutFile]]:
@@ -156,6 +171,22 @@ def whole(t: TensorInfo) -> Slice:
 
 def rows(t: TensorInfo, a: int, b: int) -> Slice:
     return Slice(t.name, (a,) + (0,) * (len(t.shape) - 1), (b, *t.shape[1:]))
+
+
+def padded_rows(name: str, start: int, size: int, width: int, cols: int, fill: float) -> list[Piece]:
+    """Rows [start, start + size) of the 2-D tensor `name` ([*, cols]), then `fill` up to `width` rows."""
+    out: list[Piece] = [Slice(name, (start, 0), (start + size, cols))] if size else []
+    if width > size:
+        out.append(Fill(fill, (width - size) * cols))
+    return out
+
+
+def padded_cols(name: str, rows_: int, start: int, size: int, width: int, fill: float) -> Piece:
+    """Columns [start, start + size) of the 2-D tensor `name` ([rows_, *]), `fill` up to `width` columns."""
+    if not size:
+        return Fill(fill, rows_ * width)
+    pad = (rows_, width) if width > size else None
+    return Slice(name, (0, start), (rows_, start + size), pad=pad, fill=fill)
 
 
 def scalar(t: TensorInfo) -> Slice:

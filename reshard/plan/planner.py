@@ -8,6 +8,7 @@ from __future__ import annotations
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_NAMES
+from reshard.plan.backends import check_backend
 from reshard.plan.context import Context, dims_from_config
 from reshard.plan.files import DEFAULT_MAX_PART, assign_files
 from reshard.plan.geometry import divisors
@@ -26,6 +27,7 @@ def build_plan(
     dtype: str = "auto",
     max_part_size: int = DEFAULT_MAX_PART,
     pp_partition: list[int] | None = None,
+    moe_backend: str = "auto",
 ) -> Plan:
     """Plan every rank's files for vLLM's sharded_state loader.
 
@@ -37,6 +39,7 @@ def build_plan(
         dtype: "auto" (config's torch_dtype; float32 becomes bfloat16, as vLLM on GPUs) or a name.
         max_part_size: split a rank's tensors into parts of at most this many bytes.
         pp_partition: layers per stage (VLLM_PP_LAYER_PARTITION); default as vLLM.
+        moe_backend: vLLM's --moe-backend; some make vLLM allocate padded experts (plan.backends).
 
     Raises:
         UnsupportedError: unknown architecture or a layout vLLM would refuse.
@@ -46,7 +49,9 @@ def build_plan(
         raise UnsupportedError("--tp and --pp must be at least 1")
     arch_name, arch = get_architecture(ckpt.config)
     _refuse_opt_in_layouts(ckpt.config)
-    ctx = Context(ckpt, arch, tp=tp, ep=ep, dtype=model_dtype(ckpt.config, dtype))
+    ctx = Context(
+        ckpt, arch, tp=tp, ep=ep, dtype=model_dtype(ckpt.config, dtype), moe_backend=check_backend(moe_backend)
+    )
     if ep and not ctx.dims.num_experts:
         raise UnsupportedError(
             f"--ep is vLLM's expert-parallel layout, and this {arch_name} has no experts",
@@ -71,6 +76,8 @@ def build_plan(
         layer_ranges=ranges,
         notes=ctx.notes,
         config_patch=ctx.config_patch,
+        moe_backend=moe_backend,
+        moe_pin=ctx.moe_pin,
     )
 
 

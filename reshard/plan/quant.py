@@ -9,20 +9,16 @@ per channel, per tensor). The planner never asks which scheme it has.
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
+from reshard.plan.expertblocks import RankScales, block_expert_scales
 from reshard.plan.geometry import LinearRank, MoeSplit, Sources, cdiv
 from reshard.plan.kvscales import KvHeads, ct_kv_params, fp8_kv_params, kv_cache_scheme
 from reshard.plan.model import OutTensor, Slice, scalar, whole
-
-# per rank: the scale tensors of an MoE layer's experts on that rank
-RankScales = Callable[[int], list[OutTensor]]
 
 
 @dataclass(frozen=True)
@@ -172,61 +168,9 @@ class _BlockScales(Quant):
             raise UnsupportedError(f"{lin.target}: FP8 block scales do not tile the fused weight")
         return [OutTensor(f"{lin.target}.{self.scale_name}", "F32", (n_rows, nc), tuple(pieces))]
 
-    def moe_block(self, sources: Sources, split: MoeSplit) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The FP8 block grid of the MoE scales and the up-sampling factors (oracle/fp8.py)."""
-        assert self.block is not None
-        bn, bk = self.block
-        ip = split.ip
-        if ip % bn == 0 and (split.moe_tp == 1 or ip % bk == 0):
-            return (bn, bk), (1, 1)
-        f = math.gcd(bn, bk, ip, split.hidden)
-        if f >= 32 and self.refines_moe_blocks:
-            sources.note(
-                f"FP8 MoE block scales refined from [{bn}, {bk}] to [{f}, {f}] for the per-rank "
-                f"intermediate size {ip}, as vLLM 0.32 does"
-            )
-            return (f, f), (bn // f, bk // f)
-        what = "output_size of gate's and up's weight" if ip % bn else "input_size of down's weight"
-        raise UnsupportedError(
-            f"{split.target}: {what} = {ip} per rank is not divisible by the FP8 block {bn}, and no finer block >= 32 fits",
-            "use --ep, or a smaller --tp",
-        )
-
     def expert_scales(self, sources: Sources, split: MoeSplit) -> RankScales:
-        (bn, bk), upf = self.moe_block(sources, split)
-        up = upf if upf != (1, 1) else None
-        nr13, nc13 = cdiv(split.ip, bn), cdiv(split.hidden, bk)
-        nr2, nc2 = cdiv(split.hidden, bn), cdiv(split.ip, bk)
-        gate, up_proj, down = split.names
-        s13: list[tuple[TensorInfo, TensorInfo]] = []
-        s2: list[TensorInfo] = []
-        for e in range(split.num):
-            pair = (split.tensor(sources, e, gate, self.scale_name), split.tensor(sources, e, up_proj, self.scale_name))
-            for s in pair:
-                if (s.shape[0] * upf[0]) // split.moe_tp != nr13 or s.shape[1] * upf[1] != nc13:
-                    raise UnsupportedError(f"{s.name}: FP8 block scales do not tile this split")
-            s = split.tensor(sources, e, down, self.scale_name)
-            if (s.shape[1] * upf[1]) // split.moe_tp != nc2 or s.shape[0] * upf[0] != nr2:
-                raise UnsupportedError(f"{s.name}: FP8 block scales do not tile this split")
-            s13.append(pair)
-            s2.append(s)
-
-        def rank(r: int) -> list[OutTensor]:
-            experts = split.experts(r)
-            r13, c2 = nr13 * split.shard(r), nc2 * split.shard(r)
-            b13, b2 = (
-                ((r13, 0), (r13 + nr13, nc13), up),
-                ((0, c2), (nr2, c2 + nc2), up),
-            )  # bounds shared by every expert
-            p13 = tuple(Slice(s.name, *b13) for e in experts for s in s13[e])
-            p2 = tuple(Slice(s2[e].name, *b2) for e in experts)
-            n = len(experts)
-            return [
-                OutTensor(f"{split.target}.w13_{self.scale_name}", "F32", (n, 2 * nr13, nc13), p13),
-                OutTensor(f"{split.target}.w2_{self.scale_name}", "F32", (n, nr2, nc2), p2),
-            ]
-
-        return rank
+        assert self.block is not None
+        return block_expert_scales(self.block, self.refines_moe_blocks, self.scale_name, sources, split)
 
 
 class _ChannelScales(Quant):

@@ -37,6 +37,7 @@ class Region:
     start: tuple[int, ...]  # in the (possibly up-sampled) source coordinates
     stop: tuple[int, ...]
     up: tuple[int, ...] | None
+    pad: tuple[int, ...] | None = None  # stored padded to this extent (plan.model.Slice.pad)
 
 
 class OutputSource:
@@ -75,6 +76,7 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
         ep=layout["ep"],
         dtype=layout["dtype"],
         pp_partition=layout.get("pp_layer_partition"),
+        moe_backend=layout.get("moe_backend") or "auto",
     )
     regions: dict[str, list[Region]] = {}
     dtypes: dict[str, str] = {}
@@ -89,7 +91,7 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
                 if isinstance(p, Slice):
                     if dtypes.setdefault(p.source, t.dtype) != t.dtype:
                         raise SourceError(f"{p.source} is stored in two dtypes; cannot read it back")
-                    regions.setdefault(p.source, []).append(Region(f.name, pos, p.start, p.stop, p.up))
+                    regions.setdefault(p.source, []).append(Region(f.name, pos, p.start, p.stop, p.up, p.pad))
                 pos += nbytes
     tensors = {}
     for name, regs in regions.items():
@@ -150,9 +152,11 @@ class OutputReader:
                 if hi <= lo:
                     continue
                 inner = tuple(y - x for x, y in zip(a[1:], b[1:], strict=True))
-                rb = math.prod(inner) * item
+                stored = r.pad[1:] if r.pad else inner  # a padded region: its rows are wider in the file
+                rb = math.prod(stored) * item
                 data = self._pread(r.file, r.offset + (lo - a[0]) * rb, (hi - lo) * rb)
-                block = np.frombuffer(data, np.uint8).reshape((hi - lo, *inner, item))
+                block = np.frombuffer(data, np.uint8).reshape((hi - lo, *stored, item))
+                block = block[(slice(None), *(slice(0, n) for n in inner))]
                 idx = (slice(lo - r0, hi - r0), *(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
                 out[idx] = block
         view = memoryview(out).cast("B")
@@ -164,6 +168,7 @@ class OutputReader:
     def _paint(self, t: TensorInfo, shape: tuple[int, ...], item: int, regs: list[Region]) -> np.ndarray:
         whole = np.zeros((*shape, item), np.uint8)
         for r in regs:
+            assert r.pad is None, "up-sampled pieces are never padded"
             up = r.up or (1,) * len(shape)
             dims = [b - a for a, b in zip(r.start, r.stop, strict=True)]
             data = self._pread(r.file, r.offset, math.prod(dims) * item)

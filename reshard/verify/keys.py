@@ -79,7 +79,9 @@ def _recorded_source(report: Report, folder: Folder) -> Checkpoint | None:
 
 def plan_layout(ckpt: Checkpoint, lay: Layout) -> Plan:
     partition = list(lay.partition) if lay.partition else None
-    return build_plan(ckpt, tp=lay.tp, pp=lay.pp, ep=lay.ep, dtype=lay.dtype, pp_partition=partition)
+    return build_plan(
+        ckpt, tp=lay.tp, pp=lay.pp, ep=lay.ep, dtype=lay.dtype, pp_partition=partition, moe_backend=lay.moe_backend
+    )
 
 
 def check_asked(report: Report, folder: Folder, expected: tuple[Plan, Checkpoint] | None) -> None:

@@ -40,6 +40,7 @@ class Layout:
     ep: bool
     dtype: str = "auto"  # user-facing name
     partition: tuple[int, ...] | None = None
+    moe_backend: str = "auto"  # vLLM's --moe-backend the folder was written for
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} ep={'on' if self.ep else 'off'}"
@@ -109,9 +110,10 @@ def _manifest_folder(report: Report, out: Path, m: dict, *, tp: int | None, pp: 
     dtype = DTYPE_CODES.get(dtype, dtype)
     partition = lay.get("pp_layer_partition")
     recorded = Layout(int(lay["tp"]), int(lay["pp"]), bool(lay["ep"]), dtype,
-                      tuple(partition) if partition else None)  # fmt: skip
+                      tuple(partition) if partition else None, str(lay.get("moe_backend") or "auto"))  # fmt: skip
     report.recorded = recorded.to_json()
-    asked = Layout(tp or recorded.tp, pp or recorded.pp, recorded.ep if ep is None else ep, dtype)
+    asked = Layout(tp or recorded.tp, pp or recorded.pp, recorded.ep if ep is None else ep, dtype,
+                   moe_backend=recorded.moe_backend)  # fmt: skip
     folder = Folder(out, m, recorded)
     if (asked.tp, asked.pp, asked.ep) != (recorded.tp, recorded.pp, recorded.ep):
         folder.asked = asked  # told by keys.check_asked, once the expected keys are known

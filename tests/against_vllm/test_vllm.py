@@ -83,6 +83,7 @@ class Case:
     pp: int = 1
     shards: int = 1  # source checkpoint split into N files + model.safetensors.index.json
     dtype: str = "auto"
+    moe_backend: str = "auto"  # vLLM's --moe-backend, forced in the harness (vllm_state._force_moe_backend)
 
     @property
     def id(self) -> str:
@@ -91,6 +92,7 @@ class Case:
         s += f"-pp{self.pp}" if self.pp > 1 else ""
         s += f"-{self.shards}files" if self.shards > 1 else ""
         s += f"-{self.dtype}" if self.dtype != "auto" else ""
+        s += f"-{self.moe_backend}" if self.moe_backend != "auto" else ""
         return s
 
     @property
@@ -105,6 +107,8 @@ class Case:
             args += ["--pp", str(self.pp)]
         if self.dtype != "auto":
             args += ["--dtype", self.dtype]
+        if self.moe_backend != "auto":
+            args += ["--moe-backend", self.moe_backend]
         return args
 
     def marks(self) -> list[pytest.MarkDecorator]:
@@ -164,6 +168,13 @@ STATE_CASES: list[Case] = (
         # config says tied, checkpoint has its own lm_head: vLLM unties (config/model.py
         # maybe_untie_word_embeddings), so OUT's config.json must say untied
         Case("llama-tied-lmhead", 2),
+        # --moe-backend layouts (vLLM's create_weights and loaders, backend selection forced): block FP8
+        # with a backend that takes only whole 128-blocks pads the TP shard (TP 2: 192 -> 256, rank 1
+        # half real; TP 4: 96 -> 128, rank 3 all zeros and 1.0 scales); bf16 with Blackwell's FlashInfer
+        # TRT-LLM rounds the per-rank size up to 128 (16 -> 128, up rows at 128)
+        Case("qwen3-moe-fp8", 2, moe_backend="deep_gemm"),
+        Case("qwen3-moe-fp8", 4, moe_backend="deep_gemm"),
+        Case("qwen3-moe", 2, moe_backend="flashinfer_trtllm"),
     ]
 )
 
@@ -266,6 +277,7 @@ class Suite:
                         ep=c.ep,
                         pp=c.pp,
                         dtype=c.dtype,
+                        moe_backend=c.moe_backend,
                         load_dir=r.out if (r is not None and r.rc == 0) else None,
                     )
                 )

@@ -130,6 +130,7 @@ def dump_expected_many(
         c.setdefault("dtype", "auto")
         c.setdefault("save_dir", None)
         c.setdefault("load_dir", None)
+        c.setdefault("moe_backend", "auto")
         c["dump_dir"] = str(Path(c["dump_dir"]).resolve())
         Path(c["dump_dir"]).mkdir(parents=True, exist_ok=True)
         for pat in (
@@ -199,6 +200,7 @@ def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
         skip_tokenizer_init=True,
         distributed_executor_backend="mp",
         load_format=load_format,
+        moe_backend=case.get("moe_backend", "auto"),
     )
     return args.create_engine_config()
 
@@ -222,6 +224,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = str(port)
     _allow_missing_fp8_linear_kernel(Path(case["dump_dir"]))
+    _force_moe_backend(case.get("moe_backend", "auto"))
     model_config = vllm_config.model_config
     dump_dir = Path(case["dump_dir"])
     with set_current_vllm_config(vllm_config):
@@ -247,6 +250,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
         model = build(vllm_config)
         loader = get_model_loader(vllm_config.load_config)
         loader.load_weights(model, model_config)
+        _zero_moe_padding(model)
         state = ShardedStateLoader._filter_subtensors(model.state_dict())
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
         save_file(tensors, str(dump_dir / expected_name(pp_rank, tp_rank)))
@@ -288,6 +292,42 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
             except BaseException as e:
                 res["error"] = f"{type(e).__name__}: {e}"[:4000]
             (dump_dir / f"load-pp{pp_rank}-tp{tp_rank}.json").write_text(json.dumps(res, indent=1))
+
+
+def _force_moe_backend(name: str) -> None:
+    """Build the experts as vLLM does on a GPU where `--moe-backend name` is usable.
+
+    vLLM picks the layout (refine or pad the FP8 block grid: ``Fp8MoEMethod.__init__`` ->
+    ``resolve_fp8_moe_weight_block_shape``; round the unquantized per-rank size up:
+    ``UnquantizedFusedMoEMethod.maybe_roundup_sizes``) from ``moe_backend`` and from the backend
+    its oracle selects; on this CPU the oracle refuses every GPU backend, so the selection (only)
+    is replaced by the named backend. Every layout decision stays vLLM's own code.
+    """
+    if name == "auto":
+        return
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as um
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as fp8_oracle
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized as u_oracle
+    from vllm.model_executor.layers.quantization import fp8
+
+    fp8.select_fp8_moe_backend = lambda config, *a, **k: (fp8_oracle.map_fp8_backend(config.moe_backend), None)
+    um.select_unquantized_moe_backend = lambda moe_config: (
+        u_oracle.map_unquantized_backend(moe_config.moe_backend),
+        None,
+    )
+
+
+def _zero_moe_padding(model) -> None:
+    """What vLLM's post-processing does first to a rounded-up unquantized expert allocation
+    (``convert_to_unquantized_kernel_format`` -> ``_zero_intermediate_padding``): the parameters are
+    ``torch.empty`` and the loader writes only the checkpoint's rows, so the padding holds whatever
+    memory held until then. The padding is zero in a sharded_state folder."""
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized as u_oracle
+
+    for m in model.modules():
+        backend = getattr(getattr(m, "quant_method", None), "unquantized_backend", None)
+        if backend in (u_oracle.UnquantizedMoeBackend.FLASHINFER_TRTLLM, u_oracle.UnquantizedMoeBackend.AITER):
+            u_oracle._zero_intermediate_padding(m.moe_config, m.w13_weight.data, m.w2_weight.data)
 
 
 class _NoFp8Kernel:
