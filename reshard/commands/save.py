@@ -104,12 +104,14 @@ def save_cmd(
             "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / MANIFEST),
             "layout": m["layout"], "files": len(m["files"]), "bytes": m["total_bytes"],
             "seconds": round(seconds, 3), "serve": m["serve"], "vllm_versions": m["vllm_versions"],
-            "run_id": m["run_id"],
+            "run_id": m["run_id"], "notes": m.get("notes", []),
         })  # fmt: skip
         return
     stdout.print(
         f"wrote {len(m['files'])} files, {human_bytes(m['total_bytes'])} in {seconds:.1f} s "
         f"({result.plan.tp * result.plan.pp} ranks) to {out_dir}"
     )
+    for note in m.get("notes", []):
+        stdout.print(f"note: {note}")
     stdout.print(f"note: {serve_note(m['vllm_versions'])}")
     stdout.print(m["serve"])
