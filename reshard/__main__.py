@@ -1,4 +1,23 @@
-from reshard.cli import main
+"""`python -m reshard` and the `reshard` command: import the CLI with Ctrl-C already meaning exit 130.
+
+A signal that arrives while the modules are still being imported would otherwise print a traceback.
+"""
+
+import sys
+
+
+def run() -> None:
+    try:
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
+        from reshard.cli import main
+    except KeyboardInterrupt:
+        print("reshard: error: interrupted; nothing was published and a previous output is unchanged",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.exit(130)
+    main()
+
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -28,6 +28,7 @@ import signal
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from reshard.console import human_bytes
 from reshard.errors import OutputError
 from reshard.format import fsync_dir
 from reshard.layout import INDEX, MANIFEST, TMP_PREFIX, WEIGHT_SUFFIXES, is_rank_file_name
@@ -61,7 +62,7 @@ def check_free_space(folder: Path, need: int) -> None:
     free = shutil.disk_usage(folder).free
     if free < need:
         raise OutputError(
-            f"not enough disk space in {folder}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free",
+            f"not enough disk space in {folder}: need {human_bytes(need)}, {human_bytes(free)} free",
             "free space or choose another OUT_DIR",
         )
 

@@ -12,6 +12,7 @@ otherwise).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -28,8 +29,14 @@ ENV = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def reshard(*args: str, timeout: float = 600) -> tuple[int, str]:
-    p = subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, env=ENV,
-                       timeout=timeout)  # fmt: skip
+    """Exit code and what the user reads: stderr's last line, or verify's first finding."""
+    verify = args[0] == "verify"
+    p = subprocess.run([sys.executable, "-m", "reshard", *args, *(["--json"] if verify else [])], capture_output=True,
+                       text=True, env=ENV, timeout=timeout)  # fmt: skip
+    if verify and p.stdout.strip():
+        with contextlib.suppress(ValueError, KeyError, IndexError):
+            found = [f for f in json.loads(p.stdout)["findings"] if f["severity"] == "error"]
+            return p.returncode, (f"verify: {found[0]['message']}" if found else "")
     lines = p.stderr.strip().splitlines()
     return p.returncode, (lines[-1] if lines else "")
 
