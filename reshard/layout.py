@@ -100,6 +100,22 @@ def rank_files_in(folder: Path) -> list[Path]:
     return sorted(found)
 
 
+# vLLM's --moe-backend names (fused_moe/oracle): the serve line pins one where the MoE layout depends on it
+MOE_BACKENDS = (
+    "auto",
+    "triton",
+    "batched_triton",
+    "deep_gemm",
+    "cutlass",
+    "flashinfer_trtllm",
+    "flashinfer_cutlass",
+    "marlin",
+    "humming",
+    "aiter",
+    "hpc",
+)
+
+
 def serve_command(
     out_dir: str,
     *,

@@ -132,7 +132,8 @@ def merge(
             if config_patch and (staged / "config.json").is_file():
                 config = {**json.loads((staged / "config.json").read_text()), **config_patch}
                 (staged / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            swap_in(staged, hf_dir, ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"))
+            swap_in(staged, hf_dir, ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"),
+                    synced=[f.name for f in plan.files])  # fmt: skip
         except OSError as e:
             raise write_error(hf_dir, e) from e
         finally:

@@ -177,15 +177,16 @@ def make_dir(path: Path) -> None:
         raise OutputError(f"cannot create {path}: {e.strerror or e}", "choose another folder") from e
 
 
-def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool]) -> None:
+def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced: Iterable[str] = ()) -> None:
     """Make `staged` OUT_DIR, atomically; files of the old OUT_DIR that `ours` does not claim (and
-    the new folder lacks) are carried over. The old folder is removed afterwards."""
+    the new folder lacks) are carried over. The old folder is removed afterwards. `synced`: files the
+    caller already fsynced (the rank files), not synced again."""
     out = out_dir.resolve()
     if out.is_dir():
         for p in sorted(out.iterdir()):
             if not ours(p.name) and not (staged / p.name).exists() and not p.name.startswith(".reshard"):
                 _link_tree(p, staged / p.name)
-    _fsync_tree(staged)
+    _fsync_tree(staged, skip=set(synced))
     old = _sibling(out_dir, _OLD, staged.name.rsplit(_NEW, 1)[-1])
     with _signals_held():
         if not out.exists():
@@ -212,12 +213,12 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst, follow_symlinks=False)
 
 
-def _fsync_tree(root: Path) -> None:
+def _fsync_tree(root: Path, skip: set[str]) -> None:
     """Make every file and folder under `root` durable before it becomes visible as OUT_DIR."""
     for folder, _, files in os.walk(root):
         for name in files:
             path = os.path.join(folder, name)
-            if os.path.islink(path):
+            if os.path.islink(path) or (folder == str(root) and name in skip):
                 continue
             fd = os.open(path, os.O_RDONLY)
             try:

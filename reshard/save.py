@@ -221,7 +221,7 @@ def _finish(job: _Job, written: list, staged: Path, out_dir: Path) -> Manifest:
         write_manifest(out_dir, manifest, name=piece_manifest_name(ranks_tag(job.chosen)))
         return assemble(out_dir, quiet=True) or manifest
     write_manifest(staged, manifest)
-    swap_in(staged, out_dir, ours=_ours(out_dir))
+    swap_in(staged, out_dir, ours=_ours(out_dir), synced=[f.name for f in job.files])
     return manifest
 
 

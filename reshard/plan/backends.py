@@ -25,21 +25,9 @@ from __future__ import annotations
 import math
 
 from reshard.errors import UnsupportedError
+from reshard.layout import MOE_BACKENDS
 
 # vLLM 0.32's MoEBackend names (config/kernel.py) that its FP8 or unquantized oracles accept
-MOE_BACKENDS = (
-    "auto",
-    "triton",
-    "batched_triton",
-    "deep_gemm",
-    "cutlass",
-    "flashinfer_trtllm",
-    "flashinfer_cutlass",
-    "marlin",
-    "humming",
-    "aiter",
-    "hpc",
-)
 # oracle/fp8.py map_fp8_backend
 FP8_BACKENDS = ("triton", "deep_gemm", "cutlass", "flashinfer_trtllm", "flashinfer_cutlass", "marlin",
                 "humming", "aiter", "hpc")  # fmt: skip

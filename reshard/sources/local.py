@@ -8,7 +8,6 @@ from pathlib import Path
 from reshard.checkpoint import Checkpoint, Reader
 from reshard.errors import SourceError
 from reshard.format import TensorInfo, read_header
-from reshard.io import FileReader
 from reshard.layout import CONFIG, INDEX, SINGLE
 from reshard.sources.validate import check_config, check_index
 
@@ -25,6 +24,8 @@ class LocalSource:
         return self._checkpoint
 
     def open_reader(self) -> Reader:
+        from reshard.io import FileReader  # numpy: only when bytes are read, not for planning
+
         return FileReader(self.root)
 
 
