@@ -21,6 +21,8 @@ RANK_FILE_PREFIXES = ("model-rank-", "model-pp-")
 _TP_FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 _PP_FILE = re.compile(r"^model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors$")
 
+DEFAULT_MAX_PART = 5 * 1024**3  # bytes per rank file part, as vLLM's save_sharded_state example
+
 # ---- reshard's own files -------------------------------------------------------------------------
 
 MANIFEST = "reshard.json"

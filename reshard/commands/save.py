@@ -20,8 +20,7 @@ from reshard.commands.options import (
     tp_option,
 )
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
-from reshard.layout import MANIFEST
-from reshard.plan import DEFAULT_MAX_PART
+from reshard.layout import DEFAULT_MAX_PART, MANIFEST
 from reshard.vllm_versions import serve_note
 
 

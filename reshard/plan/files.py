@@ -8,8 +8,6 @@ from reshard.format import ITEMSIZE
 from reshard.layout import rank_file_name
 from reshard.plan.model import OutFile, OutTensor
 
-DEFAULT_MAX_PART = 5 * 1024**3  # as vLLM's save_sharded_state example
-
 _NUM = re.compile(r"(\d+)")
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_NAMES
+from reshard.layout import DEFAULT_MAX_PART
 from reshard.plan.backends import check_backend
 from reshard.plan.context import Context, dims_from_config
-from reshard.plan.files import DEFAULT_MAX_PART, assign_files
+from reshard.plan.files import assign_files
 from reshard.plan.geometry import divisors
 from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
