@@ -211,10 +211,17 @@ def interrupts(m: Matrix, w: Path, big: Path, moments: int, sig: int) -> None:
         at = length * (i + 0.5) / moments * 1.1
         old = run_id(out)
         p = subprocess.Popen([sys.executable, "-m", "reshard", "save", str(big), str(out), "--tp", "4", "--overwrite"],
-                             env=ENV, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # fmt: skip
+                             env={**ENV, "PYTHONFAULTHANDLER": "1"}, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)  # fmt: skip
         time.sleep(at)
         p.send_signal(sig)
-        p.communicate(timeout=600)
+        try:
+            p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # a hang is a finding: record it, with every thread's stack
+            p.send_signal(signal.SIGABRT)
+            _, stacks = p.communicate()
+            (ROOT / "build").mkdir(exist_ok=True)
+            (ROOT / "build" / f"fault-hang-{sig}-{at:.2f}.txt").write_bytes(stacks or b"")
+            p.returncode = "HUNG"
         new = run_id(out)
         ok = verifies(out)
         which = "old" if new == old else "new"
