@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         disk_full(m, w, llama)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             interrupts(m, w, big, args.moments, sig)
-        write(m, args.out, argv if argv is not None else sys.argv[1:])
+        shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--out" and a != str(args.out)]
+        write(m, args.out, shown)  # no path of the machine it ran on
     bad = [r for r in m.rows if "**NO**" in (r[3], r[4]) or r[1] == 1]
     return 1 if bad else 0
 
