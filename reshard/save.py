@@ -114,13 +114,9 @@ def save(
             moe_backend=moe_backend,
         )
         job = _job(src, plan, ranks, group)
-        with lock(out_dir) if coordinator else contextlib.nullcontext():
-            _check_output(job, group, out_dir, overwrite=overwrite, device=device)
-            staged = staging_dir(
-                out_dir, job.run_id + (f"-{ranks_tag(job.chosen)}" if job.piece and job.chosen else "")
-            )
-            if coordinator:
-                make_dir(staged)
+        staged = staging_dir(out_dir, job.run_id + (f"-{ranks_tag(job.chosen)}" if job.piece and job.chosen else ""))
+        with contextlib.ExitStack() as held:  # process 0 holds OUT_DIR's lock until it has published
+            _check_output(job, group, out_dir, staged, held, overwrite=overwrite, device=device)
             try:
                 mine = job.files
                 if group is not None:
@@ -129,7 +125,7 @@ def save(
                 progress = on_plan(replace(plan, files=mine)) if on_plan else None
                 written = _write(job, group, mine, staged, device=device, progress=progress,
                                  chunk_bytes=chunk_bytes, max_memory=max_memory)  # fmt: skip
-                if not coordinator:
+                if group is not None and group.rank != 0:
                     return SaveResult(plan, {}, out_dir)  # process 0 publishes
                 manifest = _finish(job, written, staged, out_dir)
             except OSError as e:
@@ -161,17 +157,23 @@ def _job(src: Source, plan: Plan, ranks: str | None, group: Group | None) -> _Jo
     return _Job(src, plan, files, chosen, run_id, source_tensors)
 
 
-def _check_output(job: _Job, group: Group | None, out_dir: Path, *, overwrite: bool, device: str) -> None:
-    """Process 0 checks OUT_DIR (and the device); every process raises the same error."""
+def _check_output(
+    job: _Job, group: Group | None, out_dir: Path, staged: Path, held: contextlib.ExitStack, *, overwrite: bool,
+    device: str,
+) -> None:  # fmt: skip
+    """Process 0 takes OUT_DIR's lock, checks it (and the device) and makes the staging folder; every
+    process raises the same error (under torchrun, none is left waiting for the others)."""
     error: BaseException | None = None
     if group is None or group.rank == 0:
         try:
+            held.enter_context(lock(out_dir))
             recover(out_dir)  # first: a folder an interrupted swap took away is put back
             check_out_dir(out_dir, job.ckpt.root, overwrite or (job.piece and same_job(out_dir, job.run_id)))
             make_dir(out_dir.resolve().parent)
             check_free_space(out_dir.resolve().parent, sum(f.data_bytes for f in job.files))
             if device != "cpu":
                 _check_device(device)
+            make_dir(staged)
         except ReshardError as e:
             error = e
     if group is not None:

@@ -75,3 +75,24 @@ def test_torchrun_two_processes_write_the_same_bytes(tiny, tmp_path):
         assert (tmp_path / "tr" / name).read_bytes() == (pieces / name).read_bytes()
     manifest = json.loads((tmp_path / "tr" / "reshard.json").read_text())
     assert len(manifest["files"]) == 4
+
+
+def test_torchrun_into_a_locked_folder_fails_on_every_process(tiny, tmp_path):
+    """Process 0 cannot take OUT_DIR's lock: every process exits 5, none waits for the others for ever."""
+    import fcntl
+
+    out = tmp_path / "out"
+    fd = os.open(tmp_path / ".out.reshard.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+               "-m", "reshard", "save", str(tiny("llama")), str(out), "--tp", "2"]  # fmt: skip
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode != 0 and "another reshard run" in p.stderr, p.stderr[-2000:]
+        assert not out.exists()
+    finally:
+        os.close(fd)
