@@ -102,10 +102,14 @@ class Prefetcher:
                 return
 
     def stop(self) -> None:
-        """End the threads; what was read but not used is dropped."""
+        """End the threads; what was read but not used is dropped.
+
+        Memory first: a reader waiting for a free slab holds `self.lock` (reads take their memory
+        in order under it), so it must be woken (Stopped) before the lock can be had. The other
+        order deadlocked a Ctrl-C that came while the read-ahead was waiting for the writers."""
+        self.mem.stop()
         with self.lock:
             self.stopped = True
-        self.mem.stop()
         for t in self.threads:
             t.join()
         with self.lock:
