@@ -59,12 +59,8 @@ def _register() -> None:
 _register()
 
 
-def _sigterm(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> None:
-    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
     args = sys.argv[1:] if argv is None else list(argv)
     debug = os.environ.get("RESHARD_DEBUG", "").lower() in ("1", "true", "yes")
     as_json = "--json" in args

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,23 @@ def _quiet(monkeypatch):
     monkeypatch.setenv("RESHARD_DISABLE_PROGRESS", "1")
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.delenv("RESHARD_DEBUG", raising=False)
+
+
+@pytest.fixture(scope="session")
+def clean(tiny, tmp_path_factory):
+    """(source, output) of `save --tp 2` of the tiny llama; never modified (tests copy it: `out`)."""
+    from reshard.plan import DEFAULT_MAX_PART
+    from reshard.save import save
+
+    src = tiny("llama")
+    out = tmp_path_factory.mktemp("clean") / "clean"
+    save(str(src), out, tp=2, max_part_size=DEFAULT_MAX_PART)
+    return src, out
+
+
+@pytest.fixture
+def out(clean, tmp_path):
+    """A copy of `clean`'s output, free to damage."""
+    dst = tmp_path / "out"
+    shutil.copytree(clean[1], dst)
+    return dst

@@ -29,22 +29,6 @@ QKV = "model.layers.0.self_attn.qkv_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
 
 
-@pytest.fixture(scope="module")
-def clean(tiny, tmp_path_factory):
-    """(source, output) of `save --tp 2` of the tiny llama; never modified."""
-    src = tiny("llama")
-    out = tmp_path_factory.mktemp("verify") / "clean"
-    save(str(src), out, tp=2, max_part_size=DEFAULT_MAX_PART)
-    return src, out
-
-
-@pytest.fixture
-def out(clean, tmp_path):
-    dst = tmp_path / "out"
-    shutil.copytree(clean[1], dst)
-    return dst
-
-
 def run(*args: str) -> tuple[int, dict]:
     result = CliRunner().invoke(cli, ["verify", *map(str, args), "--json"])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output

@@ -4,7 +4,6 @@ assembled pieces, and `verify`'s warning when the vLLM installed beside it is ou
 from __future__ import annotations
 
 import json
-import shutil
 from importlib import metadata
 
 import pytest
@@ -74,22 +73,6 @@ def test_installed_vllm_reads_package_metadata(monkeypatch):
 
 
 # ---- the manifest -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def clean(tiny, tmp_path_factory):
-    """(source, output) of `save --tp 2` of the tiny llama; never modified."""
-    src = tiny("llama")
-    out = tmp_path_factory.mktemp("versions") / "clean"
-    save(str(src), out, tp=2, max_part_size=DEFAULT_MAX_PART)
-    return src, out
-
-
-@pytest.fixture
-def out(clean, tmp_path):
-    dst = tmp_path / "out"
-    shutil.copytree(clean[1], dst)
-    return dst
 
 
 def manifest(folder) -> dict:
