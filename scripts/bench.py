@@ -692,6 +692,10 @@ def targets(r: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "hub":  # reshard save from a local Hub server (scripts/bench_hub.py)
+        from scripts.bench_hub import main as hub_main
+
+        return hub_main(argv[1:])
     if argv and argv[0] == "_naive":
         p = argparse.ArgumentParser()
         p.add_argument("src", type=Path)
