@@ -162,6 +162,7 @@ def test_gated_repo_wants_a_token(hub, tmp_path):
     one_line_error(reshard(hub, tmp_path / "hf", *args, HF_TOKEN="hf_wrong"), 4, "access denied")
     p = reshard(hub, tmp_path / "hf", "save", REPO, str(tmp_path / "out"), "--tp", "2", HF_TOKEN="hf_right")
     assert p.returncode == 0, p.stderr
+    assert hub.served > 0 and hub.cdn_auth == 0  # the token went to the Hub, not to the CDN
 
 
 def test_missing_repo_revision_and_file_are_exit_4(hub, tmp_path):

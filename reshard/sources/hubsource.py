@@ -101,6 +101,12 @@ class HubSource:
         return found, size, remote.etag
 
     def open_reader(self) -> Reader:
+        try:
+            return self._open_reader()
+        except OSError as e:  # the cache, not the output: say so (and how to do without it)
+            raise SourceError(f"cannot write the Hugging Face cache: {e}", "use `save --stream` or set HF_HOME") from e
+
+    def _open_reader(self) -> Reader:
         ckpt = self._checkpoint
         if not self.stream and not self.blobs:
             storage = _storage(ckpt)
@@ -128,6 +134,14 @@ class HubSource:
         """After a successful save (cached mode): complete each blob and link it into the snapshot."""
         if self.stream:
             return
+        try:
+            self._finish()
+        except OSError as e:
+            raise SourceError(
+                f"cannot complete the Hugging Face cache: {e}", "use `save --stream` or set HF_HOME"
+            ) from e
+
+    def _finish(self) -> None:
         ckpt = self._checkpoint
         assert ckpt.root is not None
         for name, blob in self.blobs.items():
