@@ -186,8 +186,36 @@ def test_revision_is_pinned_while_the_branch_moves(hub, source, tmp_path):
             moved.append(server.add_repo(REPO, other))
 
     hub.on_api = move
-    p = reshard(hub, tmp_path / "hf", "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    p = reshard(hub, tmp_path / "hf", "save", REPO, str(tmp_path / "out"), "--tp", "2", RESHARD_DISABLE_PROGRESS="0")
     assert p.returncode == 0, p.stderr
+    assert "writing: " in p.stderr and "downloaded: " in p.stderr  # one display, both counts and rates
     assert moved and hub.repos[REPO].refs["main"] != first
     assert json.loads((tmp_path / "out" / "reshard.json").read_text())["source"]["commit"] == first
     assert rank_bytes(tmp_path / "out") == rank_bytes(source[1])
+
+
+def test_cached_blob_tracks_the_ranges_it_holds(tmp_path):
+    from reshard.sources.hubsource import Blob
+
+    blob = Blob(tmp_path / "etag", 100)
+    assert blob.gaps() == [(0, 100)] and not blob.has(0, 1)
+    blob.store(memoryview(b"a" * 10), 20)
+    blob.store(memoryview(b"b" * 10), 40)
+    blob.store(memoryview(b"c" * 10), 30)  # joins the two
+    assert blob.has(20, 50) and not blob.has(19, 21) and not blob.has(45, 51)
+    assert blob.gaps() == [(0, 20), (50, 100)] and blob.missing() == 70
+    blob.close()
+    again = Blob(tmp_path / "etag", 100)  # a new run reads what the last one logged
+    assert again.gaps() == [(0, 20), (50, 100)]
+    out = memoryview(bytearray(30))
+    again.pread(out, 20)
+    assert bytes(out) == b"a" * 10 + b"c" * 10 + b"b" * 10
+    again.store(memoryview(b"d" * 20), 0)
+    again.store(memoryview(b"e" * 50), 50)
+    assert again.gaps() == [] and again.missing() == 0
+    again.publish(tmp_path / "snap" / "model.safetensors")
+    again.close()
+    assert (
+        tmp_path / "snap" / "model.safetensors"
+    ).read_bytes() == b"d" * 20 + b"a" * 10 + b"c" * 10 + b"b" * 10 + b"e" * 50
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["etag", "snap"]

@@ -27,7 +27,7 @@ from reshard.errors import SourceError
 RETRIES = int(os.environ.get("RESHARD_HUB_RETRIES", "8"))
 BACKOFF = float(os.environ.get("RESHARD_HUB_BACKOFF", "0.5"))  # first wait, doubled each time, at most 30 s
 TIMEOUT = float(os.environ.get("RESHARD_HUB_TIMEOUT", "60"))  # seconds without a byte
-_RECV = 1 << 20
+_RECV: int | None = None
 T = TypeVar("T")
 
 
@@ -198,9 +198,12 @@ class HubRepo:
                     with self.lock:
                         self.urls[name] = str(r.url)
                 k = 0
-                for chunk in r.iter_raw(_RECV):
-                    m = min(len(chunk), n - k)
-                    out[k : k + m] = chunk[:m]
+                for chunk in r.iter_raw(_RECV):  # as received: re-chunking would copy once more
+                    m = len(chunk)
+                    if m > n - k:
+                        m = n - k
+                        chunk = memoryview(chunk)[:m]
+                    out[k : k + m] = chunk
                     k += m
                     got[0] += m
                     if count is not None:
