@@ -137,11 +137,11 @@ def test_interrupted_download_resumes(hub, source, tmp_path):
 
 @pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
 def test_dropped_connections_and_garbage_are_retried(hub, source, tmp_path, mode):
-    hub.drop_after, hub.drops, hub.garbage = 3000, 4, 3
+    hub.drop_after, hub.drops, hub.garbage, hub.errors, hub.api_garbage = 3000, 4, 3, 2, 1
     args = ["--stream"] if mode == "--stream" else []
     p = reshard(hub, tmp_path / "hf", "save", REPO, str(tmp_path / "out"), "--tp", "2", *args)
     assert p.returncode == 0, p.stderr
-    assert hub.drops == 0 and hub.garbage == 0  # every fault was met
+    assert hub.drops == hub.garbage == hub.errors == hub.api_garbage == 0  # every fault was met
     assert rank_bytes(tmp_path / "out") == rank_bytes(source[1])
 
 
@@ -153,6 +153,9 @@ def test_garbage_for_good_is_exit_4(hub, tmp_path):
     hub.drop_after, hub.drops = 0, 10**6
     p = reshard(hub, tmp_path / "hf", "save", REPO, str(tmp_path / "out"), "--tp", "2", "--stream")
     one_line_error(p, 4, "failed 4 times in a row")
+    hub.api_garbage = 10**6
+    p = reshard(hub, tmp_path / "hf", "plan", REPO, "--tp", "2")
+    one_line_error(p, 4, "model info", "failed 4 times in a row")
 
 
 def test_gated_repo_wants_a_token(hub, tmp_path):

@@ -226,6 +226,9 @@ class Blob:
         done = 0
         while done < len(data):
             done += os.pwrite(self.fd, data[done:], pos + done)
+        # start writing it back now (the source is not read again): the final fsync has little left
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(self.fd, pos, len(data), os.POSIX_FADV_DONTNEED)
         with self.lock:
             os.write(self.log_fd, f"{pos} {pos + len(data)}\n".encode())
             self._add(pos, pos + len(data))
