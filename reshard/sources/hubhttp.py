@@ -169,6 +169,9 @@ class HubRepo:
             return with_retries(once, f"{self.repo_id}/{name}", progress=lambda: got[0])
         except he.HfHubHTTPError as e:  # a 4xx no retry mends
             raise hub_error(self.repo_id, e, name) from e
+        except SourceError as e:
+            e.got = got[0]  # type: ignore[attr-defined]  # bytes that did arrive (a cache keeps them)
+            raise
 
     def _get(self, name: str, pos: int, out: memoryview, got: list[int], count: Callable[[int], None] | None) -> Remote:
         n = len(out)

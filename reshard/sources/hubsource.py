@@ -33,6 +33,7 @@ from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, Prepared
 from reshard.layout import INDEX, SINGLE
+from reshard.sources.hubgroups import Groups
 from reshard.sources.hubhttp import HubRepo
 from reshard.sources.local import read_config
 from reshard.sources.validate import check_index
@@ -128,7 +129,7 @@ class HubSource:
             self.meter.total = need
         elif self.stream:
             self.meter.total = ckpt.total_bytes
-        return HubReader(self.repo, self.blobs)
+        return HubReader(self.repo, self.blobs, Groups(ckpt.tensors))
 
     def finish(self) -> None:
         """After a successful save (cached mode): complete each blob and link it into the snapshot."""
@@ -199,9 +200,13 @@ class Blob:
         self.ends[i:j] = [b]
 
     def has(self, a: int, b: int) -> bool:
+        return self.held_from(a) >= b
+
+    def held_from(self, a: int) -> int:
+        """Where the bytes it holds from `a` on stop (`a` when it does not hold byte a)."""
         with self.lock:
             i = bisect.bisect_right(self.starts, a) - 1
-            return i >= 0 and self.ends[i] >= b
+            return max(a, self.ends[i]) if i >= 0 else a
 
     def missing(self) -> int:
         with self.lock:
@@ -258,24 +263,46 @@ class HubReader(AlignedReader):
 
     threads = CONNECTIONS  # the prefetcher's reads in flight: HTTP connections
 
-    def __init__(self, repo: HubRepo, blobs: dict[str, Blob]) -> None:
+    def __init__(self, repo: HubRepo, blobs: dict[str, Blob], groups: Groups) -> None:
         self.repo = repo
         self.blobs = blobs
+        self.groups = groups
 
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         out = memoryview(buf)[:nbytes] if buf is not None else memoryview(bytearray(nbytes))
         pos = t.offset + start
-        blob = self.blobs.get(t.file)
-        if blob is not None and blob.has(pos, pos + nbytes):
-            blob.pread(out, pos)
+        key = self.groups.of.get(t.name)
+        if key is None:
+            self._fill(t.file, pos, out)
             return out
-        self.repo.fetch(t.file, pos, out, self.repo.meter.add)
+        data = self.groups.get(key, lambda region: self._fill(t.file, key[1], region))
+        out[:] = memoryview(data)[pos - key[1] : pos - key[1] + nbytes]
+        return out
+
+    def _fill(self, file: str, pos: int, out: memoryview) -> None:
+        """Bytes [pos, pos + len(out)) of `file`: from the cached blob where it has them, else fetched
+        (and stored in the blob)."""
+        blob = self.blobs.get(file)
+        if blob is not None:  # what an earlier run received comes from disk (a range cut mid-way: its start)
+            held = min(blob.held_from(pos), pos + len(out)) - pos
+            if held:
+                blob.pread(out[:held], pos)
+                out, pos = out[held:], pos + held
+            if not len(out):
+                return
+        try:
+            self.repo.fetch(file, pos, out, self.repo.meter.add)
+        except SourceError as e:
+            got = getattr(e, "got", 0)
+            if blob is not None and got:  # what did arrive is kept: a rerun resumes after it
+                with contextlib.suppress(OSError):
+                    blob.store(out[:got], pos)
+            raise
         if blob is not None:
             try:
                 blob.store(out, pos)
             except OSError as e:
                 raise SourceError(f"cannot write the cache ({blob.partial}: {e.strerror})", "use `save --stream` or free space") from e  # fmt: skip
-        return out
 
     def prepare(self, t: TensorInfo, start: int, nbytes: int) -> Prepared:
         return Prepared(None, t.offset + start, nbytes)
