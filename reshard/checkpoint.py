@@ -63,3 +63,6 @@ class Source(Protocol):
     def open_reader(self) -> Reader:
         """A new reader; the caller closes it."""
         ...
+
+    # Optional: `finish()`, called once a save has read everything it needed; a source that keeps a
+    # copy of what it reads (a Hub repo in the cache) completes that copy there.

@@ -33,8 +33,14 @@ def human_bytes(n: float) -> str:
 
 
 @contextmanager
-def byte_progress(total: int, label: str, *, quiet: bool) -> Iterator[Callable[[int], None]]:
-    """A callback advancing a bytes progress bar on stderr (rich on a terminal, plain lines else)."""
+def byte_progress(
+    total: int, label: str, *, quiet: bool, downloads: object | None = None
+) -> Iterator[Callable[[int], None]]:
+    """A callback advancing a bytes progress bar on stderr (rich on a terminal, plain lines else).
+
+    downloads: a meter (`.done`, `.total` bytes) of a source being downloaded meanwhile; it gets
+    its own row (bytes and rate) on the same display.
+    """
     if quiet or progress_disabled() or total <= 0:
         yield lambda n: None
         return
@@ -56,8 +62,17 @@ def byte_progress(total: int, label: str, *, quiet: bool) -> Iterator[Callable[[
             TimeRemainingColumn(),
         )
         with Progress(*cols, console=stderr, transient=False) as bar:
+            got = bar.add_task("downloading", total=getattr(downloads, "total", 0) or None) if downloads else None
             task = bar.add_task(label, total=total)
-            yield lambda n: bar.advance(task, n)
+
+            def advance(n: int) -> None:
+                bar.advance(task, n)
+                if got is not None:
+                    bar.update(got, completed=downloads.done, total=downloads.total or None)  # type: ignore[attr-defined]
+
+            yield advance
+            if got is not None:
+                bar.update(got, completed=downloads.done, total=downloads.done)  # type: ignore[attr-defined]
         return
     state = {"done": 0, "shown": time.monotonic(), "start": time.monotonic()}
 
@@ -66,9 +81,13 @@ def byte_progress(total: int, label: str, *, quiet: bool) -> Iterator[Callable[[
         now = time.monotonic()
         if now - state["shown"] >= 5 or state["done"] >= total:
             state["shown"] = now
-            rate = state["done"] / max(now - state["start"], 1e-9)
+            secs = max(now - state["start"], 1e-9)
+            rate = state["done"] / secs
             pct = 100 * state["done"] / total
-            print(f"{label}: {human_bytes(state['done'])} / {human_bytes(total)} ({pct:.0f}%, {human_bytes(rate)}/s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            line = f"{label}: {human_bytes(state['done'])} / {human_bytes(total)} ({pct:.0f}%, {human_bytes(rate)}/s)"
+            if downloads is not None:
+                got = downloads.done  # type: ignore[attr-defined]
+                line += f"; downloaded: {human_bytes(got)} ({human_bytes(got / secs)}/s)"
+            print(line, file=sys.stderr, flush=True)
 
     yield advance

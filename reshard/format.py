@@ -92,6 +92,16 @@ def read_header(path: Path, *, size: int | None = None) -> tuple[dict[str, Tenso
             raw = f.read(n)
     except OSError as e:
         raise SourceError(f"{path}: cannot read ({e.strerror})") from e
+    return parse_header(raw, size, str(path), path.name)
+
+
+def parse_header(
+    raw: bytes, size: int, where: str, file_name: str
+) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+    """`read_header` on header bytes `raw` (the JSON after the 8-byte length) of a file of `size`
+    bytes named `file_name`; errors name `where` (a path, or a Hub URL)."""
+    path = where
+    n = len(raw)
     try:
         obj = json.loads(raw)
         if not isinstance(obj, dict):
@@ -126,7 +136,7 @@ def read_header(path: Path, *, size: int | None = None) -> tuple[dict[str, Tenso
                 f"{path}: truncated: tensor {name!r} ends at byte {start + end}, file has {size}",
                 _REDOWNLOAD,
             )
-        tensors[name] = TensorInfo(name, dtype, shape, path.name, start + begin, nbytes)
+        tensors[name] = TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
         spans.append((begin, end, name))
     spans.sort()
     pos = 0

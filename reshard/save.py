@@ -95,14 +95,15 @@ def save(
     chunk_bytes: int | None = None,
     max_memory: int | None = None,
     ranks: str | None = None,
-    on_plan: Callable[[Plan], Progress | None] | None = None,
+    on_plan: Callable[[Plan, Source], Progress | None] | None = None,
     moe_backend: str = "auto",
+    stream: bool = False,
 ) -> SaveResult:
     """Write every rank's files of `source` into `out_dir`; see `reshard save --help`."""
     group = Group.from_env()
     coordinator = group is None or group.rank == 0
     try:
-        src = open_source(source, revision)
+        src = open_source(source, revision, stream=stream)
         plan = build_plan(
             src.checkpoint,
             tp=tp,
@@ -122,7 +123,7 @@ def save(
                 if group is not None:
                     group.broadcast(None)  # barrier: the staging folder exists
                     mine = [f for f in job.files if _engine_rank(plan, f) % group.size == group.rank]
-                progress = on_plan(replace(plan, files=mine)) if on_plan else None
+                progress = on_plan(replace(plan, files=mine), src) if on_plan else None
                 written = _write(job, group, mine, staged, device=device, progress=progress,
                                  chunk_bytes=chunk_bytes, max_memory=max_memory)  # fmt: skip
                 if group is not None and group.rank != 0:
@@ -275,7 +276,11 @@ def run_executor(
     ckpt = source.checkpoint
     executor = Executor(plan, source.open_reader(), ckpt.tensors, out, metadata=metadata, device=device,
                         progress=progress, **kwargs)  # fmt: skip
-    return executor.run()
+    written = executor.run()
+    finish = getattr(source, "finish", None)  # a source that stored what it read completes its copy
+    if finish is not None:
+        finish()
+    return written
 
 
 def _layout_tag(plan: Plan) -> str:

@@ -471,7 +471,7 @@ class Bench:
                 for p in self.work.iterdir():
                     if p.is_dir():
                         shutil.rmtree(p, ignore_errors=True)
-        a.out.write_text(report(self.results))
+        a.out.write_text(keep_hub_section(a.out, report(self.results)))
         self.say(f"wrote {a.out} in {self.results['minutes']:.1f} min")
 
 
@@ -690,8 +690,20 @@ def targets(r: dict) -> list[str]:
     return [*out, ""]
 
 
+def keep_hub_section(path: Path, text: str) -> str:
+    """`text` with the hub section (`python -m scripts.bench hub`) that `path` holds kept at its end."""
+    from scripts.bench_hub import MARK
+
+    old = path.read_text() if path.exists() else ""
+    return text.rstrip("\n") + "\n\n" + old[old.index(MARK) :] if MARK in old else text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "hub":  # reshard save from a local Hub server (scripts/bench_hub.py)
+        from scripts.bench_hub import main as hub_main
+
+        return hub_main(argv[1:])
     if argv and argv[0] == "_naive":
         p = argparse.ArgumentParser()
         p.add_argument("src", type=Path)
@@ -733,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="rewrite --out from --work/results.json, run nothing")
     a = ap.parse_args(argv)
     if a.report_only:
-        a.out.write_text(report(json.loads((a.work / "results.json").read_text())))
+        a.out.write_text(keep_hub_section(a.out, report(json.loads((a.work / "results.json").read_text()))))
         return 0
     a.argv = argv
     if a.quick:

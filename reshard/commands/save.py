@@ -41,6 +41,9 @@ from reshard.vllm_versions import serve_note
 @revision_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where each piece is materialised before writing; cpu needs no GPU.")  # fmt: skip
+@click.option("--stream", is_flag=True,
+              help="Repo ids: store nothing of the source; its bytes go from the Hub into the rank files "
+                   "through the --max-memory window (default: kept once in the HF cache as they arrive).")  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace the reshard files of a non-empty OUT_DIR.")
 @click.option("--ranks", metavar="LIST",
               help="Write only these engine ranks (e.g. 0-3 or 0,2,5-7; rank = pp_rank * tp + tp_rank) with a "
@@ -62,11 +65,13 @@ def save_cmd(
     overwrite,
     ranks,
     as_json,
+    stream,
 ):
     """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR.
 
-    SOURCE is a local checkpoint folder, a Hugging Face repo id (downloaded through the HF cache;
-    HF_HOME and HF_HUB_OFFLINE apply), or an earlier reshard output (re-shard to another layout
+    SOURCE is a local checkpoint folder, a Hugging Face repo id (fetched as the rank files are
+    written, kept once in the HF cache unless --stream; HF_HOME, HF_TOKEN, HF_ENDPOINT and
+    HF_HUB_OFFLINE apply), or an earlier reshard output (re-shard to another layout
     without the original). Files are written under temporary names and published at the end, the
     manifest reshard.json last: a folder without it is incomplete.
 
@@ -78,13 +83,14 @@ def save_cmd(
     t0 = time.monotonic()
     with ExitStack() as stack:
 
-        def on_plan(plan):
-            return stack.enter_context(byte_progress(plan.total_bytes, "writing", quiet=as_json))
+        def on_plan(plan, source=None):
+            meter = getattr(source, "meter", None)  # a Hub source: bytes downloaded, on the same display
+            return stack.enter_context(byte_progress(plan.total_bytes, "writing", quiet=as_json, downloads=meter))
 
         result = save(
             source, out_dir, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size,
             revision=revision, device=device, overwrite=overwrite, ranks=ranks, max_memory=max_memory,
-            pp_partition=pp_partition, on_plan=on_plan, moe_backend=moe_backend,
+            pp_partition=pp_partition, on_plan=on_plan, moe_backend=moe_backend, stream=stream,
         )  # fmt: skip
     seconds = time.monotonic() - t0
     m = result.manifest

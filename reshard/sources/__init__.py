@@ -18,7 +18,7 @@ from reshard.sources.output import OutputSource
 __all__ = ["LocalSource", "OutputSource", "Source", "is_repo_id", "open_source", "read_config"]
 
 
-def open_source(spec: str, revision: str | None = None, *, headers_only: bool = False) -> Source:
+def open_source(spec: str, revision: str | None = None, *, headers_only: bool = False, stream: bool = False) -> Source:
     """Resolve SOURCE and read its metadata.
 
     Args:
@@ -28,6 +28,8 @@ def open_source(spec: str, revision: str | None = None, *, headers_only: bool = 
         revision: Hub branch, tag or commit.
         headers_only: for a repo id, fetch config.json and the safetensors headers without
             downloading weights (`reshard plan`); the source then has no reader.
+        stream: for a repo id, store nothing of the source: its bytes go from the network into
+            the output (default: they are also kept in the cache, once).
     """
     path = Path(spec)
     if path.is_dir():
@@ -43,7 +45,7 @@ def open_source(spec: str, revision: str | None = None, *, headers_only: bool = 
             f"{spec}: no such folder" + ("" if _looks_local(path) else ", and not a Hub repo id"),
             "give a checkpoint folder or a repo id like Qwen/Qwen3-8B",
         )
-    return open_hub(spec, revision, headers_only=headers_only)
+    return open_hub(spec, revision, headers_only=headers_only, stream=stream)
 
 
 def _looks_local(path: Path) -> bool:

@@ -1,0 +1,75 @@
+"""Neighbouring small tensors of a Hub file fetched by one range request, shared by their reads.
+
+An MoE checkpoint has tens of thousands of tensors of a few KB (FP8 block scales: Qwen3-235B-A22B-FP8
+has ~36k of 1.5 KB); one request each would make the download latency-bound. safetensors files keep
+tensors of one dtype together, so the small ones lie side by side: runs of tensors smaller than
+SMALL, contiguous in their file, are cut into groups of at most GROUP bytes, and the first read of
+a group's tensor fetches the whole group. Fetched groups stay in memory (at most KEEP bytes, least
+recently used dropped first, on top of --max-memory) for the reads of the other tensors in them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from reshard.format import TensorInfo
+
+SMALL = int(os.environ.get("RESHARD_HUB_SMALL", str(1 << 20)))  # 0: every read its own request
+GROUP = 4 << 20
+KEEP = 64 << 20
+
+Key = tuple[str, int, int]  # file, start, end
+
+
+class Groups:
+    def __init__(self, tensors: dict[str, TensorInfo]) -> None:
+        self.of: dict[str, Key] = {}
+        by_file: dict[str, list[TensorInfo]] = {}
+        for t in tensors.values():
+            by_file.setdefault(t.file, []).append(t)
+        for file, ts in by_file.items():
+            run: list[TensorInfo] = []
+            for t in [*sorted(ts, key=lambda t: t.offset), None]:
+                small = t is not None and t.nbytes < SMALL
+                fits = small and run and t.offset == run[-1].offset + run[-1].nbytes
+                if fits and t.offset + t.nbytes - run[0].offset <= GROUP:  # type: ignore[union-attr]
+                    run.append(t)  # type: ignore[arg-type]
+                    continue
+                if len(run) > 1:
+                    key = (file, run[0].offset, run[-1].offset + run[-1].nbytes)
+                    self.of.update((r.name, key) for r in run)
+                run = [t] if small else []  # type: ignore[list-item]
+        self.lock = threading.Lock()
+        self.kept: OrderedDict[Key, bytearray] = OrderedDict()
+        self.size = 0
+        self.pending: dict[Key, threading.Event] = {}
+
+    def get(self, key: Key, fill: Callable[[memoryview], None]) -> bytearray:
+        """The group's bytes: kept, being fetched by another thread (waited for), or fetched here."""
+        while True:
+            with self.lock:
+                if key in self.kept:
+                    self.kept.move_to_end(key)
+                    return self.kept[key]
+                event = self.pending.get(key)
+                if event is None:
+                    event = self.pending[key] = threading.Event()
+                    break
+            event.wait()  # the other thread's fetch; if it failed, try again here
+        data = None
+        try:
+            data = bytearray(key[2] - key[1])
+            fill(memoryview(data))
+            return data
+        finally:
+            with self.lock:
+                del self.pending[key]
+                if data is not None:
+                    self.kept[key] = data
+                    self.size += len(data)
+                    while self.size > KEEP and len(self.kept) > 1:
+                        self.size -= len(self.kept.popitem(last=False)[1])
+                event.set()

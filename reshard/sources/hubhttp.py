@@ -1,0 +1,246 @@
+"""One Hub repo at one commit, over HTTP: model info, small files, and byte ranges of big ones.
+
+Everything goes through huggingface_hub's own HTTP client (`get_session`), headers (`build_hf_headers`:
+HF_TOKEN, user agent) and endpoint (HF_ENDPOINT). The revision asked for is resolved to its commit
+once (`HfApi.model_info`) and every later URL names that commit, so a branch that moves during the
+run cannot mix two commits' files.
+
+Failures a user can act on (401/403 gated or private, 404 repo, revision or file) raise SourceError at
+once; the rest (dropped connections, timeouts, 5xx and 429, answers that are not HTTP, short bodies,
+a wrong Content-Range) are retried with exponential backoff, resuming a range where its body stopped,
+and raise SourceError once RESHARD_HUB_RETRIES attempts in a row made no progress.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+from urllib.parse import quote, urlparse
+
+from reshard.errors import SourceError
+
+RETRIES = int(os.environ.get("RESHARD_HUB_RETRIES", "8"))
+BACKOFF = float(os.environ.get("RESHARD_HUB_BACKOFF", "0.5"))  # first wait, doubled each time, at most 30 s
+TIMEOUT = float(os.environ.get("RESHARD_HUB_TIMEOUT", "60"))  # seconds without a byte
+_RECV: int | None = None
+T = TypeVar("T")
+
+
+class Unreachable(SourceError):
+    """Retries ran out: the Hub (or its CDN) did not answer usably."""
+
+
+class Transient(Exception):
+    """Worth another try: the connection or the answer failed, not the request."""
+
+
+class Meter:
+    """Bytes downloaded so far (thread-safe), for the progress display."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.total = 0
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.done += n
+
+
+@dataclass
+class Remote:
+    """What a range answer says about its file: size, blob ETag (as the cache names blobs)."""
+
+    size: int
+    etag: str | None
+
+
+def hub_error(repo_id: str, e: BaseException, what: str = "") -> SourceError:
+    """The one-line error for a Hub answer a user must act on."""
+    from huggingface_hub import errors as he
+
+    where = f"{repo_id}{'/' + what if what else ''}"
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(e, he.GatedRepoError) or status == 403:
+        return SourceError(
+            f"{repo_id}: access denied (HTTP {status or 403}, gated or private repo)",
+            "accept its terms on the Hub and set HF_TOKEN to a token of an account with access",
+        )
+    if isinstance(e, he.RevisionNotFoundError):
+        return SourceError(f"{where}: revision not found on the Hub", "check --revision")
+    if isinstance(e, he.EntryNotFoundError):
+        return SourceError(f"{where}: file not found on the Hub", "check the repo and --revision")
+    if isinstance(e, he.RepositoryNotFoundError) or status in (401, 404):
+        return SourceError(
+            f"{repo_id}: repository not found on the Hub (HTTP {status or 404}), or private",
+            "check the repo id; for a private or gated repo set HF_TOKEN",
+        )
+    return SourceError(f"{where}: the Hub answered {type(e).__name__} ({str(e).splitlines()[0][:160]})")
+
+
+def with_retries(call: Callable[[], T], what: str, *, progress: Callable[[], int] | None = None) -> T:
+    """`call()` retried with backoff on transient failures; `progress()` (bytes so far) resets the count."""
+    import httpx2
+    from huggingface_hub import errors as he
+
+    failures, seen = 0, progress() if progress else 0
+    while True:
+        try:
+            return call()
+        except SourceError:
+            raise
+        except he.HfHubHTTPError as e:
+            status = getattr(e.response, "status_code", None)
+            if status is None or not (status >= 500 or status in (408, 429)):
+                raise
+            err: BaseException = e
+        except (Transient, httpx2.HTTPError, OSError, ValueError) as e:
+            err = e
+        now = progress() if progress else 0
+        failures = 1 if now > seen else failures + 1
+        seen = now
+        if failures > RETRIES:
+            msg = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+            raise Unreachable(
+                f"{what}: the download failed {failures} times in a row ({type(err).__name__}: {msg})",
+                "check the network or HF_ENDPOINT and run again (a cached save resumes where it stopped)",
+            ) from err
+        time.sleep(min(30.0, BACKOFF * 2 ** (failures - 1)))
+
+
+class HubRepo:
+    """`repo_id` pinned to the commit that `revision` names now."""
+
+    def __init__(self, repo_id: str, revision: str | None) -> None:
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.utils import build_hf_headers, get_session
+
+        self.repo_id = repo_id
+        self.revision = revision or "main"
+        self.endpoint = constants.ENDPOINT
+        self.session = get_session()
+        self.headers = build_hf_headers()
+        self.meter = Meter()
+        self.urls: dict[str, str] = {}  # file -> where its bytes were last served from (the CDN)
+        self.lock = threading.Lock()
+        api = HfApi(endpoint=self.endpoint)
+        try:
+            info = with_retries(lambda: api.model_info(repo_id, revision=revision), f"{repo_id}: model info")
+        except SourceError:
+            raise
+        except Exception as e:  # an answer the user must act on
+            raise hub_error(repo_id, e) from e
+        if not info.sha:
+            raise SourceError(f"{repo_id}: the Hub did not say which commit {self.revision} is")
+        self.commit: str = info.sha
+        self.files: list[str] = [s.rfilename for s in info.siblings or []]
+
+    def resolve_url(self, name: str) -> str:
+        return f"{self.endpoint}/{self.repo_id}/resolve/{self.commit}/{quote(name)}"
+
+    def download(self, name: str) -> str:
+        """A small file through huggingface_hub's cache, at the pinned commit; its local path."""
+        import huggingface_hub as hub
+
+        try:
+            return with_retries(
+                lambda: hub.hf_hub_download(self.repo_id, name, revision=self.commit), f"{self.repo_id}/{name}"
+            )
+        except SourceError:
+            raise
+        except Exception as e:
+            raise hub_error(self.repo_id, e, name) from e
+
+    def fetch(self, name: str, pos: int, out: memoryview, count: Callable[[int], None] | None = None) -> Remote:
+        """Bytes [pos, pos + len(out)) of `name` into `out`, retried and resumed until all are in."""
+        got = [0]
+
+        def once() -> Remote:
+            return self._get(name, pos + got[0], out[got[0] :], got, count)
+
+        from huggingface_hub import errors as he
+
+        try:
+            return with_retries(once, f"{self.repo_id}/{name}", progress=lambda: got[0])
+        except he.HfHubHTTPError as e:  # a 4xx no retry mends
+            raise hub_error(self.repo_id, e, name) from e
+        except SourceError as e:
+            e.got = got[0]  # type: ignore[attr-defined]  # bytes that did arrive (a cache keeps them)
+            raise
+
+    def _get(self, name: str, pos: int, out: memoryview, got: list[int], count: Callable[[int], None] | None) -> Remote:
+        n = len(out)
+        with self.lock:
+            url = self.urls.get(name)
+        direct = url is not None
+        headers = {"Range": f"bytes={pos}-{pos + n - 1}", "Accept-Encoding": "identity"}
+        if not direct:
+            url = self.resolve_url(name)
+            headers.update(self.headers)  # the token goes to the Hub only; redirects off it drop it
+        else:
+            headers["user-agent"] = self.headers.get("user-agent", "reshard")
+        assert url is not None
+        try:
+            with self.session.stream("GET", url, headers=headers, follow_redirects=True, timeout=TIMEOUT) as r:
+                if r.status_code in (401, 403, 404, 410) and direct:  # a signed URL expired: resolve again
+                    with self.lock:
+                        self.urls.pop(name, None)
+                    raise Transient(f"HTTP {r.status_code} from the download URL")
+                if r.status_code >= 400:
+                    from huggingface_hub.utils import hf_raise_for_status
+
+                    r.read()
+                    hf_raise_for_status(r)
+                remote = self._check(name, r, pos, n)
+                if r.history:
+                    with self.lock:
+                        self.urls[name] = str(r.url)
+                k = 0
+                for chunk in r.iter_raw(_RECV):  # as received: re-chunking would copy once more
+                    m = len(chunk)
+                    if m > n - k:
+                        m = n - k
+                        chunk = memoryview(chunk)[:m]
+                    out[k : k + m] = chunk
+                    k += m
+                    got[0] += m
+                    if count is not None:
+                        count(m)
+                    if k >= n:
+                        break
+                if k < n:
+                    raise Transient(f"connection closed after {k} of {n} bytes")
+                return remote
+        except SourceError:
+            raise
+        except Exception as e:
+            from huggingface_hub import errors as he
+
+            if isinstance(e, he.HfHubHTTPError):
+                status = getattr(e.response, "status_code", 0)
+                if status in (401, 403, 404):
+                    raise hub_error(self.repo_id, e, name) from e
+            raise
+
+    def _check(self, name: str, r, pos: int, n: int) -> Remote:
+        """The answer is the range asked for, of this commit's file: say its size and ETag."""
+        first = r.history[0] if r.history else r
+        commit = first.headers.get("X-Repo-Commit")
+        if commit and commit != self.commit:
+            raise SourceError(f"{self.repo_id}/{name}: the Hub served commit {commit}, not {self.commit}")
+        etag = first.headers.get("X-Linked-Etag") or first.headers.get("ETag")
+        etag = etag.removeprefix("W/").strip('"') if etag else None
+        if r.status_code == 206:
+            m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", r.headers.get("Content-Range", "").strip())
+            if not m or int(m.group(1)) != pos or int(m.group(2)) < pos + n - 1:
+                raise Transient(f"{urlparse(str(r.url)).path}: wrong Content-Range {r.headers.get('Content-Range')!r}")
+            return Remote(int(m.group(3)), etag)
+        size = int(r.headers.get("Content-Length", -1))
+        if r.status_code == 200 and pos == 0 and size >= n:  # ranges ignored: the whole file, its start is ours
+            return Remote(size, etag)
+        raise Transient(f"HTTP {r.status_code} to a range request")

@@ -1,0 +1,316 @@
+"""A Hub repo read over HTTP in the order the save consumes it: writing starts with the first bytes.
+
+Planning needs config.json and the safetensors headers only: config, tokenizer and the other small
+files come through huggingface_hub's cache, and each weight file's header through two range requests
+(its 8-byte length, then the JSON), before any weight byte. `HubReader` then fetches exactly the byte
+ranges the executor's schedule asks for, on `CONNECTIONS` connections at once, straight into the
+executor's bounded read-ahead buffers (`reshard.io.memory`): download and re-sharding overlap.
+
+Two modes:
+- stream (`save --stream`): nothing of the source is stored; disk = the output.
+- cached (default): every range fetched is also written at its offset into the cache's blob
+  (`blobs/<etag>.reshard-partial`, the ranges it holds listed in `<etag>.reshard-ranges`); a run
+  that stopped resumes from it, reading what it holds from disk. When the save has succeeded,
+  `finish` fetches the bytes no tensor needed (headers, unused tensors), renames the blob into
+  place and links it from `snapshots/<commit>/`, as huggingface_hub lays out its cache (so
+  HF_HUB_OFFLINE finds it later). The source is stored once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import os
+import shutil
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from reshard.checkpoint import Checkpoint, Reader
+from reshard.errors import SourceError
+from reshard.format import MAX_HEADER, TensorInfo, parse_header
+from reshard.io.reader import AlignedReader, Prepared
+from reshard.layout import INDEX, SINGLE
+from reshard.sources.hubgroups import Groups
+from reshard.sources.hubhttp import HubRepo
+from reshard.sources.local import read_config
+from reshard.sources.validate import check_index
+
+CONNECTIONS = int(os.environ.get("RESHARD_HUB_CONNECTIONS", "8"))
+_FILL = 64 * 1024 * 1024  # bytes per request when completing a cached blob
+
+
+def weight_names(repo: HubRepo, root: Path) -> list[str]:
+    """The repo's safetensors files, as `reshard.sources.local.weight_files` picks them."""
+    if INDEX in repo.files:
+        try:
+            files = check_index(json.loads((root / INDEX).read_text()), f"{repo.repo_id}/{INDEX}")
+        except (OSError, ValueError, RecursionError) as e:
+            raise SourceError(f"{repo.repo_id}/{INDEX}: cannot parse ({e})") from e
+        missing = [f for f in files if f not in repo.files]
+        if missing:
+            raise SourceError(f"{repo.repo_id}@{repo.commit[:12]}: {INDEX} names files the repo lacks: {', '.join(missing[:3])}")  # fmt: skip
+        return files
+    if SINGLE in repo.files:
+        return [SINGLE]
+    found = sorted(f for f in repo.files if f.endswith(".safetensors") and "/" not in f and not f.startswith("consolidated"))  # fmt: skip
+    if not found:
+        raise SourceError(f"{repo.repo_id}: no *.safetensors weights in the repo", "reshard reads safetensors only")
+    return found
+
+
+class HubSource:
+    """A repo's metadata from the Hub (side files cached, headers by range), its bytes by `HubReader`."""
+
+    def __init__(self, repo: HubRepo, root: Path, files: list[str], *, stream: bool) -> None:
+        self.repo = repo
+        self.stream = stream
+        self.meter = repo.meter
+        self.etags: dict[str, str | None] = {}
+        self.blobs: dict[str, Blob] = {}
+        self.heads: dict[str, bytes] = {}  # each file's first bytes (length and header), kept for the cache
+        tensors: dict[str, TensorInfo] = {}
+        sizes: dict[str, int] = {}
+        with ThreadPoolExecutor(min(CONNECTIONS, len(files))) as pool:
+            for name, (found, size, etag) in zip(files, pool.map(self._header, files), strict=True):
+                sizes[name] = size
+                self.etags[name] = etag
+                for key, info in found.items():
+                    if key in tensors:
+                        raise SourceError(f"{repo.repo_id}: tensor {key!r} appears in {tensors[key].file} and {name}")
+                    tensors[key] = info
+        ref = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit}
+        self._checkpoint = Checkpoint(root, read_config(root), tensors, files, ref, sizes)
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    def _header(self, name: str) -> tuple[dict[str, TensorInfo], int, str | None]:
+        head = bytearray(8)
+        remote = self.repo.fetch(name, 0, memoryview(head))
+        (n,) = struct.unpack("<Q", head)
+        where = f"{self.repo.repo_id}/{name}@{self.repo.commit[:12]}"
+        if n > remote.size - 8 or n > MAX_HEADER:
+            raise SourceError(f"{where}: corrupt safetensors header (length {n}, file {remote.size} bytes)")
+        raw = bytearray(n)
+        self.repo.fetch(name, 8, memoryview(raw))
+        found, _, size = parse_header(bytes(raw), remote.size, where, name)
+        self.heads[name] = bytes(head + raw)
+        return found, size, remote.etag
+
+    def open_reader(self) -> Reader:
+        try:
+            return self._open_reader()
+        except OSError as e:  # the cache, not the output: say so (and how to do without it)
+            raise SourceError(f"cannot write the Hugging Face cache: {e}", "use `save --stream` or set HF_HOME") from e
+
+    def _open_reader(self) -> Reader:
+        ckpt = self._checkpoint
+        if not self.stream and not self.blobs:
+            storage = _storage(ckpt)
+            (storage / "blobs").mkdir(parents=True, exist_ok=True)
+            for name in ckpt.files:
+                etag = self.etags[name]
+                if not etag:
+                    raise SourceError(f"{self.repo.repo_id}/{name}: the Hub sent no ETag", "use --stream")
+                blob = self.blobs[name] = Blob(storage / "blobs" / etag, ckpt.file_sizes[name])
+                if not blob.has(0, len(self.heads[name])):
+                    blob.store(memoryview(self.heads[name]), 0)
+            need = sum(b.missing() for b in self.blobs.values())
+            free = shutil.disk_usage(storage / "blobs").free
+            if need > free:
+                raise SourceError(
+                    f"the Hugging Face cache ({storage}) has {free / 1e9:.1f} GB free; the source needs {need / 1e9:.1f} GB more",
+                    "use `save --stream` (stores nothing) or point HF_HOME at a larger disk",
+                )
+            self.meter.total = need
+        elif self.stream:
+            self.meter.total = ckpt.total_bytes
+        return HubReader(self.repo, self.blobs, Groups(ckpt.tensors))
+
+    def finish(self) -> None:
+        """After a successful save (cached mode): complete each blob and link it into the snapshot."""
+        if self.stream:
+            return
+        try:
+            self._finish()
+        except OSError as e:
+            raise SourceError(
+                f"cannot complete the Hugging Face cache: {e}", "use `save --stream` or set HF_HOME"
+            ) from e
+
+    def _finish(self) -> None:
+        ckpt = self._checkpoint
+        assert ckpt.root is not None
+        for name, blob in self.blobs.items():
+            for a, b in blob.gaps():
+                for pos in range(a, b, _FILL):
+                    buf = memoryview(bytearray(min(_FILL, b - pos)))
+                    self.repo.fetch(name, pos, buf, self.meter.add)
+                    blob.store(buf, pos)
+            blob.publish(ckpt.root / name)
+            blob.close()
+        if self.repo.revision != self.repo.commit:
+            refs = _storage(ckpt) / "refs"
+            refs.mkdir(exist_ok=True)
+            (refs / self.repo.revision).write_text(self.repo.commit)
+
+
+def _storage(ckpt: Checkpoint) -> Path:
+    assert ckpt.root is not None
+    return ckpt.root.parent.parent  # <cache>/models--org--name/snapshots/<commit>
+
+
+class Blob:
+    """One weight file of the cache, being filled at the offsets it is read from (any order)."""
+
+    def __init__(self, final: Path, size: int) -> None:
+        self.final = final
+        self.size = size
+        self.partial = final.with_name(final.name + ".reshard-partial")
+        self.log = final.with_name(final.name + ".reshard-ranges")
+        self.lock = threading.Lock()
+        self.starts: list[int] = []  # disjoint held ranges [starts[i], ends[i]), sorted
+        self.ends: list[int] = []
+        self.fd: int | None = None
+        if final.is_file() and final.stat().st_size == size:
+            self.starts, self.ends, self.fd = [0], [size], os.open(final, os.O_RDONLY)
+            return
+        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)
+        if os.fstat(self.fd).st_size != size:
+            os.ftruncate(self.fd, size)
+            self.log.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.log.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    a, b = map(int, line.split())
+                    if 0 <= a < b <= size:
+                        self._add(a, b)
+        self.log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def _add(self, a: int, b: int) -> None:
+        i = bisect.bisect_left(self.ends, a)  # first range that ends at or after a
+        j = bisect.bisect_right(self.starts, b)  # ranges before j start at or before b
+        if i < j:
+            a, b = min(a, self.starts[i]), max(b, self.ends[j - 1])
+        self.starts[i:j] = [a]
+        self.ends[i:j] = [b]
+
+    def has(self, a: int, b: int) -> bool:
+        return self.held_from(a) >= b
+
+    def held_from(self, a: int) -> int:
+        """Where the bytes it holds from `a` on stop (`a` when it does not hold byte a)."""
+        with self.lock:
+            i = bisect.bisect_right(self.starts, a) - 1
+            return max(a, self.ends[i]) if i >= 0 else a
+
+    def missing(self) -> int:
+        with self.lock:
+            return self.size - sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
+
+    def gaps(self) -> list[tuple[int, int]]:
+        with self.lock:
+            edges = [0, *[x for se in zip(self.starts, self.ends, strict=True) for x in se], self.size]
+        return [(edges[k], edges[k + 1]) for k in range(0, len(edges), 2) if edges[k] < edges[k + 1]]
+
+    def pread(self, out: memoryview, pos: int) -> None:
+        assert self.fd is not None
+        got = 0
+        while got < len(out):
+            n = os.preadv(self.fd, [out[got:]], pos + got)
+            if n == 0:
+                raise SourceError(f"{self.partial}: truncated", "delete it and run again")
+            got += n
+
+    def store(self, data: memoryview, pos: int) -> None:
+        assert self.fd is not None
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], pos + done)
+        # start writing it back now (the source is not read again): the final fsync has little left
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(self.fd, pos, len(data), os.POSIX_FADV_DONTNEED)
+        with self.lock:
+            os.write(self.log_fd, f"{pos} {pos + len(data)}\n".encode())
+            self._add(pos, pos + len(data))
+
+    def publish(self, link: Path) -> None:
+        """The complete blob under its final name, and the snapshot's link to it."""
+        if self.partial.exists():
+            assert self.fd is not None
+            os.fsync(self.fd)
+            os.replace(self.partial, self.final)
+            self.log.unlink(missing_ok=True)
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.symlink(os.path.relpath(self.final, link.parent), link)
+
+    def close(self) -> None:
+        for fd in (self.fd, getattr(self, "log_fd", None)):
+            if fd is not None:
+                os.close(fd)
+        self.fd = None
+        self.log_fd = None
+
+
+class HubReader(AlignedReader):
+    """Ranges of a repo's weight files from the Hub (or from the cached blob, where it has them)."""
+
+    threads = CONNECTIONS  # the prefetcher's reads in flight: HTTP connections
+
+    def __init__(self, repo: HubRepo, blobs: dict[str, Blob], groups: Groups) -> None:
+        self.repo = repo
+        self.blobs = blobs
+        self.groups = groups
+
+    def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
+        out = memoryview(buf)[:nbytes] if buf is not None else memoryview(bytearray(nbytes))
+        pos = t.offset + start
+        key = self.groups.of.get(t.name)
+        if key is None:
+            self._fill(t.file, pos, out)
+            return out
+        data = self.groups.get(key, lambda region: self._fill(t.file, key[1], region))
+        out[:] = memoryview(data)[pos - key[1] : pos - key[1] + nbytes]
+        return out
+
+    def _fill(self, file: str, pos: int, out: memoryview) -> None:
+        """Bytes [pos, pos + len(out)) of `file`: from the cached blob where it has them, else fetched
+        (and stored in the blob)."""
+        blob = self.blobs.get(file)
+        if blob is not None:  # what an earlier run received comes from disk (a range cut mid-way: its start)
+            held = min(blob.held_from(pos), pos + len(out)) - pos
+            if held:
+                blob.pread(out[:held], pos)
+                out, pos = out[held:], pos + held
+            if not len(out):
+                return
+        try:
+            self.repo.fetch(file, pos, out, self.repo.meter.add)
+        except SourceError as e:
+            got = getattr(e, "got", 0)
+            if blob is not None and got:  # what did arrive is kept: a rerun resumes after it
+                with contextlib.suppress(OSError):
+                    blob.store(out[:got], pos)
+            raise
+        if blob is not None:
+            try:
+                blob.store(out, pos)
+            except OSError as e:
+                raise SourceError(f"cannot write the cache ({blob.partial}: {e.strerror})", "use `save --stream` or free space") from e  # fmt: skip
+
+    def prepare(self, t: TensorInfo, start: int, nbytes: int) -> Prepared:
+        return Prepared(None, t.offset + start, nbytes)
+
+    def read_prepared(
+        self, t: TensorInfo, start: int, nbytes: int, prepared: Prepared, region: memoryview
+    ) -> memoryview:
+        return self.read(t, start, nbytes, region)
+
+    def close(self) -> None:
+        pass  # the blobs stay open for `finish`; the source closes them
