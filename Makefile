@@ -44,6 +44,8 @@ $(VLLM_VENV)/.stamp: pyproject.toml
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q pytest
 	$(VPY) -m pip install -q --no-deps -e .
+	# reshard's checksum (vLLM requires it too; the --no-deps above does not pull it)
+	$(VPY) -m pip install -q blake3
 	touch $@
 
 # Ground truth: real vLLM (CPU build) on tiny checkpoints, at TP 1, 2, 4, with and without EP.

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from reshard.errors import OutputError
-from reshard.hashing import new_hasher
+from reshard.hashing import DEFAULT, new_hasher
 from reshard.io.memory import ALIGN, aligned_buffer
 
 if TYPE_CHECKING:
@@ -35,11 +35,11 @@ USE_O_DIRECT = os.environ.get("RESHARD_O_DIRECT", "1") != "0"
 
 @dataclass(frozen=True)
 class Written:
-    """A finished output file: its name, size and checksum."""
+    """A finished output file: its name, size and digest (None: not hashed, `--checksum none`)."""
 
     name: str
     size: int
-    sha256: str
+    digest: str | None
 
 
 class Sink(Protocol):
@@ -113,7 +113,7 @@ class FileWriter(GatheringSink):
     writes, with writeback started every WRITEBACK_BYTES so that the final fsync has little left.
     """
 
-    def __init__(self, path: Path, header: bytes) -> None:
+    def __init__(self, path: Path, header: bytes, checksum: str = DEFAULT) -> None:
         self.path = path
         self.fd = -1
         self.direct = False
@@ -127,7 +127,7 @@ class FileWriter(GatheringSink):
                 self.fd = os.open(path, flags, 0o666)
         except OSError as e:
             raise _write_error(path, e) from e
-        self.sha = new_hasher()
+        self.hasher = new_hasher(checksum)
         self.size = 0  # bytes written or staged
         self.flushed = 0  # bytes handed to writeback (buffered mode)
         self.bufs = [aligned_buffer(STAGE_BYTES), aligned_buffer(STAGE_BYTES)]
@@ -188,7 +188,7 @@ class FileWriter(GatheringSink):
 
         Whole blocks, except at the end: padded, and truncated in close()."""
         nbytes = self.fill
-        self.sha.update(self.stage[:nbytes])
+        self.hasher.update(self.stage[:nbytes])
         if self.direct and nbytes % ALIGN:
             pad = -nbytes % ALIGN
             self.stage[nbytes : nbytes + pad] = bytes(pad)
@@ -239,7 +239,7 @@ class FileWriter(GatheringSink):
             raise _write_error(self.path, e) from e
         finally:
             self._free()
-        return Written(self.path.name, self.size, self.sha.hexdigest())
+        return Written(self.path.name, self.size, self.hasher.hexdigest())
 
     def abort(self) -> None:
         with contextlib.suppress(BaseException):
