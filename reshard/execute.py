@@ -39,13 +39,13 @@ from pathlib import Path
 import numpy as np
 
 from reshard.checkpoint import Reader
-from reshard.format import ITEMSIZE, TensorInfo, encode_header
+from reshard.format import ITEMSIZE, TensorInfo
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
 from reshard.io.dtypes import Caster, fill_bytes
 from reshard.io.memory import DEFAULT_MAX_MEMORY, Lease, Memory
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
-from reshard.io.writer import FileWriter, Sink, Written
+from reshard.io.writer import FileWriter, Sink, Written, page_aligned_header
 from reshard.plan import Fill, OutFile, OutTensor, Plan, Slice, natural_key
 
 DEFAULT_CHUNK = 32 * 1024 * 1024
@@ -194,7 +194,7 @@ def _upsample(arr: np.ndarray, up: tuple[int, ...]) -> np.ndarray:
 
 
 def file_header(f: OutFile, metadata: dict[str, str]) -> bytes:
-    return encode_header([(t.name, t.dtype, t.shape) for t in f.tensors], metadata)
+    return page_aligned_header([(t.name, t.dtype, t.shape) for t in f.tensors], metadata)
 
 
 # ---- the executor ----------------------------------------------------------------------------------
