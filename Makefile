@@ -60,7 +60,8 @@ format: $(VENV)/.stamp
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# about 11 minutes: 4 GB and 16 GB synthetic checkpoints, page cache dropped between runs
+# 20-30 minutes: 4 GB llama and MoE (30B- and 235B-shaped) checkpoints, cache dropped and warm, vs cp -r;
+# peak RSS on 2/4/16 GB; rewrites docs/benchmarks.md (`python -m scripts.bench --report-only` re-renders it)
 bench: $(VENV)/.stamp
 	$(PY) -m scripts.bench
 
