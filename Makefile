@@ -44,6 +44,8 @@ $(VLLM_VENV)/.stamp: pyproject.toml
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q pytest
 	$(VPY) -m pip install -q --no-deps -e .
+	# reshard's checksum (vLLM requires it too; the --no-deps above does not pull it)
+	$(VPY) -m pip install -q blake3
 	touch $@
 
 # Ground truth: real vLLM (CPU build) on tiny checkpoints, at TP 1, 2, 4, with and without EP.
@@ -58,7 +60,8 @@ format: $(VENV)/.stamp
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# about 11 minutes: 4 GB and 16 GB synthetic checkpoints, page cache dropped between runs
+# 20-30 minutes: 4 GB llama and MoE (30B- and 235B-shaped) checkpoints, cache dropped and warm, vs cp -r;
+# peak RSS on 2/4/16 GB; rewrites docs/benchmarks.md (`python -m scripts.bench --report-only` re-renders it)
 bench: $(VENV)/.stamp
 	$(PY) -m scripts.bench
 

@@ -18,11 +18,10 @@ Threads overlap so that a save runs at the disk's speed (docs/benchmarks.md):
   (`reshard.io.reader`);
 - the main thread (here) takes those chunks in order and hands every rank *views* of its rows: no
   copy;
-- one writer thread per open output file (`reshard.io.worker`) gathers its views (strided column
-  slices included) into an aligned staging buffer and hashes it (sha256), while that file's I/O
-  thread writes the previous stage with O_DIRECT where the filesystem allows it
-  (RESHARD_O_DIRECT=0: buffered; `reshard.io.writer`). File I/O, numpy copies and hashlib release
-  the GIL, so the writers use every core.
+- one writer thread per open output file (`reshard.io.worker`) gathers strided views (column
+  slices) into an aligned stage and hashes it (BLAKE3 by default); contiguous views that line up
+  with the file go to disk from the read buffer itself. That file's I/O thread writes with O_DIRECT
+  where the filesystem allows it (`reshard.io.writer`). I/O, copies and hashes release the GIL.
 
 Memory is bounded by `max_memory` (`reshard.io.memory`): a fixed set of reused chunk buffers plus a
 byte budget for the rare pieces that are fresh arrays (dtype casts, up-sampled scales, fills), plus
@@ -40,12 +39,13 @@ from pathlib import Path
 import numpy as np
 
 from reshard.checkpoint import Reader
-from reshard.format import ITEMSIZE, TensorInfo, encode_header
+from reshard.format import ITEMSIZE, TensorInfo
+from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
 from reshard.io.dtypes import Caster, fill_bytes
 from reshard.io.memory import DEFAULT_MAX_MEMORY, Lease, Memory
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
-from reshard.io.writer import FileWriter, Sink, Written
+from reshard.io.writer import FileWriter, Sink, Written, page_aligned_header
 from reshard.plan import Fill, OutFile, OutTensor, Plan, Slice, natural_key
 
 DEFAULT_CHUNK = 32 * 1024 * 1024
@@ -194,7 +194,7 @@ def _upsample(arr: np.ndarray, up: tuple[int, ...]) -> np.ndarray:
 
 
 def file_header(f: OutFile, metadata: dict[str, str]) -> bytes:
-    return encode_header([(t.name, t.dtype, t.shape) for t in f.tensors], metadata)
+    return page_aligned_header([(t.name, t.dtype, t.shape) for t in f.tensors], metadata)
 
 
 # ---- the executor ----------------------------------------------------------------------------------
@@ -221,6 +221,7 @@ class Executor:
     chunk_bytes: source rows are read this many bytes at a time (the reused buffers' size).
     max_memory: about how many bytes of tensor data may be in memory at once: reused buffers and
         fresh arrays (at least 2 chunks); each open output file adds STAGE_BYTES on top.
+    checksum: the default sink's hash (`reshard.hashing.ALGORITHMS`).
     """
 
     def __init__(
@@ -237,6 +238,7 @@ class Executor:
         sync: bool = True,
         sink: Callable[[OutFile, bytes], Sink] | None = None,
         max_memory: int | None = None,
+        checksum: str = DEFAULT_CHECKSUM,
     ) -> None:
         self.plan = plan
         self.tensors = tensors
@@ -249,7 +251,7 @@ class Executor:
         self.mem = Memory(max_memory, self.chunk_bytes)
         self.progress = progress or (lambda n: None)
         self.sync = sync
-        self.sink = sink or (lambda f, header: FileWriter(self.out_dir / f.name, header))
+        self.sink = sink or (lambda f, header: FileWriter(self.out_dir / f.name, header, checksum))
         self.open: dict[str, Worker] = {}
         self.closing: list[Worker] = []
         self.done: list[Written] = []

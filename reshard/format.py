@@ -154,11 +154,21 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
+def encode_header(
+    entries: list[tuple[str, str, tuple[int, ...]]],
+    metadata: dict[str, str] | None = None,
+    *,
+    align: int = 8,
+    anchor: int = 0,
+) -> bytes:
     """Encode a header for tensors laid out back to back in the given order.
 
-    `entries` are (name, dtype code, shape). Returns the 8-byte length plus the padded JSON; the
-    data section is expected to follow immediately.
+    `entries` are (name, dtype code, shape). Returns the 8-byte length plus the JSON padded with
+    spaces (as the format allows) so that byte `anchor` of the data section, which follows
+    immediately, lies at a multiple of `align` in the file. align 8, anchor 0 is the safetensors
+    library's own choice (byte-identical headers); the executor page-aligns the data most of its
+    bytes start at, so that they go to disk from the read buffers with O_DIRECT. `anchor` is a
+    multiple of 8 (the data section stays 8-aligned).
     """
     obj: dict[str, object] = {}
     if metadata:
@@ -170,6 +180,7 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dic
         pos += nbytes
     raw = json.dumps(obj, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw) + anchor) % align)
     return struct.pack("<Q", len(raw)) + raw
 
 

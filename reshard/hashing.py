@@ -1,23 +1,80 @@
-"""The one place that knows how reshard checksums files: the algorithm, and hashing a file fast."""
+"""The one place that knows how reshard checksums files: the algorithms, and hashing a file fast.
+
+A manifest names its algorithm in the top-level field `checksum` (`ALGORITHMS`); each file entry
+then holds its digest under the algorithm's name (`"blake3": "<hex>"`, `"sha256": "<hex>"`), and
+none with `none`. Manifests written before the field existed hold `sha256` digests
+(`manifest_algorithm` says so). `save` hashes on the fly: `new_hasher(name)` gives an incremental
+hasher (`update`, `hexdigest`).
+
+BLAKE3 (the `blake3` package) is the default: about 2x sha256's speed per core here even with
+SHA-NI (docs/benchmarks.md), which matters when the hash is most of a save's CPU time. It runs
+single-threaded: the writer threads already hash several files at once, and its own threads made
+a 2-core machine slower. sha256 stays for users who must check files with `sha256sum -c`.
+"""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
-ALGORITHM = "sha256"  # what the manifest's per-file `sha256` holds
+DEFAULT = "blake3"
+LEGACY = "sha256"  # what a manifest without a `checksum` field holds
+NONE = "none"
+ALGORITHMS = (DEFAULT, "sha256", NONE)
+FIELD = "checksum"  # the manifest's top-level field naming the algorithm
 READ_BLOCK = 16 * 1024 * 1024
 
 
-def new_hasher(algorithm: str = ALGORITHM):
-    """An incremental hasher (`update`, `hexdigest`); hashlib releases the GIL on large updates."""
-    if algorithm != "sha256":
-        raise ValueError(f"unknown checksum algorithm {algorithm!r}")
-    return hashlib.sha256()
+class Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+    def hexdigest(self) -> str | None: ...
 
 
-def hash_bytes(data: bytes | memoryview, algorithm: str = ALGORITHM) -> str:
+class _NoHash:
+    """`none`: hashes nothing, digests nothing."""
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        pass
+
+    def hexdigest(self) -> None:
+        return None
+
+
+def new_hasher(algorithm: str = DEFAULT) -> Hasher:
+    """An incremental hasher (`update`, `hexdigest`; None for `none`). Both real ones release the
+    GIL on large updates, so writer threads hash in parallel. Raises ValueError on an unknown name."""
+    if algorithm == "blake3":
+        import blake3
+
+        return blake3.blake3()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == NONE:
+        return _NoHash()
+    raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+
+
+def manifest_algorithm(manifest: Mapping) -> str:
+    """The algorithm of a manifest's digests: its `checksum` field, `sha256` when absent (manifests
+    written before it was recorded). Raises ValueError when the field names no known algorithm."""
+    name = manifest.get(FIELD, LEGACY)
+    if name not in ALGORITHMS:
+        raise ValueError(f"checksum {name!r} is not one of {', '.join(ALGORITHMS)} (written by a newer reshard?)")
+    return name
+
+
+def entry_digest(entry: Mapping, algorithm: str) -> str | None:
+    """The digest a manifest entry (a rank file or a copied file) records for `algorithm`; None
+    for `none` or when the entry has none."""
+    if algorithm == NONE:
+        return None
+    value = entry.get(algorithm)
+    return value if isinstance(value, str) else None
+
+
+def hash_bytes(data: bytes | memoryview, algorithm: str = DEFAULT) -> str | None:
     h = new_hasher(algorithm)
     h.update(data)
     return h.hexdigest()
@@ -25,13 +82,16 @@ def hash_bytes(data: bytes | memoryview, algorithm: str = ALGORITHM) -> str:
 
 def hash_file(
     path: Path,
-    algorithm: str = ALGORITHM,
+    algorithm: str = DEFAULT,
     *,
     advance: Callable[[int], None] | None = None,
     block: int = READ_BLOCK,
-) -> str:
-    """A file's checksum: large sequential reads into one reused buffer. Raises OSError."""
+) -> str | None:
+    """A file's checksum (None for `none`, without reading): large sequential reads into one reused
+    buffer. Raises OSError."""
     h = new_hasher(algorithm)
+    if algorithm == NONE:
+        return None
     buf = bytearray(block)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:

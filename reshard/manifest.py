@@ -14,7 +14,7 @@ from typing import TypedDict
 from reshard import VLLM_VERSIONS, __version__
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import fsync_dir
-from reshard.hashing import hash_file
+from reshard.hashing import FIELD, NONE, entry_digest, hash_file, manifest_algorithm
 from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, parse_rank_file
 
 FORMAT = "reshard-sharded-state"
@@ -27,28 +27,36 @@ class TensorEntry(TypedDict):
     shape: list[int]
 
 
-class FileEntry(TypedDict):
+class Digests(TypedDict, total=False):
+    """A file's digest, under the name of the manifest's `checksum` algorithm (none: no digest)."""
+
+    blake3: str
+    sha256: str
+
+
+class FileEntry(Digests):
     name: str
     tp_rank: int
     pp_rank: int
     part: int
     size: int
-    sha256: str
     tensors: list[TensorEntry]
 
 
-class SideFile(TypedDict):
+class SideFile(Digests):
     """A file reshard copied (config, tokenizer, ...), path relative to the output folder."""
 
     name: str
     size: int
-    sha256: str
 
 
 class Manifest(TypedDict, total=False):
     format: str
     format_version: int
     reshard_version: str
+    # the algorithm of every digest in it (reshard.hashing.ALGORITHMS); absent: sha256 (manifests
+    # written before it was recorded)
+    checksum: str
     run_id: str
     created: str
     source: dict  # {"path"} or {"repo_id", "revision", "commit"}; re-shards add "resharded_from"
@@ -70,7 +78,14 @@ class Manifest(TypedDict, total=False):
     all_files: list[str]
 
 
-def side_file_entries(folder: Path, copied: list[str]) -> list[SideFile]:
+def with_digest(entry: dict, algorithm: str, digest: str | None) -> dict:
+    """`entry` with `digest` under the algorithm's name (nothing added for `none`)."""
+    if algorithm != NONE and digest is not None:
+        entry[algorithm] = digest
+    return entry
+
+
+def side_file_entries(folder: Path, copied: list[str], algorithm: str) -> list[SideFile]:
     """Size and checksum of every regular file under the copied names (folders walked), sorted."""
     out: list[SideFile] = []
     for name in copied:
@@ -79,7 +94,8 @@ def side_file_entries(folder: Path, copied: list[str]) -> list[SideFile]:
         for p in paths:
             if p.is_symlink():
                 continue
-            out.append({"name": p.relative_to(folder).as_posix(), "size": p.stat().st_size, "sha256": hash_file(p)})
+            entry = {"name": p.relative_to(folder).as_posix(), "size": p.stat().st_size}
+            out.append(with_digest(entry, algorithm, hash_file(p, algorithm)))  # type: ignore[arg-type]
     return out
 
 
@@ -92,9 +108,11 @@ def build_manifest(
     out_dir: str,
     copied: list[str],
     source_tensors: dict,
+    checksum: str,
     copied_files: list[SideFile] | None = None,
 ) -> Manifest:
-    """The manifest of `written` (name, size, sha256 of each file) for `plan` (a `reshard.plan.Plan`)."""
+    """The manifest of `written` (name, size, digest of each file, by `checksum`) for `plan` (a
+    `reshard.plan.Plan`)."""
     sums = {w.name: w for w in written}
     files: list[FileEntry] = []
     for f in plan.files:
@@ -102,21 +120,13 @@ def build_manifest(
             continue
         w = sums[f.name]
         tensors: list[TensorEntry] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in f.tensors]
-        files.append(
-            {
-                "name": f.name,
-                "tp_rank": f.tp_rank,
-                "pp_rank": f.pp_rank,
-                "part": f.part,
-                "size": w.size,
-                "sha256": w.sha256,
-                "tensors": tensors,
-            }
-        )
+        entry = {"name": f.name, "tp_rank": f.tp_rank, "pp_rank": f.pp_rank, "part": f.part, "size": w.size}
+        files.append(with_digest({**entry, "tensors": tensors}, checksum, w.digest))  # type: ignore[arg-type]
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "reshard_version": __version__,
+        FIELD: checksum,  # type: ignore[misc]
         "run_id": run_id,
         "created": created,
         "source": plan.source,
@@ -181,12 +191,16 @@ def manifest_problems(m: dict) -> list[str]:
         out.append("run_id is not a string")
     if "vllm_versions" in m and not isinstance(m["vllm_versions"], str):
         out.append(f"vllm_versions is {m['vllm_versions']!r}")
+    try:
+        algorithm = manifest_algorithm(m)
+    except ValueError as e:
+        return [*out, str(e)]
     files = m.get("files")
     if not isinstance(files, list):
         return [*out, "files is not a list"]
     seen: set[str] = set()
     for i, e in enumerate(files):
-        out += _file_problems(i, e, seen)
+        out += _file_problems(i, e, seen, algorithm)
     src = m.get("source_tensors")
     if src is not None and not isinstance(src, dict):
         out.append("source_tensors is not an object")
@@ -206,7 +220,7 @@ def _layout_problems(lay: dict) -> list[str]:
     return out
 
 
-def _file_problems(i: int, e: object, seen: set[str]) -> list[str]:
+def _file_problems(i: int, e: object, seen: set[str], algorithm: str) -> list[str]:
     """Problems of the manifest's files[i]; adds its name to `seen` (a name listed twice is one)."""
     if not isinstance(e, dict):
         return [f"files[{i}] is not an object"]
@@ -221,8 +235,8 @@ def _file_problems(i: int, e: object, seen: set[str]) -> list[str]:
     for k in ("tp_rank", "pp_rank", "part", "size"):
         if not isinstance(e.get(k), int) or e[k] < 0:
             out.append(f"files[{i}].{k} is {e.get(k)!r}")
-    if not isinstance(e.get("sha256"), str):
-        out.append(f"files[{i}].sha256 is {e.get('sha256')!r}")
+    if algorithm != NONE and entry_digest(e, algorithm) is None:
+        out.append(f"files[{i}].{algorithm} is {e.get(algorithm)!r}")
     ts = e.get("tensors")
     if not isinstance(ts, list) or not all(
         isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
@@ -262,6 +276,11 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
     for p in pieces[1:]:
         if p["run_id"] != first["run_id"]:
             raise OutputError(f"{out_dir}: pieces of two different jobs (run ids {first['run_id']}, {p['run_id']})")
+        if p.get(FIELD) != first.get(FIELD):
+            raise OutputError(
+                f"{out_dir}: pieces saved with different --checksum ({first.get(FIELD)}, {p.get(FIELD)})",
+                "rerun the pieces with one --checksum",
+            )
     entries = {f["name"]: f for p in pieces for f in p["files"]}
     missing = [n for n in first["all_files"] if n not in entries]
     if missing:

@@ -23,6 +23,7 @@ from reshard.checkpoint import Checkpoint, Source
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError
 from reshard.execute import Executor
+from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
 from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
 from reshard.manifest import (
     Manifest,
@@ -69,6 +70,7 @@ class _Job:
     chosen: list[int] | None  # --ranks, or None for all
     run_id: str
     source_tensors: dict
+    checksum: str = DEFAULT_CHECKSUM
 
     @property
     def ckpt(self) -> Checkpoint:
@@ -98,6 +100,7 @@ def save(
     on_plan: Callable[[Plan, Source], Progress | None] | None = None,
     moe_backend: str = "auto",
     stream: bool = False,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> SaveResult:
     """Write every rank's files of `source` into `out_dir`; see `reshard save --help`."""
     group = Group.from_env()
@@ -114,7 +117,7 @@ def save(
             pp_partition=pp_partition,
             moe_backend=moe_backend,
         )
-        job = _job(src, plan, ranks, group)
+        job = replace(_job(src, plan, ranks, group), checksum=checksum)
         staged = staging_dir(out_dir, job.run_id + (f"-{ranks_tag(job.chosen)}" if job.piece and job.chosen else ""))
         with contextlib.ExitStack() as held:  # process 0 holds OUT_DIR's lock until it has published
             _check_output(job, group, out_dir, staged, held, overwrite=overwrite, device=device)
@@ -191,8 +194,8 @@ def _write(
     meta = {"format": "pt", "reshard_run": job.run_id, "reshard_layout": _layout_tag(job.plan)}
     written, failure = [], None
     try:
-        written = run_executor(replace(job.plan, files=mine), job.source, tmp, meta, device=device,
-                               progress=progress, chunk_bytes=chunk_bytes, max_memory=max_memory)  # fmt: skip
+        written = run_executor(replace(job.plan, files=mine), job.source, tmp, meta, device=device, progress=progress,
+                               chunk_bytes=chunk_bytes, max_memory=max_memory, checksum=job.checksum)  # fmt: skip
     except (ReshardError, OSError) as e:
         failure = e
     if group is not None:
@@ -212,8 +215,8 @@ def _finish(job: _Job, written: list, staged: Path, out_dir: Path) -> Manifest:
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     copied = _copy_side_files(job.ckpt, job.plan, staged)
     manifest = build_manifest(job.plan, written, run_id=job.run_id, created=created, out_dir=str(out_dir),
-                              copied=copied, source_tensors=job.source_tensors,
-                              copied_files=side_file_entries(staged, copied))  # fmt: skip
+                              copied=copied, source_tensors=job.source_tensors, checksum=job.checksum,
+                              copied_files=side_file_entries(staged, copied, job.checksum))  # fmt: skip
     if job.piece:
         assert job.chosen is not None
         manifest["ranks"] = job.chosen
@@ -268,9 +271,10 @@ def run_executor(
     progress: Progress | None = None,
     chunk_bytes: int | None = None,
     max_memory: int | None = None,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> list:
     """Write `plan`'s files into `out`, reading through the source's own reader."""
-    kwargs: dict = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    kwargs: dict = {"chunk_bytes": chunk_bytes, "checksum": checksum} if chunk_bytes else {"checksum": checksum}
     if max_memory:
         kwargs["max_memory"] = max_memory
     ckpt = source.checkpoint

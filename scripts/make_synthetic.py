@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a synthetic Hugging Face checkpoint with a real architecture's tensor names and shapes.
 
-    python -m scripts.make_synthetic OUT --arch llama|qwen3-moe [--fp8] --size 4GB
+    python -m scripts.make_synthetic OUT --arch llama|qwen3-moe|qwen3-235b [--fp8] --size 4GB
 
 The model is Llama-3-8B (dense) or Qwen3-30B-A3B (MoE) with as many decoder layers as it takes to
 reach --size (fewer than the real model for small sizes, more above it). When even one layer plus
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from reshard.format import ITEMSIZE, encode_header
-from tests.fixtures.synthetic import LLAMA_3_8B, QWEN3_30B_A3B, tensor_specs, with_fp8
+from tests.fixtures.synthetic import LLAMA_3_8B, QWEN3_30B_A3B, QWEN3_235B_A22B_FP8, tensor_specs, with_fp8
 
 POOL_BYTES = 32 * 1024 * 1024
 WRITE_BLOCK = 16 * 1024 * 1024
@@ -76,6 +76,11 @@ ARCHS = {
         "initializer_range": 0.02,
         "use_cache": True,
     },
+}
+# Qwen3-235B-A22B's shapes (128 experts of 1536 x 4096 per layer: many small tensors); --fp8 for its FP8 release
+ARCHS["qwen3-235b"] = {
+    **ARCHS["qwen3-moe"],
+    **{k: v for k, v in QWEN3_235B_A22B_FP8.items() if k != "quantization_config"},
 }
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

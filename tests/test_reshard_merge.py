@@ -78,7 +78,7 @@ def test_output_with_a_damaged_file_is_refused_as_source(tiny, tmp_path):
     data = bytearray(victim.read_bytes())
     data[-10] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(CorruptError, match=r"model-rank-1-part-0\.safetensors fails its sha256"):
+    with pytest.raises(CorruptError, match=r"model-rank-1-part-0\.safetensors fails its blake3 checksum"):
         save(str(tmp_path / "out"), tmp_path / "again", tp=1, max_part_size=MAX)
     with pytest.raises(CorruptError):
         merge(tmp_path / "out", tmp_path / "hf")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
+import blake3
 import pytest
 import torch
 from safetensors import safe_open
@@ -67,7 +67,7 @@ def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
     for entry in manifest["files"]:
         data = (out / entry["name"]).read_bytes()
         assert len(data) == entry["size"]
-        assert hashlib.sha256(data).hexdigest() == entry["sha256"]
+        assert manifest["checksum"] == "blake3" and blake3.blake3(data).hexdigest() == entry["blake3"]
     assert not list(out.glob(".reshard-tmp-*"))
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
     assert not (out / "model.safetensors.index.json").exists()

@@ -7,10 +7,10 @@ message names the file and, where it applies, the tensor.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 
+import blake3
 import pytest
 import torch
 from click.testing import CliRunner
@@ -69,7 +69,7 @@ def rewrite(out_dir, name, mutate):
     for e in manifest["files"]:
         if e["name"] == name:
             e["size"] = path.stat().st_size
-            e["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+            e["blake3"] = blake3.blake3(path.read_bytes()).hexdigest()
     (out_dir / "reshard.json").write_text(json.dumps(manifest))
 
 
@@ -89,7 +89,7 @@ def test_clean_output_passes(clean):
     assert code == 0, rep["findings"]
     assert rep["findings"] == []
     assert rep["checked"] == ["manifest", "structure", "keys", "checksums"]
-    assert len(rep["files"]) == 2 and all(f["sha256"] for f in rep["files"])
+    assert len(rep["files"]) == 2 and all(f["digest"] for f in rep["files"])
     assert rep["keys"] > 0 and rep["layout"]["tp"] == 2
 
 
@@ -117,7 +117,7 @@ def test_clean_layouts_pass(tiny, tmp_path, arch, kw):
     assert "keys" in report.checked
     report = verify(tmp_path / "o", against=str(src), deep=True)
     assert report.exit_code == 0, [f.message for f in report.findings]
-    assert report.stats["compared_bytes"] > 0 and all(s.sha256 for s in report.files)
+    assert report.stats["compared_bytes"] > 0 and all(s.digest for s in report.files)
 
 
 def test_exit_code_through_main(out):
@@ -301,9 +301,9 @@ def test_deep_clean(clean):
     assert code == 0, rep["findings"]
     assert "deep" in rep["checked"]
     assert rep["stats"]["compared_bytes"] > 0
-    # the sha256 came with the compare: no second pass over the files
+    # the digest came with the compare: no second pass over the files
     assert "hashed_bytes" not in rep["stats"] and rep["stats"]["hashed_in_compare_bytes"] == rep["bytes"]
-    assert all(f["sha256"] for f in rep["files"])
+    assert all(f["digest"] for f in rep["files"])
 
 
 def test_deep_names_flipped_tensor(clean, out):
@@ -425,6 +425,6 @@ def test_edited_tokenizer_is_caught(out):
 
 def test_every_copied_file_has_a_checksum(out):
     manifest = json.loads((out / "reshard.json").read_text())
-    sums = {e["name"]: e["sha256"] for e in manifest["copied_files"]}
+    sums = {e["name"]: e["blake3"] for e in manifest["copied_files"]}
     assert set(sums) == set(manifest["copied"]) and "config.json" in sums
-    assert sums["config.json"] == hashlib.sha256((out / "config.json").read_bytes()).hexdigest()
+    assert sums["config.json"] == blake3.blake3((out / "config.json").read_bytes()).hexdigest()

@@ -20,6 +20,8 @@ from reshard.commands.options import (
     tp_option,
 )
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.hashing import ALGORITHMS
+from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
 from reshard.layout import DEFAULT_MAX_PART, MANIFEST
 from reshard.vllm_versions import serve_note
 
@@ -38,6 +40,9 @@ from reshard.vllm_versions import serve_note
 @click.option("--max-memory", type=ByteSize(), default="512MiB", show_default=True,
               help="Bound on tensor data held in memory (read-ahead and write buffers); each open "
                    "output file adds 8 MiB.")  # fmt: skip
+@click.option("--checksum", type=click.Choice(ALGORITHMS), default=DEFAULT_CHECKSUM, show_default=True,
+              help="Each file's digest in reshard.json, computed while writing (verify checks it): blake3 is "
+                   "fast; sha256 for `sha256sum -c`; none records sizes only.")  # fmt: skip
 @revision_option
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where each piece is materialised before writing; cpu needs no GPU.")  # fmt: skip
@@ -60,6 +65,7 @@ def save_cmd(
     moe_backend,
     max_part_size,
     max_memory,
+    checksum,
     revision,
     device,
     overwrite,
@@ -91,6 +97,7 @@ def save_cmd(
             source, out_dir, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size,
             revision=revision, device=device, overwrite=overwrite, ranks=ranks, max_memory=max_memory,
             pp_partition=pp_partition, on_plan=on_plan, moe_backend=moe_backend, stream=stream,
+            checksum=checksum,
         )  # fmt: skip
     seconds = time.monotonic() - t0
     m = result.manifest

@@ -33,7 +33,7 @@ PER_KIND = 6  # of one kind
 @click.option("--pp", type=click.IntRange(min=1), default=None,
               help="Pipeline-parallel size you will serve with (default: as recorded).")  # fmt: skip
 @click.option("--no-checksums", "checksums", flag_value=False, default=True,
-              help="Skip the sha256 of every file against the manifest.")  # fmt: skip
+              help="Skip the checksum of every file against the manifest.")  # fmt: skip
 @click.option("--against", metavar="SOURCE",
               help="Derive the expected keys from this checkpoint (folder or Hub repo id); works on folders "
                    "without reshard.json, e.g. written by vLLM's save_sharded_state.")  # fmt: skip
@@ -53,7 +53,7 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
       keys       per rank, the keys, dtypes and shapes vLLM's sharded_state loader expects,
                  derived again from config.json and the source headers in the manifest
                  (or from --against SOURCE)
-      checksums  sha256 of every file against the manifest
+      checksums  every file's checksum against the manifest (blake3, or sha256 as it names)
       deep       (--against SOURCE --deep) every byte against what SOURCE produces
 
     Exit codes: 0 ok (warnings allowed), 6 the layout differs from the recorded or asked one
@@ -160,11 +160,13 @@ def _summary(report: Report, seconds: float) -> str:
     st = report.stats
     speed = []
     if st.get("hash_gb_per_s"):
-        speed.append(f"sha256 {human_bytes(st['hashed_bytes'])} at {st['hash_gb_per_s']:.2f} GB/s")
+        speed.append(
+            f"{st.get('checksum', 'hash')} {human_bytes(st['hashed_bytes'])} at {st['hash_gb_per_s']:.2f} GB/s"
+        )
     if st.get("deep_gb_per_s"):
         speed.append(f"compared {human_bytes(st['compared_bytes'])} at {st['deep_gb_per_s']:.2f} GB/s")
     if st.get("hashed_in_compare_bytes"):
-        speed.append(f"sha256 of {human_bytes(st['hashed_in_compare_bytes'])} while comparing")
+        speed.append(f"{st.get('checksum', 'hash')} of {human_bytes(st['hashed_in_compare_bytes'])} while comparing")
     checked = "+".join(report.checked) or "nothing"
     detail = f"{len(report.files)} files, {keys} keys, {human_bytes(size)}; checked {checked}"
     if speed:

@@ -2,7 +2,10 @@
 
 A file is written sequentially and hashed on the fly through two aligned staging buffers per open
 file: the writer thread gathers into one and hashes it while the file's I/O thread writes the
-other with O_DIRECT where the filesystem allows it (RESHARD_O_DIRECT=0: buffered).
+other with O_DIRECT where the filesystem allows it (RESHARD_O_DIRECT=0: buffered). Large
+contiguous writes whose memory lines up with the file (page offsets equal: the executor's headers
+are page-padded and its read buffers page-aligned) skip the stage: hashed and written from the
+caller's buffer.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import math
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from reshard.errors import OutputError
-from reshard.hashing import new_hasher
+from reshard.format import ITEMSIZE, encode_header
+from reshard.hashing import DEFAULT, new_hasher
 from reshard.io.memory import ALIGN, aligned_buffer
 
 if TYPE_CHECKING:
@@ -31,15 +36,17 @@ if TYPE_CHECKING:
 STAGE_BYTES = 4 * 1024 * 1024  # per output file (x2): staged, hashed and written this many bytes at a time
 WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every this many bytes
 USE_O_DIRECT = os.environ.get("RESHARD_O_DIRECT", "1") != "0"
+THROUGH_MIN = 1024 * 1024  # contiguous writes from this size may skip the stage (see FileWriter.write)
+THROUGH_SEGMENT = 8 * 1024 * 1024  # ... hashed and written this many bytes at a time
 
 
 @dataclass(frozen=True)
 class Written:
-    """A finished output file: its name, size and checksum."""
+    """A finished output file: its name, size and digest (None: not hashed, `--checksum none`)."""
 
     name: str
     size: int
-    sha256: str
+    digest: str | None
 
 
 class Sink(Protocol):
@@ -113,7 +120,7 @@ class FileWriter(GatheringSink):
     writes, with writeback started every WRITEBACK_BYTES so that the final fsync has little left.
     """
 
-    def __init__(self, path: Path, header: bytes) -> None:
+    def __init__(self, path: Path, header: bytes, checksum: str = DEFAULT) -> None:
         self.path = path
         self.fd = -1
         self.direct = False
@@ -127,7 +134,7 @@ class FileWriter(GatheringSink):
                 self.fd = os.open(path, flags, 0o666)
         except OSError as e:
             raise _write_error(path, e) from e
-        self.sha = new_hasher()
+        self.hasher = new_hasher(checksum)
         self.size = 0  # bytes written or staged
         self.flushed = 0  # bytes handed to writeback (buffered mode)
         self.bufs = [aligned_buffer(STAGE_BYTES), aligned_buffer(STAGE_BYTES)]
@@ -149,6 +156,14 @@ class FileWriter(GatheringSink):
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         n = view.nbytes
+        if n >= THROUGH_MIN and (not self.direct or (_address(view) - self.size) % ALIGN == 0):
+            self._write_through(view)
+            return
+        self._stage_bytes(view)
+
+    def _stage_bytes(self, view: memoryview) -> None:
+        """Copy into the stage, flushing every full one."""
+        n = view.nbytes
         self.size += n
         if n < STAGE_BYTES - self.fill:
             self.stage[self.fill : self.fill + n] = view
@@ -162,6 +177,31 @@ class FileWriter(GatheringSink):
             pos += k
             if self.fill == STAGE_BYTES:
                 self._flush()
+
+    def _write_through(self, view: memoryview) -> None:
+        """Write `view` from its own memory: no copy into a stage.
+
+        With O_DIRECT, `view`'s address and the file position are equal modulo ALIGN: the bytes up
+        to the next aligned file position go through the stage, which is then written (it ends at
+        an aligned position: no padding), the whole blocks after it straight from `view`, and the
+        rest into the next stage. Segments are hashed while the previous one is written; returns
+        once all are written (`view`'s memory is the caller's again)."""
+        n = view.nbytes
+        head = min(n, -self.size % ALIGN) if self.direct else 0
+        if head:
+            self._stage_bytes(view[:head])
+        end = head + (n - head) // ALIGN * ALIGN if self.direct else n
+        if end > head and self.fill:
+            self._flush()
+        for a in range(head, end, THROUGH_SEGMENT):
+            part = view[a : min(a + THROUGH_SEGMENT, end)]
+            self.hasher.update(part)
+            self.size += part.nbytes
+            self._wait()
+            self.pending = self.io.submit(self._write_out, part, self.size)
+        self._wait()
+        if end < n:
+            self._stage_bytes(view[end:])
 
     def write_array(self, arr: np.ndarray) -> None:
         """Write a strided uint8 array in C order, gathering it straight into the stage."""
@@ -188,7 +228,7 @@ class FileWriter(GatheringSink):
 
         Whole blocks, except at the end: padded, and truncated in close()."""
         nbytes = self.fill
-        self.sha.update(self.stage[:nbytes])
+        self.hasher.update(self.stage[:nbytes])
         if self.direct and nbytes % ALIGN:
             pad = -nbytes % ALIGN
             self.stage[nbytes : nbytes + pad] = bytes(pad)
@@ -239,7 +279,7 @@ class FileWriter(GatheringSink):
             raise _write_error(self.path, e) from e
         finally:
             self._free()
-        return Written(self.path.name, self.size, self.sha.hexdigest())
+        return Written(self.path.name, self.size, self.hasher.hexdigest())
 
     def abort(self) -> None:
         with contextlib.suppress(BaseException):
@@ -260,6 +300,26 @@ class FileWriter(GatheringSink):
         for b in self.bufs:
             with contextlib.suppress(BufferError):
                 b.close()
+
+
+def page_aligned_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """A safetensors header (name, dtype, shape per tensor, back to back) padded so that the page
+    offset most of the file's bytes share is 0 in the file: their tensors start where pages start,
+    as their bytes do in the read buffers, so they can go through (`FileWriter.write`)."""
+    share: dict[int, int] = {}
+    pos = 0
+    for _, dtype, shape in entries:
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if pos % 8 == 0:
+            share[pos % ALIGN] = share.get(pos % ALIGN, 0) + nbytes
+        pos += nbytes
+    anchor = max(share, key=lambda k: (share[k], -k), default=0)
+    return encode_header(entries, metadata, align=ALIGN, anchor=anchor)
+
+
+def _address(view: memoryview) -> int:
+    """Where a contiguous buffer's first byte lies in memory."""
+    return np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
 
 
 def _write_error(path: Path, e: OSError) -> OutputError:

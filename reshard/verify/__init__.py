@@ -8,7 +8,8 @@ Four layers of checks, cheapest first:
 - keys (`keys.py`): the keys, dtypes and shapes every rank must hold are derived again (the copied
   config.json plus the source headers recorded in the manifest, or `--against SOURCE`) and diffed
   per rank with what the headers hold, each difference told as vLLM's ShardedStateLoader would meet it.
-- integrity (`integrity.py`): sha256 of every file against the manifest.
+- integrity (`integrity.py`): every file's checksum against the manifest (the algorithm it names:
+  blake3, sha256 for manifests without the field, or none).
 - deep (`deep.py`, `--against SOURCE --deep`): every output byte regenerated from the source by the
   executor and compared with the file, naming the first differing tensor of each file.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard import vllm_versions
+from reshard.hashing import NONE
 from reshard.sources import open_source
 from reshard.verify import integrity, keys, structure
 from reshard.verify.deep import compare, locate
@@ -48,7 +50,7 @@ def verify(
         out_dir: a `reshard save` output (or, with `against`, any sharded_state folder).
         strict: missing keys are errors (vLLM refuses them); False: warnings.
         tp, ep, pp: the layout it will be served with; None: the recorded one.
-        checksums: sha256 every file against the manifest.
+        checksums: hash every file against the manifest (with the algorithm it names).
         against: SOURCE checkpoint (folder or repo id) to derive the expected keys from.
         deep: with `against`, regenerate every tensor from the source and compare its bytes.
         revision: Hub revision of `against`.
@@ -90,7 +92,8 @@ def verify(
     hash_too = checksums and folder.manifest is not None
     if deep and source is not None and plan is not None:
         report.checked.append("deep")
-        compare(report, folder, plan, source, [f for f in folder.files if f.ok], progress, hash_too=hash_too)
+        files = [f for f in folder.files if f.ok]
+        compare(report, folder, plan, source, files, progress, hash_too=hash_too and folder.checksum != NONE)
     if hash_too:
         report.checked.append("checksums")
         damaged = integrity.check_sums(report, folder, progress, against)

@@ -40,7 +40,7 @@ def compare(
 ) -> None:
     """Regenerate each file's tensors from the source with the executor; compare byte for byte.
 
-    hash_too: compute each file's sha256 on the way when the compare reads all of it.
+    hash_too: compute each file's digest (the manifest's checksum) on the way when the compare reads all of it.
     """
     plan = _compare_plan(expected, files)
     total = sum(f.data_bytes for f in plan.files)
@@ -50,7 +50,8 @@ def compare(
 
     def sink(of: OutFile, header: bytes) -> _CompareSink:
         f = infos[of.name]
-        s = sinks[f.name] = _CompareSink(folder.out / f.name, f, diffs.setdefault(f.name, []), hash_too=hash_too)
+        s = sinks[f.name] = _CompareSink(folder.out / f.name, f, diffs.setdefault(f.name, []),
+                                         checksum=folder.checksum if hash_too else None)  # fmt: skip
         return s
 
     # the source's own reader: a reshard output as SOURCE is read back out of its rank files
@@ -61,8 +62,8 @@ def compare(
     report.count("compared_bytes", total)
     report.stats["deep_seconds"] = round(report.stats.get("deep_seconds", 0) + time.monotonic() - t0, 3)
     for name, s in sinks.items():
-        if s.sha256 is not None:
-            infos[name].sha256 = s.sha256
+        if s.digest is not None:
+            infos[name].digest = s.digest
             report.count("hashed_in_compare_bytes", infos[name].size)
     for f in files:
         _tell_diffs(report, f, diffs.get(f.name, []))
@@ -125,11 +126,11 @@ class _CompareSink:
 
     The file is read where its own header puts each tensor, so the header's metadata (run id, ...)
     does not matter. When the tensors arrive in file order, as reshard writes them, the reads are
-    sequential and cover the whole file; the sha256 is then computed on a helper thread as a side
+    sequential and cover the whole file; the digest is then computed on a helper thread as a side
     effect, and the checksum pass skips the file.
     """
 
-    def __init__(self, path: Path, f: CheckedFile, diffs: list, *, hash_too: bool) -> None:
+    def __init__(self, path: Path, f: CheckedFile, diffs: list, *, checksum: str | None) -> None:
         self.path = path
         self.file = f
         self.diffs = diffs
@@ -145,11 +146,11 @@ class _CompareSink:
         self.sha = None
         self.sha_pos = 0
         self.pending: list[cf.Future | None] = [None, None, None]
-        self.sha256: str | None = None
-        if hash_too:
+        self.digest: str | None = None
+        if checksum is not None:
             start = min((t.offset for t in f.tensors.values()), default=f.size)
             head = os.pread(self.fd, start, 0)
-            self.sha = new_hasher()
+            self.sha = new_hasher(checksum)
             self.sha.update(head)
             self.sha_pos = len(head)
             self.hasher = cf.ThreadPoolExecutor(1, thread_name_prefix="reshard-deep-sha")
@@ -220,9 +221,9 @@ class _CompareSink:
             self.hasher.shutdown(wait=True)
             self.hasher = None
         if self.sha is not None and self.sha_pos == self.file.size:
-            self.sha256 = self.sha.hexdigest()
+            self.digest = self.sha.hexdigest()
         os.close(self.fd)
-        return Written(self.file.name, self.file.size or 0, self.sha256 or "")
+        return Written(self.file.name, self.file.size or 0, self.digest)
 
     def abort(self) -> None:
         if self.hasher is not None:

@@ -6,7 +6,7 @@ import concurrent.futures as cf
 import os
 import time
 
-from reshard.hashing import hash_file
+from reshard.hashing import NONE, entry_digest, hash_file
 from reshard.layout import MANIFEST
 from reshard.verify.report import CORRUPT, RERUN, CheckedFile, Progress, Report, advance_for
 from reshard.verify.structure import Folder
@@ -16,15 +16,21 @@ MAX_THREADS = 16
 
 def check_sums(report: Report, folder: Folder, progress: Progress | None, against: str | None) -> list[CheckedFile]:
     """Hash the files of the manifest's size not hashed yet (--deep hashes while comparing), compare
-    every sum with the manifest's; returns the files that differ."""
+    every sum with the manifest's (by the algorithm it names); returns the files that differ."""
+    algorithm = folder.checksum
+    report.stats["checksum"] = algorithm
+    if algorithm == NONE:
+        report.add("checksum", "the manifest records no checksums (saved with --checksum none): file contents "
+                   "not checked; sizes and headers were", code=0, warn=True)  # fmt: skip
+        return []
     whole = [f for f in folder.files if f.entry and f.size is not None and f.size == f.entry["size"]]
-    hashed = [f for f in whole if f.sha256 is not None]
-    todo = [f for f in whole if f.sha256 is None]
-    _hash(report, folder, todo, progress)
-    damaged = [f for f in hashed + todo if f.sha256 is not None and f.sha256 != f.entry["sha256"]]
+    hashed = [f for f in whole if f.digest is not None]
+    todo = [f for f in whole if f.digest is None]
+    _hash(report, folder, todo, progress, algorithm)
+    damaged = [f for f in hashed + todo if f.digest is not None and f.digest != entry_digest(f.entry, algorithm)]
     hint = "" if against else "; add --against SOURCE to find the damaged tensor"
     for f in damaged:
-        report.add("checksum", f"{f.name}: sha256 differs from the manifest: the file changed after it was "
+        report.add("checksum", f"{f.name}: {algorithm} differs from the manifest: the file changed after it was "
                    f"written ({RERUN}{hint})", code=CORRUPT, file=f.name)  # fmt: skip
     return damaged
 
@@ -33,43 +39,47 @@ def check_side_files(report: Report, folder: Folder) -> None:
     """Every file reshard copied (config, tokenizer, ...) is there, of its size and checksum: an
     edited config.json changes what vLLM builds as surely as a changed weight."""
     m = folder.manifest or {}
+    algorithm = folder.checksum
     entries = m.get("copied_files") or []
     for e in entries:
-        if not isinstance(e, dict) or not all(
-            isinstance(e.get(k), t) for k, t in (("name", str), ("size", int), ("sha256", str))
+        if (
+            not isinstance(e, dict)
+            or not all(isinstance(e.get(k), t) for k, t in (("name", str), ("size", int)))
+            or (algorithm != NONE and entry_digest(e, algorithm) is None)
         ):
             report.add("manifest", f"malformed copied_files entry {e!r}", code=CORRUPT, file=MANIFEST)
             continue
         path = folder.out / e["name"]
         try:
             size = path.stat().st_size
-            digest = hash_file(path) if size == e["size"] else None
+            digest = hash_file(path, algorithm) if size == e["size"] else ""
         except OSError as err:
             if not path.exists():
                 continue  # told by the structure check (a copied file is missing)
             report.add("checksum", f"{e['name']}: cannot read ({err.strerror})", code=CORRUPT, file=e["name"])
             continue
-        if digest != e["sha256"]:
+        if digest != entry_digest(e, algorithm):
             report.add("checksum", f"{e['name']} (copied from the source) changed after it was written: vLLM "
                        f"would build the model from the edited file ({RERUN})", code=CORRUPT, file=e["name"])  # fmt: skip
     if entries:
         report.stats["side_files_checked"] = len(entries)
 
 
-def _hash(report: Report, folder: Folder, todo: list[CheckedFile], progress: Progress | None) -> None:
-    """Set each file's sha256, several files at once, largest first (balanced threads)."""
+def _hash(report: Report, folder: Folder, todo: list[CheckedFile], progress: Progress | None, algorithm: str) -> None:
+    """Set each file's digest, several files at once, largest first (balanced threads)."""
     total = sum(f.size for f in todo)
     advance = advance_for(progress, "hashing", total)
     t0 = time.monotonic()
     workers = max(1, min(len(todo), os.cpu_count() or 4, MAX_THREADS))
-    with cf.ThreadPoolExecutor(workers, thread_name_prefix="reshard-sha") as pool:
+    with cf.ThreadPoolExecutor(workers, thread_name_prefix="reshard-hash") as pool:
         futures = {
-            pool.submit(hash_file, folder.out / f.name, advance=advance): f for f in sorted(todo, key=lambda f: -f.size)
+            pool.submit(hash_file, folder.out / f.name, algorithm, advance=advance): f
+            for f in sorted(todo, key=lambda f: -f.size)
         }
         for fut in cf.as_completed(futures):
             f = futures[fut]
             try:
-                f.sha256 = fut.result()
+                f.digest = fut.result()
             except OSError as e:
                 report.add("checksum", f"{f.name}: cannot read ({e.strerror})", code=CORRUPT, file=f.name)
     if total:

@@ -52,7 +52,7 @@ class CheckedFile:
     size: int | None = None  # None: absent (or not looked at yet)
     tensors: dict[str, TensorInfo] | None = None  # None: header unreadable (or file absent)
     meta: dict[str, str] = field(default_factory=dict)
-    sha256: str | None = None  # as computed (None when not hashed)
+    digest: str | None = None  # as computed with the manifest's checksum (None when not hashed)
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -153,7 +153,7 @@ class Report:
             "part": s.part,
             "keys": s.keys,
             "bytes": s.size,
-            "sha256": s.sha256,
+            "digest": s.digest,
             "errors": sum(1 for f in found if f.severity == ERROR),
             "warnings": sum(1 for f in found if f.severity == WARNING),
         }

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from reshard.errors import CorruptError, SourceError
 from reshard.format import DTYPE_CODES, read_header
+from reshard.hashing import LEGACY, manifest_algorithm
 from reshard.layout import (
     CONFIG,
     MANIFEST,
@@ -64,6 +65,11 @@ class Folder:
     files: list[CheckedFile] = field(default_factory=list)
     rank_code: int = CORRUPT
     asked: Layout | None = None
+
+    @property
+    def checksum(self) -> str:
+        """The algorithm of the manifest's digests (a manifest read here is valid, so it is known)."""
+        return manifest_algorithm(self.manifest) if self.manifest is not None else LEGACY
 
 
 def read_folder(
