@@ -112,7 +112,19 @@ def main(argv: list[str] | None = None) -> int:
         toks = generate.greedy_tokens_many(runs, a.tp, max_tokens=a.max_tokens)
         results += list(zip(names, toks, strict=True))
     for i, (name, toks) in enumerate(results):
-        print(json.dumps({"arch": a.arch, "shape": a.shape, "tp": a.tp, "variant": a.variant, "run": i, "loader": name, "tokens": toks}))
+        print(
+            json.dumps(
+                {
+                    "arch": a.arch,
+                    "shape": a.shape,
+                    "tp": a.tp,
+                    "variant": a.variant,
+                    "run": i,
+                    "loader": name,
+                    "tokens": toks,
+                }
+            )
+        )
     same = all(t == results[0][1] for _, t in results)
     print("EQUAL" if same else "DIFFERENT", f"({time.perf_counter() - t0:.0f}s)")
     return 0 if same else 1

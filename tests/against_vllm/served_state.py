@@ -13,7 +13,8 @@ records must be equal byte for byte; each difference is returned as one line.
 Generation compares tokens; this compares the model the tokens come from, so a difference in
 loader-dependent state shows up even when it does not flip a token on a tiny model.
 
-CLI: ``python tests/against_vllm/served_state.py HF_DIR SHARDED_DIR --tp T``.
+CLI: ``python tests/against_vllm/served_state.py HF_DIR SHARDED_DIR --tp T [--load-format F] [--keep DIR]``
+(``--load-format``: another loader for SHARDED_DIR, e.g. a plugin's; the default loader stays the reference).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ if str(ROOT) not in sys.path:
 from tests.against_vllm import vllm_state  # noqa: E402
 
 _SCALARS = (bool, int, float, str, type(None))
+# plain (non-Module) objects whose attributes take part in the forward: attention impls, quant methods
+_OBJECTS = ("impl", "quant_method", "kernel", "fp8_linear", "rotary_emb")
 
 
 def _collect(model) -> tuple[dict, dict]:
@@ -60,11 +63,8 @@ def _collect(model) -> tuple[dict, dict]:
                 scalars[f"{prefix}{k}"] = repr(v)
             elif isinstance(v, torch.dtype):
                 scalars[f"{prefix}{k}"] = str(v)
-            elif depth < 2 and k in ("impl", "quant_method", "kernel", "rotary_emb") and not isinstance(
-                v, torch.nn.Module
-            ):
-                if hasattr(v, "__dict__"):
-                    visit(f"{prefix}{k}.", v, depth + 1)
+            elif depth < 2 and k in _OBJECTS and not isinstance(v, torch.nn.Module) and hasattr(v, "__dict__"):
+                visit(f"{prefix}{k}.", v, depth + 1)
 
     for name, mod in model.named_modules(remove_duplicate=False):
         visit(f"{name}." if name else "", mod, 0)
@@ -78,7 +78,6 @@ def _rank_main(rank: int, world: int, port: int, cfgs: dict, dump_dir: str) -> N
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.layers import rotary_embedding
     from vllm.model_executor.model_loader import get_model_loader
-
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
     _set_torch_accelerator_to_noop()  # as vLLM's CPU model runner does at import
@@ -86,6 +85,19 @@ def _rank_main(rank: int, world: int, port: int, cfgs: dict, dump_dir: str) -> N
         # experiment only: let a CPU without AMX pick the AMX code paths (FP8 kernels, AMX_MLA) for
         # their post-processing; running them would need real AMX
         torch.cpu._is_amx_tile_supported = lambda: True
+    if os.environ.get("RESHARD_FP8_STANDIN") == "1":
+        # experiment only, CPUs without vLLM's FP8 kernels: FP8 GEMM kernels become a stand-in whose
+        # post-processing leaves the checkpoint layout alone (vLLM's MLA W_UK_T/W_UV still dequantize
+        # kv_b_proj with their own code); running the model is impossible then
+        from vllm.model_executor.layers.quantization import fp8
+
+        class _Standin:
+            def process_weights_after_loading(self, layer):
+                pass
+
+        fp8.init_fp8_linear_kernel = lambda *a, **k: _Standin()
+        # and FP8 MoE (no CPU backend without AMX): experts stay as loaded
+        fp8.Fp8MoEMethod.process_weights_after_loading = lambda self, layer: None
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = str(port)
     first = next(iter(cfgs.values()))
@@ -138,11 +150,16 @@ def _dump_main(spec_json: str) -> int:
     case = dict(tp=spec["tp"], pp=1, ep=False, dtype=spec.get("dtype", "auto"))
     cfgs = {
         "default": vllm_state._make_config(spec["hf_dir"], case),
-        "sharded_state": vllm_state._make_config(spec["sharded_dir"], case, load_format="sharded_state"),
+        # recorded as "sharded_state" whatever the format (e.g. a loader plugin's), see compare()
+        "sharded_state": vllm_state._make_config(
+            spec["sharded_dir"], case, load_format=spec.get("load_format", "sharded_state")
+        ),
     }
     port = vllm_state._free_port()
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_rank_entry, args=(r, spec["tp"], port, cfgs, spec["dump_dir"])) for r in range(spec["tp"])]
+    procs = [
+        ctx.Process(target=_rank_entry, args=(r, spec["tp"], port, cfgs, spec["dump_dir"])) for r in range(spec["tp"])
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -151,34 +168,49 @@ def _dump_main(spec_json: str) -> int:
 
 
 def compare(dump_dir: str | os.PathLike, tp: int, a: str = "default", b: str = "sharded_state") -> list[str]:
-    from safetensors.torch import load_file
-
+    """Differences between loader ``a``'s and loader ``b``'s record, rank by rank; [] == identical."""
     problems = []
     for r in range(tp):
-        ta = load_file(str(Path(dump_dir) / f"{a}-rank{r}.safetensors"))
-        tb = load_file(str(Path(dump_dir) / f"{b}-rank{r}.safetensors"))
-        sa = json.loads((Path(dump_dir) / f"{a}-rank{r}.json").read_text())
-        sb = json.loads((Path(dump_dir) / f"{b}-rank{r}.json").read_text())
-        for k in sorted(set(ta) ^ set(tb)):
-            problems.append(f"[rank {r}] tensor {k}: only in {a if k in ta else b}")
-        for k in sorted(set(ta) & set(tb)):
-            x, y = ta[k], tb[k]
-            if x.dtype != y.dtype or x.shape != y.shape:
-                problems.append(f"[rank {r}] tensor {k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
-            elif not vllm_state._bytes_equal(x, y):
-                problems.append(f"[rank {r}] {vllm_state._describe_value_diff(k, x, y)}")
-        for k in sorted(set(sa) | set(sb)):
-            if sa.get(k) != sb.get(k):
-                problems.append(f"[rank {r}] attribute {k}: {a} {sa.get(k)} vs {b} {sb.get(k)}")
+        problems += [f"[rank {r}] {p}" for p in compare_records(dump_dir, f"{a}-rank{r}", f"{b}-rank{r}")]
     return problems
 
 
-def served_state(hf_dir, sharded_dir, tp: int, dump_dir, *, dtype: str = "auto", timeout: float = 900) -> list[str]:
+def compare_records(dump_dir: str | os.PathLike, a: str, b: str) -> list[str]:
+    """Differences between two records (``<name>.safetensors`` + ``<name>.json``) in dump_dir."""
+    from safetensors.torch import load_file
+
+    d = Path(dump_dir)
+    ta, tb = load_file(str(d / f"{a}.safetensors")), load_file(str(d / f"{b}.safetensors"))
+    sa, sb = json.loads((d / f"{a}.json").read_text()), json.loads((d / f"{b}.json").read_text())
+    problems = [f"tensor {k}: only in {a if k in ta else b}" for k in sorted(set(ta) ^ set(tb))]
+    for k in sorted(set(ta) & set(tb)):
+        x, y = ta[k], tb[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            problems.append(f"tensor {k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
+        elif not vllm_state._bytes_equal(x, y):
+            problems.append(vllm_state._describe_value_diff(k, x, y))
+    for k in sorted(set(sa) | set(sb)):
+        if sa.get(k) != sb.get(k):
+            problems.append(f"attribute {k}: {a} {sa.get(k)} vs {b} {sb.get(k)}")
+    return problems
+
+
+def served_state(
+    hf_dir,
+    sharded_dir,
+    tp: int,
+    dump_dir,
+    *,
+    dtype: str = "auto",
+    load_format: str = "sharded_state",
+    timeout: float = 900,
+) -> list[str]:
+    """Served state of the default loader on hf_dir vs ``load_format`` on sharded_dir; [] == identical."""
     import subprocess
 
     Path(dump_dir).mkdir(parents=True, exist_ok=True)
     spec = dict(hf_dir=str(Path(hf_dir).resolve()), sharded_dir=str(Path(sharded_dir).resolve()), tp=tp)
-    spec.update(dump_dir=str(Path(dump_dir).resolve()), dtype=dtype)
+    spec.update(dump_dir=str(Path(dump_dir).resolve()), dtype=dtype, load_format=load_format)
     log = Path(dump_dir) / "served-state.log"
     with open(log, "w") as fh:
         proc = subprocess.run(
@@ -201,14 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("hf_dir", type=Path)
     ap.add_argument("sharded_dir", type=Path)
     ap.add_argument("--tp", type=int, required=True)
-    ap.add_argument("--keep", type=Path)
+    ap.add_argument("--keep", type=Path, help="keep the records here")
+    ap.add_argument("--load-format", default="sharded_state", help="the loader for SHARDED_DIR (a plugin's)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="served-") as tmp:
         t0 = time.perf_counter()
-        problems = served_state(a.hf_dir, a.sharded_dir, a.tp, a.keep or tmp)
+        problems = served_state(a.hf_dir, a.sharded_dir, a.tp, a.keep or tmp, load_format=a.load_format)
     for p in problems:
         print(p)
-    print(f"{len(problems)} difference(s) ({time.perf_counter() - t0:.0f}s)" if problems else "identical")
+    print(f"{len(problems)} difference(s)" if problems else "identical", f"({time.perf_counter() - t0:.0f}s)")
     return 1 if problems else 0
 
 
