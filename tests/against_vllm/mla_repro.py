@@ -39,7 +39,7 @@ YARN_V3 = {
 }
 YARN_V2_LITE = dict(YARN_V3, mscale=0.707, mscale_all_dim=0.707)
 VARIANTS: dict[str, dict] = {
-    "plain": {},
+    "plain": {},  # the fixture's own config.json (DeepSeek fixtures carry yarn since issue 12)
     # rope_scaling yarn as in DeepSeek-V3/R1 (mscale 1.0) and V2-Lite (0.707)
     "yarn": {"rope_scaling": YARN_V3, "max_position_embeddings": 163840},
     "yarn-v2": {"rope_scaling": YARN_V2_LITE, "max_position_embeddings": 163840},
