@@ -387,3 +387,39 @@ def test_harness_selfcheck(tmp_path: Path, suite: Suite):
     assert "model.layers.1.mlp.gate.weight: unexpected key" in text, text
     assert "model.embed_tokens.weight: shape [504, 64], expected [512, 64]" in text, text
     assert len(problems) == 4, text
+
+
+# --------------------------------------------------------------------------- #
+# issue 12 §4: the served MLA model, default loader vs sharded_state (served_state.py)
+# --------------------------------------------------------------------------- #
+# Greedy tokens of a tiny model can hide a difference; this compares what the tokens come from:
+# every tensor and scalar a rank holds after vLLM's own load_model (weights + process_weights_after_loading:
+# MLA's W_UK_T/W_UV from kv_b_proj, the yarn cos_sin_cache, CPU GEMM dispatch), default loader on SRC
+# vs ShardedStateLoader on reshard's OUT. Fails if vLLM's default loader ever leaves state that
+# model.state_dict() (so a sharded_state folder) cannot carry. docs/mla-tokens.md.
+SERVED_CASES: list[Case] = [Case("deepseek-v3", 2), Case("deepseek-v2-lite", 2)]
+
+
+@needs_reshard
+@pytest.mark.generation
+@pytest.mark.parametrize("case", _params(SERVED_CASES))
+def test_served_state_matches(case: Case, suite: Suite, tmp_path: Path):
+    from tests.against_vllm import served_state
+
+    res = suite.resharded(case)
+    assert res.rc == 0, f"reshard failed:\n{res.output[-4000:]}"
+    t0 = time.perf_counter()
+    problems = served_state.served_state(suite.src(case), res.out, case.tp, tmp_path)
+    suite.timings.append((f"served state {case.id} (default + sharded_state)", time.perf_counter() - t0))
+    assert not problems, _fmt(problems)
+    # the record is not vacuous: it holds MLA's post-processed matrices and the rotary cache, and
+    # the two ranks' records differ where the weights are split
+    between_ranks = "\n".join(served_state.compare_records(tmp_path, "default-rank0", "default-rank1"))
+    for what in ("mla_attn.W_UK_T", "mla_attn.W_UV", "kv_b_proj.weight"):
+        assert what in between_ranks, f"{what} not recorded or equal on both ranks"
+    rope = served_state.compare_records(tmp_path, "default-rank0", "sharded_state-rank1")
+    assert not any("cos_sin_cache" in p for p in rope), rope  # replicated, and recorded (see below)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "default-rank0.safetensors"), "pt") as fh:
+        assert any(k.endswith("rotary_emb.cos_sin_cache") for k in fh.keys())  # noqa: SIM118
