@@ -17,6 +17,22 @@ def new_hasher(algorithm: str = ALGORITHM):
     return hashlib.sha256()
 
 
+def manifest_algorithm(manifest: dict) -> str:
+    """The checksum algorithm of a manifest's file digests: its `checksum` field when it records one
+    ("none": files were written without checksums); absent -> sha256, the only one before it was
+    recorded."""
+    algo = manifest.get("checksum")
+    return algo if isinstance(algo, str) and algo else ALGORITHM
+
+
+def recorded_digest(entry: dict, algorithm: str) -> str | None:
+    """A manifest file entry's digest in `algorithm` (None when it records none)."""
+    if algorithm == "none":
+        return None
+    digest = entry.get("digest", entry.get(algorithm))
+    return digest if isinstance(digest, str) else None
+
+
 def hash_bytes(data: bytes | memoryview, algorithm: str = ALGORITHM) -> str:
     h = new_hasher(algorithm)
     h.update(data)
