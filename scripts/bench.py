@@ -17,6 +17,10 @@
 4. With .venv-vllm (a vLLM build): vLLM's own "Loading weights took" for load_format
    "sharded_state" against the default loader, at T=2.
 
+`python -m scripts.bench loaders` (scripts/bench_loaders.py) measures vLLM's load time for
+`--load-format reshard` (reshard's plugin) against sharded_state and the default loader, cold and
+warm page cache.
+
 Everything is written under --work (default build/bench, git-ignored) and removed at the end
 unless --keep. Internal sub-commands (_naive, _load, _vllm) run the measured pieces in their own
 processes.
@@ -692,6 +696,10 @@ def targets(r: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "loaders":  # vLLM load time by loader, reshard's plugin included
+        from scripts import bench_loaders
+
+        return bench_loaders.main(argv[1:])
     if argv and argv[0] == "_naive":
         p = argparse.ArgumentParser()
         p.add_argument("src", type=Path)

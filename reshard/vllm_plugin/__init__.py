@@ -8,7 +8,7 @@ reads into the parameters) import no vLLM at all; only `loader` does.
 
 from __future__ import annotations
 
-LOAD_FORMAT = "reshard"
+from reshard.layout import PLUGIN_LOAD_FORMAT as LOAD_FORMAT
 
 
 def register() -> None:
