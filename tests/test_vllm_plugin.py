@@ -206,7 +206,7 @@ def test_a_flipped_byte_is_caught_and_can_be_let_through(out):
     data[-3] ^= 0x10
     (out / name).write_bytes(bytes(data))
     files = _files(out)  # size and header unchanged: only the checksum can tell
-    n, _, bad = reader.read_rank(files, _targets(files), algorithm="sha256", threads=1, log=print, label="rank 1")
+    _, _, bad = reader.read_rank(files, _targets(files), algorithm="sha256", threads=1, log=print, label="rank 1")
     assert [b.name for b in bad] == [name] and bad[0].want == recorded_digest(
         next(e for e in read_manifest(out)["files"] if e["name"] == name), "sha256"
     )
