@@ -83,8 +83,10 @@ def engine_problems(manifest: dict, engine: Engine) -> list[str]:
     quant = (lay.get("quantization") or {}).get("method")
     if quant != engine.quantization:
         out.append(f"made for quantization {quant}, this engine runs quantization {engine.quantization}")
+    # a pinned backend against another one asked for is a difference; against "auto" the model's state
+    # decides (auto picks the pinned layout on some GPUs, another on others): see backend_note
     pinned = lay.get("moe_backend_pinned")
-    if pinned and engine.moe_backend != pinned:
+    if pinned and engine.moe_backend not in (pinned, "auto"):
         out.append(f"made for --moe-backend {pinned} (the experts' layout depends on it), this engine runs {engine.moe_backend}")  # fmt: skip
     spec = recorded_range(manifest)
     if spec is not None:
@@ -237,9 +239,19 @@ def serve_as_made(manifest: dict) -> str | None:
     return line.replace("--load-format sharded_state", "--load-format reshard")
 
 
+def backend_note(manifest: dict, engine: Engine) -> str | None:
+    """Why the experts may differ: the folder pins a MoE backend the engine left to "auto"."""
+    pinned = manifest["layout"].get("moe_backend_pinned")
+    if pinned and engine.moe_backend != pinned:
+        return f"the folder was made for --moe-backend {pinned}, this engine runs {engine.moe_backend}"
+    return None
+
+
 def mismatch_message(folder: Path, manifest: dict, engine: Engine, problems: list[str]) -> str:
     """One message for a folder made for another engine or model: the first differences, then what to do."""
     head = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
+    if (note := backend_note(manifest, engine)) and note not in head:
+        head += f" ({note})"
     fix = f"make a folder for this engine with `{save_command(manifest, engine)}`"
     made = serve_as_made(manifest)
     if made:

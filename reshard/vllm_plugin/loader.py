@@ -26,7 +26,7 @@ from reshard.hashing import manifest_algorithm
 from reshard.manifest import read_manifest
 from reshard.vllm_plugin import checks
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
-from reshard.vllm_plugin.reader import read_rank
+from reshard.vllm_plugin.reader import ReadError, read_rank
 
 # a logger under "vllm." so that the lines appear in vLLM's log, formatted as vLLM's own
 logger = init_logger("vllm.reshard")
@@ -82,14 +82,19 @@ class ReshardModelLoader(BaseModelLoader):
             _size(sum(f.size for f in files)),
             algorithm if verify else "off",
         )
-        nbytes, seconds, bad = read_rank(
-            files,
-            state,
-            algorithm=algorithm if verify else None,
-            threads=self.options.threads,
-            log=logger.info,
-            label=engine.label,
-        )
+        try:
+            nbytes, seconds, bad = read_rank(
+                files,
+                state,
+                algorithm=algorithm if verify else None,
+                threads=self.options.threads,
+                log=logger.info,
+                label=engine.label,
+            )
+        except ReadError as e:
+            raise ReshardLoadError(
+                f"--load-format reshard: {e}; the parameters are partly loaded: do not serve"
+            ) from None
         if bad:
             first = bad[0]
             raise ReshardLoadError(

@@ -35,6 +35,10 @@ class BadChecksum:
     want: str
 
 
+class ReadError(Exception):
+    """A rank file could not be read to its end (I/O error, or it shrank since it was checked)."""
+
+
 class _Hasher:
     """Hashes the pieces handed to it, in order, on its own thread."""
 
@@ -152,9 +156,15 @@ def read_rank(
                 last[0] = now
                 log(f"reshard: {label}: {_gb(done[0])} of {_gb(total)} read ({100 * done[0] // max(total, 1)}%)")
 
+    def one(rf: RankFile) -> BadChecksum | None:
+        try:
+            return read_file(rf, targets, algorithm=algorithm, count=count)
+        except (OSError, EOFError) as e:
+            raise ReadError(f"{rf.path}: cannot read ({getattr(e, 'strerror', None) or e})") from e
+
     order = sorted(files, key=lambda f: -f.size)
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(order))), thread_name_prefix="reshard-read") as pool:
-        results = list(pool.map(lambda rf: read_file(rf, targets, algorithm=algorithm, count=count), order))
+        results = list(pool.map(one, order))
     return done[0], time.perf_counter() - t0, [r for r in results if r is not None]
 
 
