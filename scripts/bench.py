@@ -475,7 +475,10 @@ class Bench:
                 for p in self.work.iterdir():
                     if p.is_dir():
                         shutil.rmtree(p, ignore_errors=True)
-        a.out.write_text(report(self.results))
+        from scripts.bench_loaders import section_of
+
+        kept = section_of(a.out)  # `bench loaders`' section survives a full run
+        a.out.write_text(report(self.results) + (f"\n{kept}" if kept else ""))
         self.say(f"wrote {a.out} in {self.results['minutes']:.1f} min")
 
 

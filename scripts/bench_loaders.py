@@ -50,6 +50,29 @@ if __name__ == "__main__":
         core.shutdown()
 """
 
+HEADING = "## vLLM weight loading: `--load-format reshard` vs `sharded_state` vs the default loader"
+
+
+def section_of(path: Path) -> str:
+    """This benchmark's section of a Markdown file (from its heading to the next `## `), or ""."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    start = text.find(HEADING)
+    if start < 0:
+        return ""
+    end = text.find("\n## ", start + len(HEADING))
+    return text[start:] if end < 0 else text[start : end + 1]
+
+
+def put_section(path: Path, section: str) -> None:
+    """Replace this benchmark's section of `path` with `section`, or append it."""
+    text = path.read_text() if path.exists() else ""
+    old = section_of(path)
+    text = text.replace(old, section) if old else text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
 LOADERS = {
     "default loader (original checkpoint)": ("auto", "src", {}),
     "sharded_state": ("sharded_state", "out", {}),
@@ -141,7 +164,7 @@ def report(r: dict, command: str) -> str:
         return statistics.median(xs) if xs else float("nan")
 
     lines = [
-        f"## vLLM weight loading: `--load-format reshard` vs `sharded_state` vs the default loader (TP {r['tp']})",
+        f"{HEADING} (TP {r['tp']})",
         "",
         f"`{command}` on {r['started']}: a synthetic Llama-shaped bf16 checkpoint of "
         f"{r['checkpoint'].get('bytes', r['size_arg']) / 1e6:.0f} MB ({r['rank_bytes'] / 1e6:.0f} MB per rank after "
@@ -170,7 +193,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench-loaders")
-    ap.add_argument("--out", type=Path, help="also write the Markdown section here")
+    ap.add_argument("--out", type=Path, help="also put the Markdown section into this file (docs/benchmarks.md)")
     ap.add_argument("--json", type=Path, help="write the raw runs here")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args(argv)
@@ -181,5 +204,5 @@ def main(argv: list[str]) -> int:
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))
     if a.out:
-        a.out.write_text(text)
+        put_section(a.out, text)
     return 0
