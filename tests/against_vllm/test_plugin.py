@@ -41,11 +41,13 @@ def _entry_point_installed() -> bool:
     return any(e.value == "reshard.vllm_plugin:register" for e in eps)
 
 
-pytestmark = pytest.mark.skipif(
-    not _entry_point_installed(),
-    reason=f"reshard's vllm.general_plugins entry point is not installed for {sys.executable}; "
-    "`pip install --no-deps -e .` there (make test-vllm does)",
-)
+@pytest.fixture(autouse=True)
+def _entry_point():
+    """Fail (not skip): `make test-vllm` installs it, so a missing entry point is a broken setup."""
+    assert _entry_point_installed(), (
+        f"reshard's vllm.general_plugins entry point is not installed for {sys.executable}: "
+        "`pip install --no-deps -e .` there (make test-vllm does)"
+    )
 
 
 def _save(src: Path, out: Path, *args: str) -> Path:
