@@ -41,7 +41,7 @@ def _entry_point_installed() -> bool:
     return any(e.value == "reshard.vllm_plugin:register" for e in eps)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _entry_point():
     """Fail (not skip): `make test-vllm` installs it, so a missing entry point is a broken setup."""
     assert _entry_point_installed(), (
