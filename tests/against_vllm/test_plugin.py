@@ -157,6 +157,7 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
         assert "--tp 2 --moe-backend deep_gemm`" in e, e
 
 
+@pytest.mark.generation
 def test_plugin_generation(folders: dict[str, Path]):
     runs = []
     for name in ("dense", "moe", *(["fp8"] if _cpu_has_amx() else [])):
