@@ -102,6 +102,13 @@ def rank_files_in(folder: Path) -> list[Path]:
     return sorted(found)
 
 
+# the --load-format of reshard's vLLM loader plugin (reshard.vllm_plugin): strict and checksum-verified
+PLUGIN_LOAD_FORMAT = "reshard"
+PLUGIN_NOTE = (
+    "or `--load-format reshard` (reshard's vLLM plugin, installed with reshard): it checks the folder against "
+    "the engine before reading and verifies every checksum while loading"
+)
+
 # vLLM's --moe-backend names (fused_moe/oracle): the serve line pins one where the MoE layout depends on it
 MOE_BACKENDS = (
     "auto",

@@ -15,7 +15,7 @@ from reshard import VLLM_VERSIONS, __version__
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import fsync_dir
 from reshard.hashing import FIELD, NONE, entry_digest, hash_file, manifest_algorithm
-from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, parse_rank_file
+from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, PLUGIN_LOAD_FORMAT, parse_rank_file
 
 FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
@@ -72,6 +72,7 @@ class Manifest(TypedDict, total=False):
     # this layout again and derive the expected keys (verify), without the source
     source_tensors: dict[str, list]
     serve: str
+    serve_reshard: str  # the same with --load-format reshard (reshard.vllm_plugin); absent from older manifests
     notes: list[str]
     # a `save --ranks` piece's partial manifest only:
     ranks: list[int]
@@ -138,6 +139,7 @@ def build_manifest(
         "copied_files": copied_files or [],
         "source_tensors": source_tensors,
         "serve": plan.serve_command(out_dir),
+        "serve_reshard": plan.serve_command(out_dir, load_format=PLUGIN_LOAD_FORMAT),
         "notes": plan.notes,
     }
 

@@ -21,6 +21,10 @@
 4. With .venv-vllm (a vLLM build): vLLM's own "Loading weights took" for load_format
    "sharded_state" against the default loader, at T=2.
 
+`python -m scripts.bench loaders` (scripts/bench_loaders.py) measures vLLM's load time for
+`--load-format reshard` (reshard's plugin) against sharded_state and the default loader, cold and
+warm page cache.
+
 Everything is written under --work (default build/bench, git-ignored) and removed at the end
 unless --keep. Internal sub-commands (_naive, _load, _vllm) run the measured pieces in their own
 processes.
@@ -558,7 +562,11 @@ class Bench:
                 for p in self.work.iterdir():
                     if p.is_dir():
                         shutil.rmtree(p, ignore_errors=True)
-        a.out.write_text(keep_hub_section(a.out, report(self.results)))
+        from scripts.bench_loaders import section_of
+
+        text = keep_hub_section(a.out, report(self.results))  # `bench hub`'s section survives a full run
+        kept = section_of(a.out)  # and so does `bench loaders`'
+        a.out.write_text(text if not kept or kept in text else f"{text.rstrip()}\n\n{kept}")
         self.say(f"wrote {a.out} in {self.results['minutes']:.1f} min")
 
 
@@ -824,6 +832,10 @@ def main(argv: list[str] | None = None) -> int:
         from scripts.bench_hub import main as hub_main
 
         return hub_main(argv[1:])
+    if argv and argv[0] == "loaders":  # vLLM load time by loader, reshard's plugin included
+        from scripts import bench_loaders
+
+        return bench_loaders.main(argv[1:])
     if argv and argv[0] == "_naive":
         p = argparse.ArgumentParser()
         p.add_argument("src", type=Path)

@@ -74,6 +74,7 @@ def test_lower_layers_do_not_import_upper_ones():
         "reshard.checkpoint",
     )
     high = ("reshard.cli", "reshard.commands", "reshard.save", "reshard.merge", "reshard.verify", "reshard.sources")
+    high += ("reshard.vllm_plugin",)  # the vLLM loader plugin: a top layer beside the commands
     for mod, deps in graph.items():
         if mod.startswith(low):
             bad = sorted(d for d in deps if d.startswith(high) or d.startswith(("reshard.plan", "reshard.execute")))
@@ -96,3 +97,41 @@ def test_file_names_live_in_layout():
         text = path.read_text()
         for literal in ('"model-rank-', '"model-pp-', '"reshard.json"', "reshard.ranks-"):
             assert literal not in text, f"{path.relative_to(PACKAGE.parent)} spells {literal}"
+
+
+def test_vllm_plugin_layering():
+    """The vLLM loader plugin (issue 13) sits beside the commands: nothing imports it (vLLM does, by its
+    entry point), and it uses only the folder's layers (manifest, layout, format, hashing, vllm_versions,
+    errors), never the commands, planning, execution or verify."""
+    graph = _imports()
+    for mod, deps in graph.items():
+        if not mod.startswith("reshard.vllm_plugin"):
+            assert not any(d.startswith("reshard.vllm_plugin") for d in deps), f"{mod} imports the vLLM plugin"
+            continue
+        allowed = ("reshard.vllm_plugin", "reshard.manifest", "reshard.layout", "reshard.format", "reshard.hashing",
+                   "reshard.vllm_versions", "reshard.errors")  # fmt: skip
+        bad = sorted(d for d in deps if d != "reshard" and not d.startswith(allowed))
+        assert not bad, f"{mod} imports {bad}"
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """Top-level packages a module imports at module level (not inside functions)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_vllm_imported_only_by_the_plugin_loader():
+    """reshard never needs vLLM: only reshard/vllm_plugin/loader.py imports it at module level (vLLM
+    imports that module itself, through `register`); the plugin's checks import neither vLLM nor torch."""
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        if rel == "reshard/vllm_plugin/loader.py":
+            continue
+        assert "vllm" not in _top_level_imports(path), f"{rel} imports vllm at module level"
+    checks = _top_level_imports(PACKAGE / "vllm_plugin" / "checks.py")
+    assert not checks & {"vllm", "torch"}, checks

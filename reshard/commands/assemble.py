@@ -8,7 +8,7 @@ import click
 
 from reshard.commands.options import json_option
 from reshard.console import emit_json, stdout
-from reshard.layout import MANIFEST
+from reshard.layout import MANIFEST, PLUGIN_NOTE
 from reshard.vllm_versions import recorded_range, serve_note
 
 
@@ -26,9 +26,14 @@ def assemble_cmd(out_dir, as_json):
     assert manifest is not None
     spec = recorded_range(manifest)
     if as_json:
-        emit_json({"ok": True, "files": len(manifest["files"]), "serve": manifest["serve"], "vllm_versions": spec})
+        emit_json({"ok": True, "files": len(manifest["files"]), "serve": manifest["serve"],
+                   "serve_reshard": manifest.get("serve_reshard"), "vllm_versions": spec})  # fmt: skip
     else:
         stdout.print(f"assembled {len(manifest['files'])} files into {out_dir / MANIFEST}")
         if spec:
             stdout.print(f"note: {serve_note(spec)}")
+        if manifest.get("serve_reshard"):
+            stdout.print(f"note: {PLUGIN_NOTE}")
         stdout.print(manifest["serve"])
+        if manifest.get("serve_reshard"):
+            stdout.print(manifest["serve_reshard"])

@@ -16,6 +16,7 @@ from reshard.commands.options import (
     tp_option,
 )
 from reshard.console import emit_json, human_bytes, stdout
+from reshard.layout import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
 
@@ -44,6 +45,7 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, moe_backend, revision, sho
     plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=pp_partition, moe_backend=moe_backend)
     summary = plan.summary()
     summary["serve"] = plan.serve_command(out_dir)
+    summary["serve_reshard"] = plan.serve_command(out_dir, load_format=PLUGIN_LOAD_FORMAT)
     summary["vllm_versions"] = VLLM_VERSIONS
     summary["source_bytes"] = ckpt.total_bytes
     if as_json:
@@ -71,6 +73,7 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, moe_backend, revision, sho
             for t in r["tensors"]:
                 stdout.print(f"  {t['name']}  {t['dtype']}  {t['shape']}")
     stdout.print(f"source {human_bytes(ckpt.total_bytes)}, output {human_bytes(plan.total_bytes)}")
-    for note in [*plan.notes, serve_note()]:
+    for note in [*plan.notes, serve_note(), PLUGIN_NOTE]:
         stdout.print(f"note: {note}")
     stdout.print(summary["serve"])
+    stdout.print(summary["serve_reshard"])

@@ -22,7 +22,7 @@ from reshard.commands.options import (
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
 from reshard.hashing import ALGORITHMS
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
-from reshard.layout import DEFAULT_MAX_PART, MANIFEST
+from reshard.layout import DEFAULT_MAX_PART, MANIFEST, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
 
@@ -115,7 +115,7 @@ def save_cmd(
         emit_json({
             "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / MANIFEST),
             "layout": m["layout"], "files": len(m["files"]), "bytes": m["total_bytes"],
-            "seconds": round(seconds, 3), "serve": m["serve"], "vllm_versions": m["vllm_versions"],
+            "seconds": round(seconds, 3), "serve": m["serve"], "serve_reshard": m["serve_reshard"], "vllm_versions": m["vllm_versions"],
             "run_id": m["run_id"], "notes": m.get("notes", []),
         })  # fmt: skip
         return
@@ -126,4 +126,6 @@ def save_cmd(
     for note in m.get("notes", []):
         stdout.print(f"note: {note}")
     stdout.print(f"note: {serve_note(m['vllm_versions'])}")
+    stdout.print(f"note: {PLUGIN_NOTE}")
     stdout.print(m["serve"])
+    stdout.print(m["serve_reshard"])

