@@ -818,6 +818,17 @@ def targets(r: dict) -> list[str]:
     return [*out, ""]
 
 
+_PY = re.compile(r"(?<![\w.])/\S*/bin/python[\d.]*")
+_IN_TREE = re.compile(r"(?<![\w.])/\S*?/(build|docs|tests|scripts|reshard)/")
+_ABS = re.compile(r"(?<![\w.])/(?:tmp|work|home|root)/\S*/")
+
+
+def scrub(text: str) -> str:
+    """`text` without the absolute paths of the machine it ran on: interpreters become `python`,
+    paths inside a checkout relative to it, other folders dropped down to the file's name."""
+    return _ABS.sub("", _IN_TREE.sub(r"\1/", _PY.sub("python", text)))
+
+
 def keep_hub_section(path: Path, text: str) -> str:
     """`text` with the hub section (`python -m scripts.bench hub`) that `path` holds kept at its end."""
     from scripts.bench_hub import MARK

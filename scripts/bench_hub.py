@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.bench import ROOT, fmt_b, run_measured
+from scripts.bench import ROOT, fmt_b, run_measured, scrub
 from scripts.make_synthetic import parse_size
 
 REPO = "bench/llama-synthetic"
@@ -235,4 +235,4 @@ def summary(r: dict, a: argparse.Namespace) -> str:
             f"- sequential, {k} step (s): " + ", ".join(f"{x['steps'][k]['seconds']:.1f}" for x in by["sequential"])
         )
     lines += ["", "commands:"] + [f"- {v}: `{' ; '.join(s['cmd'] for s in runs[0]['steps'].values())}`" for v, runs in by.items()]  # fmt: skip
-    return "\n".join(lines)
+    return scrub("\n".join(lines))

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from reshard.layout import parse_rank_file, rank_files_in
+from scripts.bench import scrub
 from scripts.make_synthetic import make_config, parse_size, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +187,7 @@ def report(r: dict, command: str) -> str:
         w = [x["weights"] for x in rs]
         lines.append(f"| {name} | {cache} | {med(w):.3f} | {' '.join(f'{x:.3f}' for x in w)} | {med([x['ready'] for x in rs]):.1f} |")  # fmt: skip
     lines += ["", f"Load average at the end: {r['load_end'][0]:.1f} (other jobs share this 2-core machine).", ""]
-    return "\n".join(lines)
+    return scrub("\n".join(lines))
 
 
 def main(argv: list[str]) -> int:
