@@ -382,6 +382,8 @@ class Executor:
     ) -> None:
         """Queue `part` for h's writer; `lease`: what `part` is a view of (None: a fresh array);
         `piece`: a padded Slice's trailing dims are filled out here."""
+        if piece is not None and piece.perm is not None:
+            part = np.transpose(part, (*piece.perm, part.ndim - 1))  # the last axis is the item's bytes
         out = self.cast(part, src_dtype, h.tensor.dtype)
         if piece is not None and piece.pad is not None:
             out = _pad(out, piece.pad, piece.fill, h.tensor.dtype)

@@ -29,6 +29,8 @@ class Slice:
     `pad`: the piece's extent per dim when larger than the slice (trailing dims only: a padded
     dim 0 is a Fill after it): the slice sits at the origin, `fill` everywhere else (the columns
     past a rank's real intermediate size in vLLM's padded MoE down projections).
+    `perm`: the slice's dims are written in this order (a transpose; dim 0 stays first), as
+    gpt-oss's bf16 experts [E, in, out] become vLLM's [E, out, in]. `pad` is then in output order.
     """
 
     source: str
@@ -37,6 +39,7 @@ class Slice:
     up: tuple[int, ...] | None = None
     pad: tuple[int, ...] | None = None
     fill: float = 0.0
+    perm: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -102,6 +105,7 @@ class Plan:
     config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
     moe_backend: str = "auto"  # --moe-backend asked for (reshard.plan.backends)
     moe_pin: str | None = None  # the --moe-backend the serve line must name: the layout depends on it
+    serve_flags: tuple[str, ...] = ()  # other flags the layout needs (`--language-model-only`)
 
     @property
     def pattern(self) -> str:
@@ -113,7 +117,13 @@ class Plan:
 
     def serve_command(self, out_dir: str) -> str:
         return layout.serve_command(
-            out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin
+            out_dir,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            dtype=DTYPE_CODES[self.dtype],
+            moe_backend=self.moe_pin,
+            extra=self.serve_flags,
         )
 
     def layout(self) -> dict:
