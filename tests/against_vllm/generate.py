@@ -146,6 +146,15 @@ def greedy_tokens_many(
         return json.loads(out.read_text())["tokens"]
 
 
+def _extras(model_dir: str) -> dict:
+    """As vllm_state.engine_extras: a multimodal Llama-4 is served text-only (--language-model-only)."""
+    try:
+        config = json.loads(Path(model_dir, "config.json").read_text())
+    except OSError:
+        return {}
+    return {"language_model_only": True} if "Llama4ForConditionalGeneration" in config.get("architectures", []) else {}
+
+
 def _run(spec_json: str) -> int:
     spec = json.loads(spec_json)
     import gc
@@ -180,6 +189,7 @@ def _run(spec_json: str) -> int:
             if run["tensor_parallel_size"] * run["pipeline_parallel_size"] > 1
             else None,
             **run,
+            **_extras(run["model"]),
         )
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([list(o.outputs[0].token_ids) for o in outs])

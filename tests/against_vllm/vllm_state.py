@@ -185,6 +185,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_extras(model_dir: str) -> dict[str, Any]:
+    """Engine arguments a model's reshard serve line carries beyond TP/PP/EP/dtype: a multimodal
+    Llama-4 is written text-only, for `--language-model-only` (reshard.rules.llama4)."""
+    try:
+        config = json.loads(Path(model_dir, "config.json").read_text())
+    except OSError:
+        return {}
+    return {"language_model_only": True} if "Llama4ForConditionalGeneration" in config.get("architectures", []) else {}
+
+
 def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -201,6 +211,7 @@ def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
         distributed_executor_backend="mp",
         load_format=load_format,
         moe_backend=case.get("moe_backend", "auto"),
+        **engine_extras(hf_dir),
     )
     return args.create_engine_config()
 
