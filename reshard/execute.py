@@ -158,7 +158,7 @@ def _streamable(tensors: list[OutTensor], sources: list[str]) -> bool:
             if prev is not None:
                 if rank[p.source] < rank[prev.source]:
                     return False
-                if p.source == prev.source and (p.up or _bounds(p)[0][0] < _bounds(prev)[1][0]):
+                if p.source == prev.source and (p.up or _bounds(p)[0][0] < _bounds(prev)[1][0]) and not p.row_of(prev):
                     return False
             prev = p
     return True

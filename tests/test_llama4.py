@@ -70,3 +70,16 @@ def test_text_only_checkpoint_same_layout(tiny):
 
     assert shapes(multi, "language_model.") == shapes(text, "")
     assert "--language-model-only" not in text.serve_command("OUT")
+
+
+def test_experts_read_once(tiny):
+    """The gate and up halves of an expert are two pieces of one source row: still one pass over the source."""
+    from reshard.execute import schedule
+
+    src = tiny("llama4")
+    ckpt = open_source(str(src)).checkpoint
+    plan = build_plan(ckpt, tp=2)
+    name = LM + "1.feed_forward.experts.routed_experts.w13_weight"
+    (step,) = [s for s in schedule(plan, ckpt.tensors, 1000) if s.name == name]
+    assert all(r.piece is None for r in step.reads)  # fed to every rank, not read per piece
+    assert sum(r.nbytes for r in step.reads) == ckpt.tensors[LM + "1.feed_forward.experts.gate_up_proj"].nbytes

@@ -41,6 +41,12 @@ class Slice:
     fill: float = 0.0
     perm: tuple[int, ...] | None = None
 
+    def row_of(self, other: Slice) -> bool:
+        """Both are the same single source row (Llama-4's gate and up halves of an expert): the executor's
+        chunks hold whole rows, so one pass over the source serves both."""
+        same = self.start[:1] == other.start[:1] and self.stop[:1] == other.stop[:1]
+        return same and not (self.up or other.up) and bool(self.start) and self.stop[0] - self.start[0] == 1
+
     @property
     def numel(self) -> int:
         if self.pad is not None:

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # textonly, also when run as a script (the `_run` subprocess)
+import textonly  # noqa: E402
 
 # Fixed token-id prompts; 999 is the last real vocabulary row of the tiny
 # checkpoints (1000 rows, padded by vLLM to a multiple of 64 per rank).
@@ -121,6 +123,7 @@ def greedy_tokens_many(
                 enable_expert_parallel=ep,
                 skip_tokenizer_init=skip,
                 dtype=dtype,
+                language_model_only=textonly.language_model_only(d),
             )
         )
     with tempfile.TemporaryDirectory(prefix="vllm-gen-") as tmp:
@@ -133,7 +136,7 @@ def greedy_tokens_many(
                     [sys.executable, str(HERE), "_run", json.dumps(spec)],
                     stdout=fh,
                     stderr=subprocess.STDOUT,
-                    env=_env(),
+                    env=textonly.env(specs[0]["model"], _env()),
                     timeout=timeout,
                     cwd=tmp,
                 )
@@ -144,15 +147,6 @@ def greedy_tokens_many(
             tail = log.read_text(errors="replace")[-8000:]
             raise RuntimeError(f"vLLM generation failed (rc={rc}) for {specs}:\n{tail}")
         return json.loads(out.read_text())["tokens"]
-
-
-def _extras(model_dir: str) -> dict:
-    """As vllm_state.engine_extras: a multimodal Llama-4 is served text-only (--language-model-only)."""
-    try:
-        config = json.loads(Path(model_dir, "config.json").read_text())
-    except OSError:
-        return {}
-    return {"language_model_only": True} if "Llama4ForConditionalGeneration" in config.get("architectures", []) else {}
 
 
 def _run(spec_json: str) -> int:
@@ -189,7 +183,6 @@ def _run(spec_json: str) -> int:
             if run["tensor_parallel_size"] * run["pipeline_parallel_size"] > 1
             else None,
             **run,
-            **_extras(run["model"]),
         )
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([list(o.outputs[0].token_ids) for o in outs])

@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # textonly, also when run as a script (the `_dump` subprocess)
+import textonly  # noqa: E402
 
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -160,7 +162,7 @@ def dump_expected_many(
             [sys.executable, str(HERE), "_dump", json.dumps(spec)],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env=vllm_env(),
+            env=textonly.env(hf_dir, vllm_env()),
             timeout=timeout,
         )
     if proc.returncode != 0:
@@ -185,16 +187,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_extras(model_dir: str) -> dict[str, Any]:
-    """Engine arguments a model's reshard serve line carries beyond TP/PP/EP/dtype: a multimodal
-    Llama-4 is written text-only, for `--language-model-only` (reshard.rules.llama4)."""
-    try:
-        config = json.loads(Path(model_dir, "config.json").read_text())
-    except OSError:
-        return {}
-    return {"language_model_only": True} if "Llama4ForConditionalGeneration" in config.get("architectures", []) else {}
-
-
 def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -211,7 +203,7 @@ def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
         distributed_executor_backend="mp",
         load_format=load_format,
         moe_backend=case.get("moe_backend", "auto"),
-        **engine_extras(hf_dir),
+        language_model_only=textonly.language_model_only(hf_dir),
     )
     return args.create_engine_config()
 
