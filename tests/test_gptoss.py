@@ -10,6 +10,7 @@ the layout is checked against vLLM 0.32's gpt-oss loaders read as formulas (`_lo
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,9 @@ def test_gpt_oss_120b_tp8_matches_vllm_build(tmp_path, ep):
                 want[name] = (dtype, tuple(shape))
         have = {t.name: (_torch_name(t.dtype), t.shape) for f in plan.files if f.tp_rank == r for t in f.tensors}
         assert have == want, r
+        size = {"bfloat16": 2, "float32": 4, "uint8": 1}
+        nbytes = sum(math.prod(shape) * size[dtype] for dtype, shape in want.values())
+        assert plan.summary()["ranks"][r]["bytes"] == nbytes
     serve = plan.serve_command("OUT")
     assert "--tensor-parallel-size 8" in serve and "--moe-backend triton" in serve
     assert ("--enable-expert-parallel" in serve) == ep
