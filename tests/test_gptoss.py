@@ -181,3 +181,15 @@ def test_gpt_oss_120b_tp8_matches_vllm_build(tmp_path, ep):
 
 def _torch_name(code: str) -> str:
     return {"BF16": "bfloat16", "F32": "float32", "U8": "uint8", "F16": "float16"}[code]
+
+
+def test_mxfp4_merge_round_trip(sources, tmp_path):
+    """Padded MXFP4 ranks (TP 4: rank 3 all padding) read back to the original bytes."""
+    from reshard.merge import merge
+
+    src = sources["mxfp4"]
+    save(str(src), tmp_path / "out", tp=4, max_part_size=DEFAULT_MAX_PART)
+    merge(tmp_path / "out", tmp_path / "hf")
+    want = load_source(src, open_source(str(src)).checkpoint)
+    got = load_source(tmp_path / "hf", open_source(str(tmp_path / "hf")).checkpoint)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
