@@ -155,11 +155,11 @@ def _streamable(tensors: list[OutTensor], sources: list[str]) -> bool:
         for p in t.pieces:
             if not isinstance(p, Slice):
                 continue
-            if prev is not None:
-                if rank[p.source] < rank[prev.source]:
-                    return False
-                if p.source == prev.source and (p.up or _bounds(p)[0][0] < _bounds(prev)[1][0]) and not p.row_of(prev):
-                    return False
+            if p.step > 1 or (prev is not None and rank[p.source] < rank[prev.source]):
+                return False  # strided rows (each piece from its own read), or sources out of order
+            back = prev is not None and p.source == prev.source and (p.up or _bounds(p)[0][0] < _bounds(prev)[1][0])
+            if back and not p.row_of(prev):
+                return False
             prev = p
     return True
 
@@ -372,7 +372,7 @@ class Executor:
             idx = tuple(slice(x, y) for x, y in zip(a, b, strict=True))
             self._write(h, _upsample(arr, p.up)[idx], src_dtype, None)
         else:
-            idx = (slice(None), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
+            idx = (slice(None, None, p.step), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
             self._write(h, arr[idx], src_dtype, lease, p)
         h.cursor += 1
         self._advance_fills(h)

@@ -56,6 +56,9 @@ def test_experts_as_vllm_loads_them(tiny, tmp_path, tp):
         assert torch.equal(got[e + "w2_weight"], dn[:, s : s + ip, :].transpose(1, 2))
         shared = LM + "1.feed_forward.experts._shared_experts._layer.down_proj.weight"
         assert torch.equal(got[shared], hf[LM + "1.feed_forward.shared_expert.down_proj.weight"].chunk(tp, dim=1)[r])
+        # permute_qk_weight_for_rotary: per head, even rows then odd rows (q by heads here, 8 heads of 32)
+        q = hf[LM + "0.self_attn.q_proj.weight"].view(8, 16, 2, 64).transpose(1, 2).reshape(256, 64)
+        assert torch.equal(got[LM + "0.self_attn.qkv_proj.weight"][: 256 // tp], q.chunk(tp)[r])
         assert LM + "0.feed_forward.gate_up_proj.weight" in got  # layer 0 dense (interleave step 2)
         assert got[LM + "0.feed_forward.gate_up_proj.weight"].shape == (2 * 128 // tp, 64)
 

@@ -40,18 +40,23 @@ class Slice:
     pad: tuple[int, ...] | None = None
     fill: float = 0.0
     perm: tuple[int, ...] | None = None
+    step: int = 1  # every step-th row of [start[0], stop[0]) (Llama-4's q/k rows, even then odd per head)
 
     def row_of(self, other: Slice) -> bool:
         """Both are the same single source row (Llama-4's gate and up halves of an expert): the executor's
         chunks hold whole rows, so one pass over the source serves both."""
         same = self.start[:1] == other.start[:1] and self.stop[:1] == other.stop[:1]
-        return same and not (self.up or other.up) and bool(self.start) and self.stop[0] - self.start[0] == 1
+        one = bool(self.start) and self.stop[0] - self.start[0] == 1 and self.step == other.step == 1
+        return same and not (self.up or other.up) and one
 
     @property
     def numel(self) -> int:
         if self.pad is not None:
             return math.prod(self.pad)
-        return math.prod(b - a for a, b in zip(self.start, self.stop, strict=True))
+        n = [b - a for a, b in zip(self.start, self.stop, strict=True)]
+        if n:
+            n[0] = -(-n[0] // self.step)
+        return math.prod(n)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,8 @@ LLAMA4_TEXT = Architecture(
     ),
     layer=(
         *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN),
+        # q and k rows reordered per head for vLLM's rotary (permute_qk_weight_for_rotary, every layer)
+        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN, deinterleave=(0, 1)),
         Module("self_attn.o_proj", Kind.ROW, bias="attention_bias"),
         Module("self_attn.attn", Kind.ATTENTION),
     ),

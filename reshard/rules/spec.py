@@ -57,6 +57,8 @@ class Module:
             name directly). ROW modules always produce `hidden_size` rows (the residual stream).
         gate_up_halves: FUSED_EXPERTS only: `gate_up_proj`'s output columns are all gate then all up
             (Llama-4), not interleaved gate/up pairs (gpt-oss).
+        deinterleave: QKV slots (0 q, 1 k) whose rows vLLM reorders within every head, even rows then
+            odd rows, for its rotary embedding (Llama-4's `permute_qk_weight_for_rotary`).
     """
 
     name: str
@@ -72,6 +74,7 @@ class Module:
     fused: tuple[str, ...] = ()
     dims: tuple[str | None, str | None] = (None, None)
     gate_up_halves: bool = False
+    deinterleave: tuple[int, ...] = ()
 
     @property
     def slots(self) -> tuple[str, ...]:

@@ -74,9 +74,10 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
             for p in t.pieces:
                 nbytes = p.numel * ITEMSIZE[t.dtype]
                 if isinstance(p, Slice):
-                    if p.perm is not None:
+                    if p.perm is not None or p.step > 1:
                         raise UnsupportedError(
-                            f"{path} holds {p.source} transposed (vLLM's layout of gpt-oss's bf16 experts); "
+                            f"{path} holds {p.source} transposed or with its rows reordered (vLLM's layout of "
+                            "gpt-oss's and Llama-4's bf16 experts, Llama-4's q/k); "
                             "reading it back is not supported",
                             "merge or re-shard from the original Hugging Face checkpoint",
                         )
