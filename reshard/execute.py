@@ -152,14 +152,12 @@ def _streamable(tensors: list[OutTensor], sources: list[str]) -> bool:
     rank = {s: i for i, s in enumerate(sources)}
     for t in tensors:
         prev: Slice | None = None
-        for p in t.pieces:
-            if not isinstance(p, Slice):
-                continue
-            if prev is not None:
-                if rank[p.source] < rank[prev.source]:
-                    return False
-                if p.source == prev.source and (p.up or _bounds(p)[0][0] < _bounds(prev)[1][0]):
-                    return False
+        for p in (p for p in t.pieces if isinstance(p, Slice)):
+            if p.step > 1 or (prev is not None and rank[p.source] < rank[prev.source]):
+                return False  # strided rows (each piece from its own read), or sources out of order
+            back = prev is not None and p.source == prev.source and (p.up or _bounds(p)[0][0] < _bounds(prev)[1][0])
+            if back and not p.row_of(prev):
+                return False
             prev = p
     return True
 
@@ -374,7 +372,7 @@ class Executor:
             idx = tuple(slice(x, y) for x, y in zip(a, b, strict=True))
             self._write(h, _upsample(arr, p.up)[idx], src_dtype, None)
         else:
-            idx = (slice(None), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
+            idx = (slice(None, None, p.step), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
             self._write(h, arr[idx], src_dtype, lease, p)
         h.cursor += 1
         self._advance_fills(h)
@@ -384,6 +382,8 @@ class Executor:
     ) -> None:
         """Queue `part` for h's writer; `lease`: what `part` is a view of (None: a fresh array);
         `piece`: a padded Slice's trailing dims are filled out here."""
+        if piece is not None and piece.perm is not None:
+            part = np.transpose(part, (*piece.perm, part.ndim - 1))  # the last axis is the item's bytes
         out = self.cast(part, src_dtype, h.tensor.dtype)
         if piece is not None and piece.pad is not None:
             out = _pad(out, piece.pad, piece.fill, h.tensor.dtype)

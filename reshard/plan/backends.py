@@ -112,3 +112,43 @@ def pad_note(backend: str, ip: int, alloc: int, inter: int, tp: int) -> str:
         "backend (auto or triton would refine the scale grid instead: another layout). Cost: the padded "
         "ranks' MoE compute is wasted; auto's refined layout keeps every rank busy"
     )
+
+
+# ---- MXFP4 experts (gpt-oss) ---------------------------------------------------------------------
+# oracle/mxfp4.py mxfp4_round_up_hidden_size_and_intermediate_size, CUDA: what each backend named by
+# --moe-backend (map_mxfp4_backend) rounds (hidden, per-rank intermediate) up to. `auto` picks by GPU
+# (FlashInfer TRT-LLM on Blackwell: hidden 2880 -> 3072; Triton on Hopper), so reshard pins one.
+MXFP4_ALIGN = {
+    "triton": (1, 64),  # Mxfp4MoeBackend.TRITON: the `else` branch
+    "marlin": (256, 128),
+    "flashinfer_trtllm": (256, 128),
+    "flashinfer_cutlass": (128, 128),
+    "deep_gemm": (128, 128),
+}
+
+
+def mxfp4_backend(name: str) -> str:
+    """The backend whose MXFP4 layout is written (`auto`: Triton, pinned)."""
+    if name == "auto":
+        return "triton"
+    if name not in MXFP4_ALIGN:
+        raise UnsupportedError(
+            f"--moe-backend {name}: reshard does not write vLLM's MXFP4 expert layout for it "
+            "(not an MXFP4 backend in vLLM 0.32, or its rounding depends on the GPU)",
+            f"use one of {', '.join(MXFP4_ALIGN)}",
+        )
+    return name
+
+
+def mxfp4_alloc(backend: str, hidden: int, ip: int) -> tuple[int, int]:
+    """(hidden, per-rank intermediate) that `backend` makes GptOssMxfp4MoEMethod allocate."""
+    h, i = MXFP4_ALIGN[backend]
+    return -(-hidden // h) * h, -(-ip // i) * i
+
+
+def mxfp4_pin_note(ip: int, alloc: int, hidden: int) -> str:
+    return (
+        f"serve line pins --moe-backend triton: vLLM's MXFP4 expert layout depends on the backend `auto` picks "
+        f"(FlashInfer TRT-LLM on Blackwell pads the hidden size to a multiple of 256); this output is Triton's "
+        f"(per-rank intermediate {ip} allocated as {alloc}, hidden {hidden}), which runs on Hopper and Blackwell"
+    )

@@ -20,7 +20,7 @@ class Context:
         self, ckpt: Checkpoint, arch: Architecture, *, tp: int, ep: bool, dtype: str, moe_backend: str = "auto"
     ) -> None:
         self.ckpt = ckpt
-        self.config = ckpt.config
+        self.config = merged_config(ckpt.config, arch)
         self.arch = arch
         self.tp = tp
         self.ep = ep
@@ -38,7 +38,7 @@ class Context:
                 "config.json says tie_word_embeddings but the checkpoint has its own lm_head: "
                 "written untied, and the copied config.json says tie_word_embeddings: false"
             )
-        self.dims = dims_from_config(self.config, arch, untie)
+        self.dims = dims_from_config(ckpt.config, arch, untie)
         self.quant: Quant | None = quant_from_config(self.config)
         fp8 = self.quant is not None and self.quant.method == "fp8"
         # vLLM KV-cache parameter -> the checkpoint tensors vLLM loads into it
@@ -72,7 +72,7 @@ class Context:
     def quantized(self, module: Module, hf_prefixes: list[str]) -> bool:
         if not self.quant or not module.quant:
             return False
-        return self.quant.quantizes(hf_prefixes, experts=module.kind is Kind.EXPERTS)
+        return self.quant.quantizes(hf_prefixes, experts=module.kind in (Kind.EXPERTS, Kind.FUSED_EXPERTS))
 
     def kv_found(self, target: str) -> dict[str, str]:
         """The attention layer `target`'s KV-cache parameters the checkpoint holds a tensor for."""
@@ -98,7 +98,17 @@ class Context:
         return size // self.tp
 
 
+def merged_config(config: dict, arch: Architecture) -> dict:
+    """config.json as the rules read it: a multimodal model's text config over the top level."""
+    sub = config.get(arch.sub_config) if arch.sub_config else None
+    if arch.sub_config and not isinstance(sub, dict):
+        raise SourceError(f"config.json lacks {arch.sub_config!r}, which {arch.names[0]} needs")
+    return {**config, **sub} if sub else config
+
+
 def dims_from_config(config: dict, arch: Architecture, untied_by_checkpoint: bool = False) -> Dims:
+    config = merged_config(config, arch)
+
     def need(key: str) -> int:
         if key not in config or config[key] is None:
             raise SourceError(f"config.json lacks {key!r}, which {arch.names[0]} needs")

@@ -45,8 +45,9 @@ def linear(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) 
         slot_rows = rank_rows(ctx, m, target, outs, r)  # per slot: (start, stop, shard index)
         cols = (r * in_r, (r + 1) * in_r) if m.kind is Kind.ROW else (0, in_size)
         pieces = tuple(
-            Slice(w.name, (o + a, cols[0]), (o + b, cols[1]))
-            for w, o, (a, b, _) in zip(weights, offs, slot_rows, strict=True)
+            p
+            for i, (w, o, (a, b, _)) in enumerate(zip(weights, offs, slot_rows, strict=True))
+            for p in _rows_of(ctx, m, i, w.name, o + a, o + b, outs[i], cols)
         )
         shape = (sum(b - a for a, b, _ in slot_rows), cols[1] - cols[0])
         per_tp[r].append(OutTensor(f"{target}.weight", wdtype, shape, pieces))
@@ -66,6 +67,16 @@ def linear(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) 
             per_tp[r].extend(scheme.linear_scales(ctx, lin))
         if bias:
             per_tp[r].append(_bias(ctx, m, target, slots, offs, slot_rows))
+
+
+def _rows_of(
+    ctx: Context, m: Module, slot: int, name: str, a: int, b: int, out: int, cols: tuple[int, int]
+) -> list[Slice]:
+    """Rows [a, b) of slot `slot`; per head even rows then odd rows where the rule says vLLM reorders them."""
+    if slot not in m.deinterleave:
+        return [Slice(name, (a, cols[0]), (b, cols[1]))]
+    hd = out // (ctx.dims.num_heads if slot == 0 else ctx.dims.num_kv_heads)
+    return [Slice(name, (h + odd, cols[0]), (h + hd, cols[1]), step=2) for h in range(a, b, hd) for odd in (0, 1)]
 
 
 def _bias(

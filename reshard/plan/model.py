@@ -29,6 +29,8 @@ class Slice:
     `pad`: the piece's extent per dim when larger than the slice (trailing dims only: a padded
     dim 0 is a Fill after it): the slice sits at the origin, `fill` everywhere else (the columns
     past a rank's real intermediate size in vLLM's padded MoE down projections).
+    `perm`: the slice's dims are written in this order (a transpose; dim 0 stays first), as
+    gpt-oss's bf16 experts [E, in, out] become vLLM's [E, out, in]. `pad` is then in output order.
     """
 
     source: str
@@ -37,12 +39,24 @@ class Slice:
     up: tuple[int, ...] | None = None
     pad: tuple[int, ...] | None = None
     fill: float = 0.0
+    perm: tuple[int, ...] | None = None
+    step: int = 1  # every step-th row of [start[0], stop[0]) (Llama-4's q/k rows, even then odd per head)
+
+    def row_of(self, other: Slice) -> bool:
+        """Both are the same single source row (Llama-4's gate and up halves of an expert): the executor's
+        chunks hold whole rows, so one pass over the source serves both."""
+        same = self.start[:1] == other.start[:1] and self.stop[:1] == other.stop[:1]
+        one = bool(self.start) and self.stop[0] - self.start[0] == 1 and self.step == other.step == 1
+        return same and not (self.up or other.up) and one
 
     @property
     def numel(self) -> int:
         if self.pad is not None:
             return math.prod(self.pad)
-        return math.prod(b - a for a, b in zip(self.start, self.stop, strict=True))
+        n = [b - a for a, b in zip(self.start, self.stop, strict=True)]
+        if n:
+            n[0] = -(-n[0] // self.step)
+        return math.prod(n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +116,7 @@ class Plan:
     config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
     moe_backend: str = "auto"  # --moe-backend asked for (reshard.plan.backends)
     moe_pin: str | None = None  # the --moe-backend the serve line must name: the layout depends on it
+    serve_flags: tuple[str, ...] = ()  # other flags the layout needs (`--language-model-only`)
 
     @property
     def pattern(self) -> str:
@@ -114,7 +129,7 @@ class Plan:
     def serve_command(self, out_dir: str, load_format: str = "sharded_state") -> str:
         return layout.serve_command(
             out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin,
-            load_format=load_format,
+            extra=self.serve_flags, load_format=load_format,
         )  # fmt: skip
 
     def layout(self) -> dict:

@@ -79,6 +79,7 @@ def build_plan(
         config_patch=ctx.config_patch,
         moe_backend=moe_backend,
         moe_pin=ctx.moe_pin,
+        serve_flags=arch.serve_flags,
     )
 
 
@@ -184,6 +185,12 @@ def check_attention(ctx: Context) -> None:
             f"num_key_value_heads={d.num_kv_heads} and --tp {tp} do not divide each other",
             "vLLM needs one to divide the other",
         )
+    if ctx.arch.kv_heads_split_only and d.num_kv_heads % tp:
+        raise UnsupportedError(
+            f"num_key_value_heads={d.num_kv_heads} is not divisible by --tp {tp}: vLLM's {ctx.arch.names[0]} "
+            "gives each rank num_key_value_heads // tp heads and fails to build with fewer than one",
+            f"use a --tp that divides it: {divisors(d.num_kv_heads)}",
+        )
     padded = padded_vocab(d.vocab)
     if padded % tp:
         raise UnsupportedError(f"padded vocabulary {padded} (vocab_size {d.vocab}) is not divisible by --tp {tp}")
@@ -195,10 +202,19 @@ def check_unused(ctx: Context, ranges: list[tuple[int, int]]) -> None:
         return
     arch = ctx.arch
     spec = spec_layer_prefixes(ctx)
+    skipped = [n for n in ctx.ckpt.tensors if arch.skip_prefixes and n.startswith(arch.skip_prefixes)]
+    if skipped:
+        ctx.note(
+            f"{len(skipped)} tensor(s) under {', '.join(arch.skip_prefixes)} left out: vLLM does not build them "
+            f"with {' '.join(arch.serve_flags)}, which the serve line carries"
+        )
     extra = [
         n
         for n in ctx.ckpt.tensors
-        if n not in ctx.used and not any(n.endswith(s) for s in arch.ignore) and not n.startswith(spec)
+        if n not in ctx.used
+        and not any(n.endswith(s) for s in arch.ignore)
+        and not n.startswith(spec)
+        and not (arch.skip_prefixes and n.startswith(arch.skip_prefixes))
     ]
     if ctx.dims.tie:
         extra = [n for n in extra if n != f"{arch.lm_head}.weight"]  # vLLM skips it when tied

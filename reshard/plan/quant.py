@@ -291,18 +291,43 @@ class CompressedTensorsTensor(_CompressedTensors, _TensorScales):
     """compressed-tensors FP8 with `strategy: tensor`."""
 
 
+class Mxfp4(Quant):
+    """`quant_method: mxfp4` (gpt-oss): only the routed experts are quantized, as `*_blocks` / `*_scales`
+    (laid out by reshard.plan.fusedexperts). vLLM's Mxfp4Config gives linear layers the unquantized
+    method and attention no KV-cache method, whatever `modules_to_not_convert` says."""
+
+    method = "mxfp4"
+    strategy = "mx-block"
+    weight_dtype = "U8"
+
+    def quantizes(self, prefixes: list[str], *, experts: bool = False) -> bool:
+        return experts
+
+    def kv_buffers(
+        self, sources: Sources, target: str, dtype: str, found: dict[str, str], heads: KvHeads
+    ) -> list[OutTensor]:
+        return []
+
+
 def quant_from_config(config: dict) -> Quant | None:
     """The scheme config.json's quantization_config describes; None when it has none."""
     qc = config.get("quantization_config")
     if not qc:
         return None
     method = str(qc.get("quant_method", ""))
+    if method in ("mxfp4", "gpt_oss_mxfp4"):
+        if config.get("model_type") != "gpt_oss":
+            raise UnsupportedError(
+                f"quantization mxfp4 on model_type {config.get('model_type')!r}: reshard writes vLLM's MXFP4 "
+                "layout for gpt-oss only (other MXFP4 checkpoints load through other vLLM methods)"
+            )
+        return Mxfp4(None, False, ())
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method != "fp8":
         raise UnsupportedError(
             f"quantization {method!r} is not supported",
-            "supported: fp8 (block, per-tensor) and compressed-tensors FP8 (tensor, channel, block)",
+            "supported: fp8 (block, per-tensor), compressed-tensors FP8 (tensor, channel, block), mxfp4 (gpt-oss)",
         )
     block = qc.get("weight_block_size")
     if block is not None:

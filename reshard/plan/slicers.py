@@ -9,6 +9,7 @@ from __future__ import annotations
 from reshard.errors import SourceError
 from reshard.plan.context import Context
 from reshard.plan.experts import experts
+from reshard.plan.fusedexperts import fused_experts
 from reshard.plan.geometry import cdiv
 from reshard.plan.kvscales import KvHeads
 from reshard.plan.linear import linear
@@ -28,6 +29,10 @@ def add_module(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor
         attention(ctx, m, prefix, per_tp)
     elif m.kind is Kind.EXPERTS:
         experts(ctx, m, prefix, per_tp)
+    elif m.kind is Kind.FUSED_EXPERTS:
+        fused_experts(ctx, m, prefix, per_tp)
+    elif m.kind is Kind.HEADS:
+        heads(ctx, m, prefix, per_tp)
     elif m.kind is Kind.VOCAB:
         vocab(ctx, m, prefix, per_tp)
     else:
@@ -49,10 +54,23 @@ def attention(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]
             per_tp[r].extend(quant.kv_buffers(ctx, target, ctx.dtype, found, KvHeads(ctx.dims.num_kv_heads, ctx.tp, r)))
 
 
+def heads(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """A per-head vector (gpt-oss `sinks`): rank r holds heads [r * n, (r + 1) * n), n = heads / tp."""
+    target = prefix + m.name
+    t = ctx.src(f"{prefix}{m.slots[0]}.{m.param}", target)
+    if t.shape != (ctx.dims.num_heads,):
+        raise SourceError(
+            f"{t.name} has shape {list(t.shape)}, expected [{ctx.dims.num_heads}] (config.json num_attention_heads)"
+        )
+    n = ctx.dims.num_heads // ctx.tp  # check_attention: num_heads divides by tp
+    for r in range(ctx.tp):
+        per_tp[r].append(OutTensor(f"{target}.{m.param}", m.dtype or ctx.dtype, (n,), (rows(t, r * n, (r + 1) * n),)))
+
+
 def vocab(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """Embedding / lm_head rows, padded to a multiple of 64 with zero rows, then split."""
     target = prefix + m.name
-    source = prefix + (m.tied if (m.tied and ctx.dims.tie) else m.name)
+    source = prefix + (m.tied if (m.tied and ctx.dims.tie) else m.slots[0])
     t = ctx.src(f"{source}.weight", target)
     v, h = ctx.dims.vocab, ctx.dims.hidden
     if t.shape != (v, h):

@@ -5,7 +5,9 @@ from __future__ import annotations
 from reshard.errors import UnsupportedError
 from reshard.rules.deepseek import DEEPSEEK_V2
 from reshard.rules.gemma import GEMMA2, GEMMA3
+from reshard.rules.gptoss import GPT_OSS
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
+from reshard.rules.llama4 import LLAMA4, LLAMA4_TEXT
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
 from reshard.rules.spec import Architecture, Kind, Module
@@ -21,6 +23,9 @@ def register(arch: Architecture) -> Architecture:
 
 for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, DEEPSEEK_V2, GEMMA2, GEMMA3, PHI3):
     register(_arch)
+register(GPT_OSS)
+register(LLAMA4)
+register(LLAMA4_TEXT)
 
 
 def get_architecture(config: dict) -> tuple[str, Architecture]:

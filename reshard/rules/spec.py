@@ -20,6 +20,10 @@ class Kind(str, Enum):
     MERGED = "merged"  # fused column slots, e.g. [gate; up]
     EXPERTS = "experts"  # routed MoE experts -> w13 [gate; up] and w2 (down), by TP or EP
     ATTENTION = "attention"  # attention layer buffers; no source tensor
+    HEADS = "heads"  # a 1-D per-attention-head parameter, split by heads (gpt-oss attention sinks)
+    # routed experts stacked per layer in one HF tensor per projection (gpt-oss): `sources` are the
+    # (gate_up, down) prefixes; bf16 `{p}` [E, in, out] or MXFP4 `{p}_blocks`/`{p}_scales`, `{p}_bias`
+    FUSED_EXPERTS = "fused_experts"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class Module:
         dims: the config keys of each slot's HF weight shape (rows, columns), checked before
             anything is written; None leaves that side unchecked (sizes config.json does not
             name directly). ROW modules always produce `hidden_size` rows (the residual stream).
+        gate_up_halves: FUSED_EXPERTS only: `gate_up_proj`'s output columns are all gate then all up
+            (Llama-4), not interleaved gate/up pairs (gpt-oss).
+        deinterleave: QKV slots (0 q, 1 k) whose rows vLLM reorders within every head, even rows then
+            odd rows, for its rotary embedding (Llama-4's `permute_qk_weight_for_rotary`).
     """
 
     name: str
@@ -65,6 +73,8 @@ class Module:
     dtype: str | None = None
     fused: tuple[str, ...] = ()
     dims: tuple[str | None, str | None] = (None, None)
+    gate_up_halves: bool = False
+    deinterleave: tuple[int, ...] = ()
 
     @property
     def slots(self) -> tuple[str, ...]:
@@ -105,6 +115,13 @@ class Architecture:
             of the expert width.
         tp_at_most_experts: vLLM refuses a tensor-parallel size above the number of experts.
         top_on_every_stage: with pipeline parallelism, every top module on every stage.
+        sub_config: the config.json key holding the text model's config (Llama-4's `text_config`):
+            its keys are read over the top-level ones (quantization_config stays top-level).
+        skip_prefixes: checkpoint tensors vLLM does not build in the mode the serve line pins
+            (`serve_flags`), e.g. a vision tower under `--language-model-only`.
+        serve_flags: flags the `vllm serve` line must carry for this layout.
+        kv_heads_split_only: vLLM splits the KV heads and never replicates them (gpt-oss:
+            `num_key_value_heads // tp`), so --tp must divide num_key_value_heads.
         spec_layers_key: config keys (first found) of the number of speculative (MTP) layers
             stored after the decoder layers, `model.layers.{num_hidden_layers + i}.*`, which
             vLLM's main model skips (DeepSeek-V3's num_nextn_predict_layers).
@@ -122,6 +139,10 @@ class Architecture:
     tp_at_most_experts: bool = False
     top_on_every_stage: bool = False
     spec_layers_key: tuple[str, ...] = ()
+    kv_heads_split_only: bool = False
+    sub_config: str | None = None
+    skip_prefixes: tuple[str, ...] = ()
+    serve_flags: tuple[str, ...] = ()
     layer_prefix: str = "model.layers.{layer}."
     embedding: str = "model.embed_tokens"
     lm_head: str = "lm_head"

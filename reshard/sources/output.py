@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader
-from reshard.errors import CorruptError, SourceError
+from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.format import ITEMSIZE, TensorInfo, read_header
 from reshard.hashing import NONE, entry_digest, hash_file, manifest_algorithm
 from reshard.manifest import read_manifest
@@ -74,6 +74,13 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
             for p in t.pieces:
                 nbytes = p.numel * ITEMSIZE[t.dtype]
                 if isinstance(p, Slice):
+                    if p.perm is not None or p.step > 1:
+                        raise UnsupportedError(
+                            f"{path} holds {p.source} transposed or with its rows reordered (vLLM's layout of "
+                            "gpt-oss's and Llama-4's bf16 experts, Llama-4's q/k); "
+                            "reading it back is not supported",
+                            "merge or re-shard from the original Hugging Face checkpoint",
+                        )
                     if dtypes.setdefault(p.source, t.dtype) != t.dtype:
                         raise SourceError(f"{p.source} is stored in two dtypes; cannot read it back")
                     regions.setdefault(p.source, []).append(Region(f.name, pos, p.start, p.stop, p.up, p.pad))

@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # textonly, also when run as a script (the `_dump` subprocess)
+import textonly  # noqa: E402
 
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -160,7 +162,7 @@ def dump_expected_many(
             [sys.executable, str(HERE), "_dump", json.dumps(spec)],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env=vllm_env(),
+            env=textonly.env(hf_dir, vllm_env()),
             timeout=timeout,
         )
     if proc.returncode != 0:
@@ -201,6 +203,7 @@ def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
         distributed_executor_backend="mp",
         load_format=load_format,
         moe_backend=case.get("moe_backend", "auto"),
+        language_model_only=textonly.language_model_only(hf_dir),
     )
     return args.create_engine_config()
 
@@ -248,6 +251,12 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
                 return initialize_model(vllm_config=cfg, model_config=cfg.model_config)
 
         model = build(vllm_config)
+        if case.get("shapes_only"):  # a release's layout from its config alone: names, dtypes, shapes
+            state = ShardedStateLoader._filter_subtensors(model.state_dict())
+            info = {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in state.items()}
+            (dump_dir / f"info-pp{pp_rank}-tp{tp_rank}.json").write_text(json.dumps(info, indent=0))
+            (dump_dir / expected_name(pp_rank, tp_rank)).write_bytes(b"")  # dump_expected_many's check
+            return
         loader = get_model_loader(vllm_config.load_config)
         loader.load_weights(model, model_config)
         _zero_moe_padding(model)
@@ -311,6 +320,14 @@ def _force_moe_backend(name: str) -> None:
     from vllm.model_executor.layers.quantization import fp8
 
     fp8.select_fp8_moe_backend = lambda config, *a, **k: (fp8_oracle.map_fp8_backend(config.moe_backend), None)
+    # gpt-oss MXFP4 (GptOssMxfp4MoEMethod.__init__): maybe_roundup_sizes then rounds for that backend
+    from vllm.model_executor.layers.fused_moe.oracle import mxfp4 as mxfp4_oracle
+    from vllm.model_executor.layers.quantization import mxfp4
+
+    mxfp4.select_mxfp4_moe_backend = lambda config, *a, **k: (
+        mxfp4_oracle.map_mxfp4_backend(config.moe_backend)[0],
+        None,
+    )
     um.select_unquantized_moe_backend = lambda moe_config: (
         u_oracle.map_unquantized_backend(moe_config.moe_backend),
         None,
