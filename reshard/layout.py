@@ -127,6 +127,7 @@ def serve_command(
     dtype: str,
     load_format: str = "sharded_state",
     moe_backend: str | None = None,
+    extra: tuple[str, ...] = (),
 ) -> str:
     """The `vllm serve` line that loads `out_dir` as written (dtype: torch's name, e.g. bfloat16;
     moe_backend: pinned where the experts' layout depends on vLLM's MoE backend)."""
@@ -138,4 +139,5 @@ def serve_command(
     parts.append(f"--dtype {dtype}")
     if moe_backend:
         parts.append(f"--moe-backend {moe_backend}")
+    parts.extend(extra)  # e.g. --language-model-only: the files hold no vision tower
     return " ".join(parts)

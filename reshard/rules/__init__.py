@@ -8,6 +8,7 @@ from reshard.rules.gemma import GEMMA2, GEMMA3
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
+from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_NEXT
 from reshard.rules.spec import Architecture, Kind, Module
 
 ARCHITECTURES: dict[str, Architecture] = {}
@@ -21,6 +22,8 @@ def register(arch: Architecture) -> Architecture:
 
 for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, DEEPSEEK_V2, GEMMA2, GEMMA3, PHI3):
     register(_arch)
+register(QWEN3_NEXT)
+register(QWEN3_5_MOE)
 
 
 def get_architecture(config: dict) -> tuple[str, Architecture]:

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # textonly, also when run as a script (the `_run` subprocess)
+import textonly  # noqa: E402
 
 # Fixed token-id prompts; 999 is the last real vocabulary row of the tiny
 # checkpoints (1000 rows, padded by vLLM to a multiple of 64 per rank).
@@ -121,6 +123,7 @@ def greedy_tokens_many(
                 enable_expert_parallel=ep,
                 skip_tokenizer_init=skip,
                 dtype=dtype,
+                language_model_only=textonly.language_model_only(d),
             )
         )
     with tempfile.TemporaryDirectory(prefix="vllm-gen-") as tmp:
@@ -133,7 +136,7 @@ def greedy_tokens_many(
                     [sys.executable, str(HERE), "_run", json.dumps(spec)],
                     stdout=fh,
                     stderr=subprocess.STDOUT,
-                    env=_env(),
+                    env=textonly.env(specs[0]["model"], _env()),
                     timeout=timeout,
                     cwd=tmp,
                 )

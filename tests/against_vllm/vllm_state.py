@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # textonly, also when run as a script (the `_dump` subprocess)
+import textonly  # noqa: E402
 
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -160,7 +162,7 @@ def dump_expected_many(
             [sys.executable, str(HERE), "_dump", json.dumps(spec)],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env=vllm_env(),
+            env=textonly.env(hf_dir, vllm_env()),
             timeout=timeout,
         )
     if proc.returncode != 0:
@@ -201,6 +203,7 @@ def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
         distributed_executor_backend="mp",
         load_format=load_format,
         moe_backend=case.get("moe_backend", "auto"),
+        language_model_only=textonly.language_model_only(hf_dir),
     )
     return args.create_engine_config()
 
