@@ -73,7 +73,7 @@ def _cpu_has_amx() -> bool:
 # --------------------------------------------------------------------------- #
 DENSE = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3-fp8"]
 MOE = ["qwen3-moe", "mixtral", "qwen2-moe", "qwen3-moe-fp8", "deepseek-v3", "deepseek-v3-fp8", "deepseek-v2-lite"]
-HYBRID = ["qwen3-next", "qwen3.5-moe"]  # gated delta net + full attention, MoE (issue 15)
+HYBRID = ["qwen3-next", "qwen3.5-moe", "qwen3-next-fp8"]  # gated delta net + full attention, MoE (issue 15)
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,10 @@ STATE_CASES += [
     Case("qwen3.5-moe", 4),
     Case("qwen3.5-moe", 2, ep=True),
     Case("qwen3.5-moe", 1, pp=2),
+    # block FP8 (in_proj_ba, router and shared_expert_gate bf16); TP 2 refines the experts' blocks
+    Case("qwen3-next-fp8", 1),
+    Case("qwen3-next-fp8", 2),
+    Case("qwen3-next-fp8", 2, ep=True),
 ]
 
 # Generation: what the CPU build can run (no PP, no EP MoE, no refined-FP8 MoE).
