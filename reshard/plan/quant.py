@@ -166,7 +166,11 @@ class _BlockScales(Quant):
             pieces.append(Slice(s.name, (r0, c0), (r0 + nr, c0 + nc)))
         n_rows = sum(p.stop[0] - p.start[0] for p in pieces)
         if n_rows != cdiv(sum(parts), bn):
-            raise UnsupportedError(f"{lin.target}: FP8 block scales do not tile the fused weight")
+            raise UnsupportedError(
+                f"{lin.target}: FP8 block scales do not tile the fused weight: each rank holds {parts} rows of "
+                f"its slots, pieces of different {bn}-row blocks that vLLM would put under one scale block",
+                "use a smaller --tp",
+            )
         return [OutTensor(f"{lin.target}.{self.scale_name}", "F32", (n_rows, nc), tuple(pieces))]
 
     def expert_scales(self, sources: Sources, split: MoeSplit) -> RankScales:
