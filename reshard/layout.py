@@ -146,5 +146,5 @@ def serve_command(
     parts.append(f"--dtype {dtype}")
     if moe_backend:
         parts.append(f"--moe-backend {moe_backend}")
-    parts.extend(extra)
+    parts.extend(extra)  # e.g. --language-model-only: the files hold no vision tower
     return " ".join(parts)

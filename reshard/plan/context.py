@@ -31,7 +31,7 @@ class Context:
         self.used: set[str] = set()
         # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
         # ships its own lm_head; the sharded loader does not, so the output config must say so.
-        untie = bool(self.config.get("tie_word_embeddings")) and f"{arch.lm_head}.weight" in ckpt.tensors
+        untie = bool(self.config.get("tie_word_embeddings")) and arch.hf_name(f"{arch.lm_head}.weight") in ckpt.tensors
         self.config_patch: dict = {"tie_word_embeddings": False} if untie else {}
         if untie:
             self.note(
@@ -47,6 +47,7 @@ class Context:
     # ---- the checkpoint (reshard.plan.geometry.Sources) ------------------------------------------
 
     def src(self, name: str, why: str) -> TensorInfo:
+        name = self.arch.hf_name(name)  # rules name tensors after vLLM's modules
         t = self.ckpt.tensors.get(name)
         if t is None:
             raise SourceError(
@@ -72,7 +73,8 @@ class Context:
     def quantized(self, module: Module, hf_prefixes: list[str]) -> bool:
         if not self.quant or not module.quant:
             return False
-        return self.quant.quantizes(hf_prefixes, experts=module.kind in (Kind.EXPERTS, Kind.FUSED_EXPERTS))
+        names = [self.arch.hf_name(p) for p in hf_prefixes]
+        return self.quant.quantizes(names, experts=module.kind in (Kind.EXPERTS, Kind.FUSED_EXPERTS))
 
     def kv_found(self, target: str) -> dict[str, str]:
         """The attention layer `target`'s KV-cache parameters the checkpoint holds a tensor for."""
@@ -100,10 +102,9 @@ class Context:
 
 def merged_config(config: dict, arch: Architecture) -> dict:
     """config.json as the rules read it: a multimodal model's text config over the top level."""
-    sub = config.get(arch.sub_config) if arch.sub_config else None
-    if arch.sub_config and not isinstance(sub, dict):
-        raise SourceError(f"config.json lacks {arch.sub_config!r}, which {arch.names[0]} needs")
-    return {**config, **sub} if sub else config
+    if arch.text_config and not isinstance(config.get(arch.text_config), dict):
+        raise SourceError(f"config.json lacks {arch.text_config!r}, which {arch.names[0]} needs")
+    return arch.text(config)
 
 
 def dims_from_config(config: dict, arch: Architecture, untied_by_checkpoint: bool = False) -> Dims:

@@ -27,6 +27,9 @@ def linear(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) 
         for r in range(ctx.tp):
             per_tp[r].append(OutTensor(f"{target}.{m.param}", m.dtype or ctx.dtype, t.shape, (whole(t),)))
         return
+    if m.quant is False and m.kind in (Kind.COLUMN, Kind.MERGED):
+        _plain_rows(ctx, m, target, slots, per_tp)
+        return
     if m.param != "weight":
         raise AssertionError(f"{target}: only plain replicated parameters may be named {m.param!r}")
     weights, offs, outs = slot_sources(ctx, m, target, slots)
@@ -79,6 +82,25 @@ def _rows_of(
     return [Slice(name, (h + odd, cols[0]), (h + hd, cols[1]), step=2) for h in range(a, b, hd) for odd in (0, 1)]
 
 
+def _plain_rows(ctx: Context, m: Module, target: str, slots: list[str], per_tp: list[list[OutTensor]]) -> None:
+    """Unquantized column-parallel parameters of any rank, cut along dim 0 (the gated delta net's
+    conv1d [conv_dim, 1, kernel], A_log, dt_bias): each slot's rows split across ranks on its own,
+    a rank's slots concatenated; the other dims whole."""
+    ts, offs, outs = slot_sources(ctx, m, target, slots, m.param)
+    rest = ts[0].shape[1:]
+    for t in ts:
+        if t.shape[1:] != rest:
+            raise SourceError(f"{t.name} has shape {list(t.shape)}, its sibling slots {[outs[0], *rest]}")
+    for r in range(ctx.tp):
+        slot_rows = rank_rows(ctx, m, target, outs, r)
+        pieces = tuple(
+            Slice(t.name, (o + a, *(0,) * len(rest)), (o + b, *rest))
+            for t, o, (a, b, _) in zip(ts, offs, slot_rows, strict=True)
+        )
+        shape = (sum(b - a for a, b, _ in slot_rows), *rest)
+        per_tp[r].append(OutTensor(f"{target}.{m.param}", m.dtype or ctx.dtype, shape, pieces))
+
+
 def _bias(
     ctx: Context, m: Module, target: str, slots: list[str], offs: list[int], slot_rows: list[tuple[int, int, int]]
 ) -> OutTensor:
@@ -118,14 +140,17 @@ def _config_int(ctx: Context, key: str | None) -> int | None:
 
 
 def slot_sources(
-    ctx: Context, m: Module, target: str, slots: list[str]
+    ctx: Context, m: Module, target: str, slots: list[str], param: str = "weight"
 ) -> tuple[list[TensorInfo], list[int], list[int]]:
     """Each slot's HF weight, its first row there and its global row count.
 
     Separate HF tensors: one per slot, from row 0. A fused HF tensor (Phi-3): the slots are
     consecutive row ranges of it, sized as vLLM's `_load_fused_module_from_checkpoint`
-    does: q/k/v by the head counts, other merged layers in equal parts.
+    does: q/k/v by the head counts, other merged layers in equal parts. Slots sized by config
+    keys (`Module.sizes`): consecutive slots of one HF tensor are consecutive row ranges of it.
     """
+    if m.sizes:
+        return _sized_slots(ctx, m, target, slots, param)
     if not m.fused:
         weights = [ctx.src(f"{s}.weight", target) for s in slots]
         return weights, [0] * len(weights), [w.shape[0] for w in weights]
@@ -144,6 +169,34 @@ def slot_sources(
         outs = [total // n] * n
     offs = [sum(outs[:i]) for i in range(n)]
     return [w] * n, offs, outs
+
+
+def _sized_slots(
+    ctx: Context, m: Module, target: str, slots: list[str], param: str
+) -> tuple[list[TensorInfo], list[int], list[int]]:
+    if len(m.sizes) != len(slots):
+        raise AssertionError(f"{target}: {len(m.sizes)} sizes for {len(slots)} slots")
+    ts, offs, outs = [], [], []
+    for i, (slot, keys) in enumerate(zip(slots, m.sizes, strict=True)):
+        t = ctx.src(f"{slot}.{param}", target)
+        n = 1
+        for key in keys:
+            value = _config_int(ctx, key)
+            if value is None:
+                raise SourceError(f"config.json lacks {key!r}, which sizes vLLM's {target}")
+            n *= value
+        offs.append(offs[-1] + outs[-1] if i and slots[i - 1] == slot else 0)
+        ts.append(t)
+        outs.append(n)
+    for i, t in enumerate(ts):
+        last = i + 1 == len(ts) or slots[i + 1] != slots[i]
+        if last and (not t.shape or t.shape[0] != offs[i] + outs[i]):
+            keys = " + ".join("*".join(k) for s, k in zip(slots, m.sizes, strict=True) if s == slots[i])
+            raise SourceError(
+                f"{t.name} has shape {list(t.shape)}, expected {offs[i] + outs[i]} rows (from config.json {keys})",
+                "the tensor is transposed or reshaped, or config.json does not match the weights",
+            )
+    return ts, offs, outs
 
 
 def rank_rows(ctx: Context, m: Module, target: str, outs: list[int], r: int) -> list[tuple[int, int, int]]:

@@ -51,7 +51,12 @@ def build_plan(
     arch_name, arch = get_architecture(ckpt.config)
     _refuse_opt_in_layouts(ckpt.config)
     ctx = Context(
-        ckpt, arch, tp=tp, ep=ep, dtype=model_dtype(ckpt.config, dtype), moe_backend=check_backend(moe_backend)
+        ckpt,
+        arch,
+        tp=tp,
+        ep=ep,
+        dtype=model_dtype(arch.text(ckpt.config), dtype),
+        moe_backend=check_backend(moe_backend),
     )
     if ep and not ctx.dims.num_experts:
         raise UnsupportedError(
@@ -97,7 +102,7 @@ def _refuse_opt_in_layouts(config: dict) -> None:
 def num_experts(config: dict) -> int:
     """How many routed experts the model has (0 for a dense model)."""
     _, arch = get_architecture(config)
-    return dims_from_config(config, arch).num_experts
+    return dims_from_config(arch.text(config), arch).num_experts
 
 
 def model_dtype(config: dict, dtype: str) -> str:
@@ -154,7 +159,7 @@ def plan_stage(ctx: Context, ranges: list[tuple[int, int]], pp_rank: int) -> lis
     first, stop = ranges[pp_rank]
     for layer in range(first, stop):
         moe = arch.is_moe_layer is not None and arch.is_moe_layer(config, layer)
-        for m in arch.layer + (arch.moe_mlp if moe else arch.dense_mlp):
+        for m in arch.layer_modules(config, layer) + (arch.moe_mlp if moe else arch.dense_mlp):
             if m.present(config):
                 add_module(ctx, m, arch.prefix(layer), per_tp)
     return per_tp
@@ -162,7 +167,7 @@ def plan_stage(ctx: Context, ranges: list[tuple[int, int]], pp_rank: int) -> lis
 
 def top_on_stage(ctx: Context, m: Module, pp_rank: int, last: int) -> bool:
     """The embedding on the first stage (and the last, when tied), other top modules on the last."""
-    if ctx.arch.top_on_every_stage:
+    if ctx.arch.top_on_every_stage or m.name in ctx.arch.every_stage:
         return True
     if m.name == ctx.arch.embedding:
         return pp_rank == 0 or (ctx.dims.tie and pp_rank == last)
@@ -201,23 +206,20 @@ def check_unused(ctx: Context, ranges: list[tuple[int, int]]) -> None:
     if ranges[0][0] != 0 or ranges[-1][1] != ctx.dims.num_layers:
         return
     arch = ctx.arch
-    spec = spec_layer_prefixes(ctx)
-    skipped = [n for n in ctx.ckpt.tensors if arch.skip_prefixes and n.startswith(arch.skip_prefixes)]
-    if skipped:
-        ctx.note(
-            f"{len(skipped)} tensor(s) under {', '.join(arch.skip_prefixes)} left out: vLLM does not build them "
-            f"with {' '.join(arch.serve_flags)}, which the serve line carries"
-        )
+    spec = spec_layer_prefixes(ctx) + arch.skip_prefixes
     extra = [
         n
         for n in ctx.ckpt.tensors
-        if n not in ctx.used
-        and not any(n.endswith(s) for s in arch.ignore)
-        and not n.startswith(spec)
-        and not (arch.skip_prefixes and n.startswith(arch.skip_prefixes))
+        if n not in ctx.used and not any(n.endswith(s) for s in arch.ignore) and not n.startswith(spec)
     ]
+    for prefix in arch.skip_prefixes:
+        skipped = sum(1 for n in ctx.ckpt.tensors if n.startswith(prefix))
+        if skipped:
+            ctx.note(
+                f"{skipped} checkpoint tensor(s) under {prefix} left out: vLLM's {arch.names[0]} does not load them"
+            )
     if ctx.dims.tie:
-        extra = [n for n in extra if n != f"{arch.lm_head}.weight"]  # vLLM skips it when tied
+        extra = [n for n in extra if n != arch.hf_name(f"{arch.lm_head}.weight")]  # vLLM skips it when tied
     skipped = skip_kv_scales_vllm_ignores(ctx, extra)
     extra = [n for n in extra if n not in skipped]
     if extra:

@@ -141,7 +141,7 @@ class _BlockScales(Quant):
         c0 = (lin.cols[0] // in_r) * nc  # row-parallel: this rank's block columns
         total = sum(lin.outs) if lin.fused else None
         pieces = []
-        for i, (s, (a, b, shard), o, off) in enumerate(zip(scales, lin.rows, lin.outs, lin.offs, strict=True)):
+        for i, (s, (a, b, shard), off) in enumerate(zip(scales, lin.rows, lin.offs, strict=True)):
             part = b - a
             checked = lin.splits_rows or (several and i < len(lin.slots) - 1)
             if checked and part % bn and not mismatch_allowed:
@@ -149,7 +149,8 @@ class _BlockScales(Quant):
                     f"{lin.target}: per-rank output size {part} is not divisible by the FP8 block {bn}",
                     "vLLM refuses this split; use a smaller --tp",
                 )
-            rows_in = total if total is not None else o
+            # a fused HF tensor's rows, or those of the slots sharing this slot's tensor (Module.sizes)
+            rows_in = total if total is not None else sum(n for t, n in zip(scales, lin.outs, strict=True) if t == s)
             if s.shape != (cdiv(rows_in, bn), cdiv(lin.in_size, bk)):
                 raise SourceError(
                     f"{s.name} has shape {list(s.shape)}, block {list(self.block)} of a [{rows_in}, {lin.in_size}] "
@@ -165,7 +166,11 @@ class _BlockScales(Quant):
             pieces.append(Slice(s.name, (r0, c0), (r0 + nr, c0 + nc)))
         n_rows = sum(p.stop[0] - p.start[0] for p in pieces)
         if n_rows != cdiv(sum(parts), bn):
-            raise UnsupportedError(f"{lin.target}: FP8 block scales do not tile the fused weight")
+            raise UnsupportedError(
+                f"{lin.target}: FP8 block scales do not tile the fused weight: each rank holds {parts} rows of "
+                f"its slots, pieces of different {bn}-row blocks that vLLM would put under one scale block",
+                "use a smaller --tp",
+            )
         return [OutTensor(f"{lin.target}.{self.scale_name}", "F32", (n_rows, nc), tuple(pieces))]
 
     def expert_scales(self, sources: Sources, split: MoeSplit) -> RankScales:
@@ -180,10 +185,9 @@ class _ChannelScales(Quant):
 
     def linear_scales(self, sources: Sources, lin: LinearRank) -> list[OutTensor]:
         pieces = []
-        for s, (a, b, _), o, off in zip(
-            lin.per_slot(sources, "weight_scale"), lin.rows, lin.outs, lin.offs, strict=True
-        ):
-            total = sum(lin.outs) if lin.fused else o
+        scales = lin.per_slot(sources, "weight_scale")
+        for s, (a, b, _), off in zip(scales, lin.rows, lin.offs, strict=True):
+            total = sum(lin.outs) if lin.fused else sum(n for t, n in zip(scales, lin.outs, strict=True) if t == s)
             if s.shape != (total, 1):
                 raise SourceError(f"{s.name} has shape {list(s.shape)}, per-channel scales need {[total, 1]}")
             pieces.append(Slice(s.name, (off + a, 0), (off + b, 1)))
@@ -226,6 +230,12 @@ class _TensorScales(Quant):
 
     def linear_scales(self, sources: Sources, lin: LinearRank) -> list[OutTensor]:
         n = len(lin.outs)
+        if not lin.fused and len(set(lin.slots)) < n:
+            raise UnsupportedError(
+                f"{lin.target}: one per-tensor scale shared by several of vLLM's shards (Qwen3.5's in_proj_qkv) "
+                "is a layout reshard has not checked against vLLM",
+                "use the bf16 or block-FP8 checkpoint",
+            )
         scales = tuple(scalar(s) for s in lin.per_slot(sources, "weight_scale"))
         out = [OutTensor(f"{lin.target}.weight_scale", "F32", (n,), scales)]
         if self.static_activations:

@@ -10,6 +10,7 @@ from reshard.rules.llama import LLAMA, QWEN2, QWEN3
 from reshard.rules.llama4 import LLAMA4, LLAMA4_TEXT
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
+from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_NEXT
 from reshard.rules.spec import Architecture, Kind, Module
 
 ARCHITECTURES: dict[str, Architecture] = {}
@@ -26,6 +27,8 @@ for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, DEEPSEEK_V2, G
 register(GPT_OSS)
 register(LLAMA4)
 register(LLAMA4_TEXT)
+register(QWEN3_NEXT)
+register(QWEN3_5_MOE)
 
 
 def get_architecture(config: dict) -> tuple[str, Architecture]:

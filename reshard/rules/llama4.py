@@ -86,7 +86,7 @@ LLAMA4 = replace(
     layer_prefix=LM + "model.layers.{layer}.",
     embedding=LM + "model.embed_tokens",
     lm_head=LM + "lm_head",
-    sub_config="text_config",
+    text_config="text_config",
     skip_prefixes=("vision_model.", "multi_modal_projector."),
     serve_flags=("--language-model-only",),
 )

@@ -59,6 +59,12 @@ class Module:
             (Llama-4), not interleaved gate/up pairs (gpt-oss).
         deinterleave: QKV slots (0 q, 1 k) whose rows vLLM reorders within every head, even rows then
             odd rows, for its rotary embedding (Llama-4's `permute_qk_weight_for_rotary`).
+        sizes: per slot, the config keys whose product is its row count; consecutive slots
+            naming the same HF tensor are consecutive row ranges of it (vLLM's tuple shard ids,
+            e.g. Qwen3.5's in_proj_qkv -> the q, k, v pieces of in_proj_qkvz; the gated delta
+            net's conv1d pieces, mamba_v2_sharded_weight_loader). Each piece is split across ranks
+            on its own; a rank's pieces are concatenated. Tensors of any rank (conv1d's
+            [conv_dim, 1, kernel]) when the module is not quantized.
     """
 
     name: str
@@ -75,6 +81,7 @@ class Module:
     dims: tuple[str | None, str | None] = (None, None)
     gate_up_halves: bool = False
     deinterleave: tuple[int, ...] = ()
+    sizes: tuple[tuple[str, ...], ...] = ()
 
     @property
     def slots(self) -> tuple[str, ...]:
@@ -115,16 +122,25 @@ class Architecture:
             of the expert width.
         tp_at_most_experts: vLLM refuses a tensor-parallel size above the number of experts.
         top_on_every_stage: with pipeline parallelism, every top module on every stage.
-        sub_config: the config.json key holding the text model's config (Llama-4's `text_config`):
-            its keys are read over the top-level ones (quantization_config stays top-level).
-        skip_prefixes: checkpoint tensors vLLM does not build in the mode the serve line pins
-            (`serve_flags`), e.g. a vision tower under `--language-model-only`.
-        serve_flags: flags the `vllm serve` line must carry for this layout.
         kv_heads_split_only: vLLM splits the KV heads and never replicates them (gpt-oss:
             `num_key_value_heads // tp`), so --tp must divide num_key_value_heads.
         spec_layers_key: config keys (first found) of the number of speculative (MTP) layers
             stored after the decoder layers, `model.layers.{num_hidden_layers + i}.*`, which
             vLLM's main model skips (DeepSeek-V3's num_nextn_predict_layers).
+        mixers: per layer type, the layer's token mixer modules (hybrid models: Qwen3-Next's
+            `linear_attention` / `full_attention`), chosen by `layer_type(config, layer)`, after
+            `layer` and before the MLP.
+        every_stage: top modules vLLM builds on every pipeline stage (unconditionally), whatever
+            `embedding`/`top_on_every_stage` say of the others.
+        skip_prefixes: checkpoint tensor-name prefixes vLLM's model does not load (`mtp.`: the
+            draft model's; `model.visual.`: a vision tower not built under --language-model-only,
+            which `serve_flags` then carries).
+        hf_prefixes: (vLLM prefix, checkpoint prefix) pairs where the two differ: the inverse
+            of vLLM's hf_to_vllm_mapper (Qwen3.5: `language_model.model.` <- `model.language_model.`).
+        text_config: the config.json key whose dict holds the language model's settings (vLLM's
+            hf_text_config, e.g. Llama-4's and Qwen3.5's `text_config`); its keys override the top
+            level's (quantization_config stays top-level).
+        serve_flags: `vllm serve` options the layout needs (--language-model-only).
     """
 
     names: tuple[str, ...]
@@ -140,12 +156,34 @@ class Architecture:
     top_on_every_stage: bool = False
     spec_layers_key: tuple[str, ...] = ()
     kv_heads_split_only: bool = False
-    sub_config: str | None = None
-    skip_prefixes: tuple[str, ...] = ()
-    serve_flags: tuple[str, ...] = ()
     layer_prefix: str = "model.layers.{layer}."
     embedding: str = "model.embed_tokens"
     lm_head: str = "lm_head"
+    mixers: tuple[tuple[str, tuple[Module, ...]], ...] = ()
+    layer_type: Callable[[dict, int], str] | None = None
+    every_stage: tuple[str, ...] = ()
+    skip_prefixes: tuple[str, ...] = ()
+    hf_prefixes: tuple[tuple[str, str], ...] = ()
+    text_config: str | None = None
+    serve_flags: tuple[str, ...] = ()
+
+    def text(self, config: dict) -> dict:
+        """The settings of the language model: config.json, or its text_config over it."""
+        inner = config.get(self.text_config) if self.text_config else None
+        return {**config, **inner} if isinstance(inner, dict) else config
+
+    def layer_modules(self, config: dict, layer: int) -> tuple[Module, ...]:
+        """Decoder layer `layer`'s modules before its MLP: the common ones, then its mixer's."""
+        if not self.mixers or self.layer_type is None:
+            return self.layer
+        return self.layer + dict(self.mixers)[self.layer_type(config, layer)]
+
+    def hf_name(self, name: str) -> str:
+        """The checkpoint's name of a tensor named after vLLM's module path."""
+        for vllm_prefix, hf_prefix in self.hf_prefixes:
+            if name.startswith(vllm_prefix):
+                return hf_prefix + name[len(vllm_prefix) :]
+        return name
 
     def prefix(self, layer: int) -> str:
         """Decoder layer `layer`'s prefix (speculative layers after the last included)."""
