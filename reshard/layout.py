@@ -36,7 +36,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
 # files a Hub download needs: weights, config, tokenizer and generation files
-HUB_PATTERNS = ("*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*")
+# (and the remote code a config.json auto_map names: Kimi-K2's tokenization_kimi.py, configuration_*.py)
+HUB_PATTERNS = ("*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*", "*.py")
 # weight formats that are never copied next to the rank files
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
 
@@ -127,9 +128,11 @@ def serve_command(
     dtype: str,
     load_format: str = "sharded_state",
     moe_backend: str | None = None,
+    trust_remote_code: bool = False,
 ) -> str:
     """The `vllm serve` line that loads `out_dir` as written (dtype: torch's name, e.g. bfloat16;
-    moe_backend: pinned where the experts' layout depends on vLLM's MoE backend)."""
+    moe_backend: pinned where the experts' layout depends on vLLM's MoE backend;
+    trust_remote_code: the checkpoint ships its own config/tokenizer code, e.g. Kimi-K2's)."""
     parts = [f"vllm serve {out_dir} --load-format {load_format}", f"--tensor-parallel-size {tp}"]
     if pp > 1:
         parts.append(f"--pipeline-parallel-size {pp}")
@@ -138,4 +141,6 @@ def serve_command(
     parts.append(f"--dtype {dtype}")
     if moe_backend:
         parts.append(f"--moe-backend {moe_backend}")
+    if trust_remote_code:
+        parts.append("--trust-remote-code")
     return " ".join(parts)

@@ -102,6 +102,7 @@ class Plan:
     config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
     moe_backend: str = "auto"  # --moe-backend asked for (reshard.plan.backends)
     moe_pin: str | None = None  # the --moe-backend the serve line must name: the layout depends on it
+    trust_remote_code: bool = False  # config.json's auto_map names code shipped with the checkpoint
 
     @property
     def pattern(self) -> str:
@@ -113,7 +114,13 @@ class Plan:
 
     def serve_command(self, out_dir: str) -> str:
         return layout.serve_command(
-            out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin
+            out_dir,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            dtype=DTYPE_CODES[self.dtype],
+            moe_backend=self.moe_pin,
+            trust_remote_code=self.trust_remote_code,
         )
 
     def layout(self) -> dict:

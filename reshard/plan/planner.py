@@ -79,6 +79,7 @@ def build_plan(
         config_patch=ctx.config_patch,
         moe_backend=moe_backend,
         moe_pin=ctx.moe_pin,
+        trust_remote_code=bool(ckpt.config.get("auto_map")),
     )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from reshard.errors import UnsupportedError
 from reshard.rules.deepseek import DEEPSEEK_V2
 from reshard.rules.gemma import GEMMA2, GEMMA3
+from reshard.rules.glm import GLM4_MOE
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
+from reshard.rules.minimax import MINIMAX_M2
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
 from reshard.rules.spec import Architecture, Kind, Module
@@ -20,6 +22,8 @@ def register(arch: Architecture) -> Architecture:
 
 
 for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, DEEPSEEK_V2, GEMMA2, GEMMA3, PHI3):
+    register(_arch)
+for _arch in (GLM4_MOE, MINIMAX_M2):  # issue 15
     register(_arch)
 
 

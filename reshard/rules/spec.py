@@ -20,6 +20,9 @@ class Kind(str, Enum):
     MERGED = "merged"  # fused column slots, e.g. [gate; up]
     EXPERTS = "experts"  # routed MoE experts -> w13 [gate; up] and w2 (down), by TP or EP
     ATTENTION = "attention"  # attention layer buffers; no source tensor
+    # a 1-D parameter over every head (MiniMax-M2's q_norm / k_norm over all heads): split like the
+    # heads, q by TP, k by KV heads (one KV head's slice on tp / num_kv_heads ranks when fewer)
+    HEAD_NORM = "head_norm"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Module:
         dims: the config keys of each slot's HF weight shape (rows, columns), checked before
             anything is written; None leaves that side unchecked (sizes config.json does not
             name directly). ROW modules always produce `hidden_size` rows (the residual stream).
+        kv_heads: HEAD_NORM only: the parameter spans the KV heads (else the query heads).
     """
 
     name: str
@@ -65,6 +69,7 @@ class Module:
     dtype: str | None = None
     fused: tuple[str, ...] = ()
     dims: tuple[str | None, str | None] = (None, None)
+    kv_heads: bool = False
 
     @property
     def slots(self) -> tuple[str, ...]:
