@@ -89,4 +89,6 @@ def head_norm(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]
     n = ctx.split(t.shape[0], f"size of {target}") if parts == ctx.tp else t.shape[0] // parts
     for r in range(ctx.tp):
         k = r // per
-        per_tp[r].append(OutTensor(f"{target}.weight", m.dtype or ctx.dtype, (n,), (Slice(t.name, (k * n,), ((k + 1) * n,)),)))
+        per_tp[r].append(
+            OutTensor(f"{target}.weight", m.dtype or ctx.dtype, (n,), (Slice(t.name, (k * n,), ((k + 1) * n,)),))
+        )

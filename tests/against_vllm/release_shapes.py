@@ -27,7 +27,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from tests.against_vllm import vllm_state  # noqa: E402
-from tests.fixtures.releases import CUT_LAYERS, HERE as FIXTURES, RELEASES, cut  # noqa: E402
+from tests.fixtures.releases import CUT_LAYERS, RELEASES, cut  # noqa: E402
+from tests.fixtures.releases import HERE as FIXTURES  # noqa: E402
 
 TP = 8
 
