@@ -26,7 +26,10 @@ from tests.test_cli import run
 
 def shapes(plan, tp_rank, pp_rank=0):
     return {
-        t.name: (t.dtype, t.shape) for f in plan.files if (f.tp_rank, f.pp_rank) == (tp_rank, pp_rank) for t in f.tensors
+        t.name: (t.dtype, t.shape)
+        for f in plan.files
+        if (f.tp_rank, f.pp_rank) == (tp_rank, pp_rank)
+        for t in f.tensors
     }
 
 
@@ -172,7 +175,9 @@ def test_minimax_norms_equal_vllm_weight_loader_reading(tiny, tmp_path):
     p = "model.layers.2."
     for r in range(4):
         with safe_open(str(tmp_path / "out" / f"model-rank-{r}-part-0.safetensors"), "pt") as h:
-            assert torch.equal(h.get_tensor(p + "self_attn.q_norm.weight"), hf[p + "self_attn.q_norm.weight"].chunk(4)[r])
+            assert torch.equal(
+                h.get_tensor(p + "self_attn.q_norm.weight"), hf[p + "self_attn.q_norm.weight"].chunk(4)[r]
+            )
             assert torch.equal(
                 h.get_tensor(p + "self_attn.k_norm.weight"), hf[p + "self_attn.k_norm.weight"].chunk(2)[r // 2]
             )
