@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import pytest
 
-from reshard.format import DTYPE_CODES, ITEMSIZE, DTYPE_NAMES
+from reshard.format import DTYPE_CODES, DTYPE_NAMES, ITEMSIZE
 from reshard.plan import build_plan
 from reshard.sources import open_source
 from tests.fixtures.releases import CUT_LAYERS, RELEASES, cut, vllm_shapes, write_header_only
@@ -85,7 +85,10 @@ def extrapolate(release: str, layout: str) -> list[tuple[int, int]]:
         moe, dense = next(iter(kinds[True])), next(iter(kinds.get(False, {(0, 0)})))
         n = config["num_hidden_layers"]
         out.append(
-            (top[0] + dense_below * dense[0] + (n - dense_below) * moe[0], top[1] + dense_below * dense[1] + (n - dense_below) * moe[1])
+            (
+                top[0] + dense_below * dense[0] + (n - dense_below) * moe[0],
+                top[1] + dense_below * dense[1] + (n - dense_below) * moe[1],
+            )
         )
     return out
 
