@@ -36,7 +36,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
 # files a Hub download needs: weights, config, tokenizer and generation files
-HUB_PATTERNS = ("*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*")
+# (and the remote code a config.json auto_map names: Kimi-K2's tokenization_kimi.py, configuration_*.py)
+HUB_PATTERNS = ("*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*", "*.py")
 # weight formats that are never copied next to the rank files
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
 
@@ -135,9 +136,11 @@ def serve_command(
     load_format: str = "sharded_state",
     moe_backend: str | None = None,
     extra: tuple[str, ...] = (),
+    trust_remote_code: bool = False,
 ) -> str:
     """The `vllm serve` line that loads `out_dir` as written (dtype: torch's name, e.g. bfloat16;
-    moe_backend: pinned where the experts' layout depends on vLLM's MoE backend)."""
+    moe_backend: pinned where the experts' layout depends on vLLM's MoE backend;
+    trust_remote_code: the checkpoint ships its own config/tokenizer code, e.g. Kimi-K2's)."""
     parts = [f"vllm serve {out_dir} --load-format {load_format}", f"--tensor-parallel-size {tp}"]
     if pp > 1:
         parts.append(f"--pipeline-parallel-size {pp}")
@@ -147,4 +150,6 @@ def serve_command(
     if moe_backend:
         parts.append(f"--moe-backend {moe_backend}")
     parts.extend(extra)  # e.g. --language-model-only: the files hold no vision tower
+    if trust_remote_code:
+        parts.append("--trust-remote-code")
     return " ".join(parts)

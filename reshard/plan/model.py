@@ -117,6 +117,7 @@ class Plan:
     moe_backend: str = "auto"  # --moe-backend asked for (reshard.plan.backends)
     moe_pin: str | None = None  # the --moe-backend the serve line must name: the layout depends on it
     serve_flags: tuple[str, ...] = ()  # other flags the layout needs (`--language-model-only`)
+    trust_remote_code: bool = False  # config.json's auto_map names code shipped with the checkpoint
 
     @property
     def pattern(self) -> str:
@@ -129,7 +130,7 @@ class Plan:
     def serve_command(self, out_dir: str, load_format: str = "sharded_state") -> str:
         return layout.serve_command(
             out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin,
-            extra=self.serve_flags, load_format=load_format,
+            extra=self.serve_flags, load_format=load_format, trust_remote_code=self.trust_remote_code,
         )  # fmt: skip
 
     def layout(self) -> dict:

@@ -85,6 +85,7 @@ def build_plan(
         moe_backend=moe_backend,
         moe_pin=ctx.moe_pin,
         serve_flags=arch.serve_flags,
+        trust_remote_code=bool(ckpt.config.get("auto_map")),
     )
 
 

@@ -13,7 +13,7 @@ from reshard.plan.fusedexperts import fused_experts
 from reshard.plan.geometry import cdiv
 from reshard.plan.kvscales import KvHeads
 from reshard.plan.linear import linear
-from reshard.plan.model import Fill, OutTensor, Piece, rows
+from reshard.plan.model import Fill, OutTensor, Piece, Slice, rows
 from reshard.rules import Kind, Module
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
@@ -35,6 +35,8 @@ def add_module(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor
         heads(ctx, m, prefix, per_tp)
     elif m.kind is Kind.VOCAB:
         vocab(ctx, m, prefix, per_tp)
+    elif m.kind is Kind.HEAD_NORM:
+        head_norm(ctx, m, prefix, per_tp)
     else:
         linear(ctx, m, prefix, per_tp)
 
@@ -87,3 +89,24 @@ def vocab(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -
         if n - (b - a):
             pieces.append(Fill(0.0, (n - (b - a)) * h))
         per_tp[r].append(OutTensor(f"{target}.weight", ctx.dtype, (n, h), tuple(pieces)))
+
+
+def head_norm(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """A norm weight over every head, split like the heads (vLLM minimax_rms_norm.MiniMaxText01RMSNormTP):
+    query heads into tp equal parts; KV heads into tp parts, or into num_kv_heads parts when fewer,
+    rank r holding part r // (tp // num_kv_heads)."""
+    target = prefix + m.name
+    t = ctx.src(f"{prefix}{m.slots[0]}.weight", target)
+    heads = ctx.dims.num_kv_heads if m.kv_heads else ctx.dims.num_heads
+    if len(t.shape) != 1 or t.shape[0] % heads:
+        raise SourceError(
+            f"{t.name} has shape {list(t.shape)}, expected one weight per element of {heads} heads",
+            "the checkpoint does not match its config.json",
+        )
+    parts, per = (ctx.tp, 1) if heads >= ctx.tp else (heads, ctx.tp // heads)
+    n = ctx.split(t.shape[0], f"size of {target}") if parts == ctx.tp else t.shape[0] // parts
+    for r in range(ctx.tp):
+        k = r // per
+        per_tp[r].append(
+            OutTensor(f"{target}.weight", m.dtype or ctx.dtype, (n,), (Slice(t.name, (k * n,), ((k + 1) * n,)),))
+        )

@@ -5,9 +5,11 @@ from __future__ import annotations
 from reshard.errors import UnsupportedError
 from reshard.rules.deepseek import DEEPSEEK_V2
 from reshard.rules.gemma import GEMMA2, GEMMA3
+from reshard.rules.glm import GLM4_MOE
 from reshard.rules.gptoss import GPT_OSS
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
 from reshard.rules.llama4 import LLAMA4, LLAMA4_TEXT
+from reshard.rules.minimax import MINIMAX_M2
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
 from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_NEXT
@@ -22,13 +24,27 @@ def register(arch: Architecture) -> Architecture:
     return arch
 
 
-for _arch in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, DEEPSEEK_V2, GEMMA2, GEMMA3, PHI3):
+for _arch in (
+    *(LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, DEEPSEEK_V2, GEMMA2, GEMMA3, PHI3),
+    *(GPT_OSS, LLAMA4, LLAMA4_TEXT, QWEN3_NEXT, QWEN3_5_MOE, GLM4_MOE, MINIMAX_M2),  # issue 15
+):
     register(_arch)
-register(GPT_OSS)
-register(LLAMA4)
-register(LLAMA4_TEXT)
-register(QWEN3_NEXT)
-register(QWEN3_5_MOE)
+
+
+# Relatives of supported families that reshard refuses by name: config.json name -> why.
+REFUSED: dict[str, str] = {}
+REFUSED.update(  # issue 15: neighbours of GLM-4.5/4.6, MiniMax-M2 and Kimi-K2
+    {
+        "Glm4MoeLiteForCausalLM": "GLM-4.7-Flash's latent attention (glm4_moe_lite.py) has no rule table checked against vLLM",
+        "GlmMoeDsaForCausalLM": "GLM-5's sparse-attention indexer weights (vLLM deepseek_v32.py) have no rule table",
+        "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse-attention indexer weights have no rule table",
+        "KimiK25ForConditionalGeneration": "Kimi-K2.5 wraps the text model with a vision tower; its multimodal layout is not written",
+        "KimiLinearForCausalLM": "Kimi-Linear's linear-attention (KDA) layers have no rule table",
+        "MiniMaxText01ForCausalLM": "vLLM removed MiniMax-Text-01's lightning attention in 0.23",
+        "MiniMaxM1ForCausalLM": "vLLM removed MiniMax-M1's lightning attention in 0.23",
+        "Glm4MoeMTPModel": "a GLM MTP draft model: vLLM loads its layer from the main checkpoint, there is nothing to pre-shard",
+    }
+)
 
 
 def get_architecture(config: dict) -> tuple[str, Architecture]:
@@ -36,6 +52,12 @@ def get_architecture(config: dict) -> tuple[str, Architecture]:
     for name in names:
         if name in ARCHITECTURES:
             return name, ARCHITECTURES[name]
+    for name in names:
+        if name in REFUSED:
+            raise UnsupportedError(
+                f"{name} is not supported: {REFUSED[name]}",
+                "serve the original checkpoint with vLLM's default loader",
+            )
     shown = ", ".join(names) if names else "none given in config.json"
     raise UnsupportedError(
         f"unsupported architecture ({shown})",
@@ -43,4 +65,4 @@ def get_architecture(config: dict) -> tuple[str, Architecture]:
     )
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "Kind", "Module", "get_architecture", "register"]
+__all__ = ["ARCHITECTURES", "REFUSED", "Architecture", "Kind", "Module", "get_architecture", "register"]

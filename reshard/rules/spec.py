@@ -24,6 +24,9 @@ class Kind(str, Enum):
     # routed experts stacked per layer in one HF tensor per projection (gpt-oss): `sources` are the
     # (gate_up, down) prefixes; bf16 `{p}` [E, in, out] or MXFP4 `{p}_blocks`/`{p}_scales`, `{p}_bias`
     FUSED_EXPERTS = "fused_experts"
+    # a 1-D parameter over every head (MiniMax-M2's q_norm / k_norm over all heads): split like the
+    # heads, q by TP, k by KV heads (one KV head's slice on tp / num_kv_heads ranks when fewer)
+    HEAD_NORM = "head_norm"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Module:
             net's conv1d pieces, mamba_v2_sharded_weight_loader). Each piece is split across ranks
             on its own; a rank's pieces are concatenated. Tensors of any rank (conv1d's
             [conv_dim, 1, kernel]) when the module is not quantized.
+        kv_heads: HEAD_NORM only: the parameter spans the KV heads (else the query heads).
     """
 
     name: str
@@ -82,6 +86,7 @@ class Module:
     gate_up_halves: bool = False
     deinterleave: tuple[int, ...] = ()
     sizes: tuple[tuple[str, ...], ...] = ()
+    kv_heads: bool = False
 
     @property
     def slots(self) -> tuple[str, ...]:

@@ -239,6 +239,24 @@ GEN_CASES += [Case("llama4", 2)]
 MOE.append("llama4")
 MOE.append("gpt-oss")  # marks only (the generic MOE cases above are built already)
 
+# issue 15: GLM-4.5/4.6 MoE, MiniMax-M2 (bf16 and the released block FP8), Kimi-K2 (DeepSeek-V3 with
+# model_type kimi_k2 and remote-code side files). A representative set, one vLLM process per source:
+# GLM at TP 2, TP 4 + EP (KV heads replicated) and PP 2 (embedding first, norm/lm_head last, MTP
+# layer skipped); MiniMax at TP 4 (k_norm shards replicated on two ranks each); MiniMax FP8 at TP 2
+# (MoE blocks refined to 64x64) and TP 2 + EP; Kimi at TP 2 + EP. GLM generates at TP 2; MiniMax
+# does not generate on this CPU build (softmax-only CPU router; no CPU FP8 MoE backend).
+STATE_CASES += [
+    Case("glm4-moe", 2),
+    Case("glm4-moe", 4, ep=True),
+    Case("glm4-moe", 1, pp=2),
+    Case("minimax-m2", 4),
+    Case("minimax-m2-fp8", 2),
+    Case("minimax-m2-fp8", 2, ep=True),
+    Case("kimi-k2", 2, ep=True),
+]
+GEN_CASES += [Case("glm4-moe", 2)]
+MOE += ["glm4-moe", "minimax-m2", "minimax-m2-fp8", "kimi-k2"]  # marks only: cases are listed above
+
 
 def _params(cases: list[Case]):
     return [pytest.param(c, id=c.id, marks=c.marks()) for c in cases]

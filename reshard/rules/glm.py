@@ -1,0 +1,50 @@
+"""GLM-4.5 / 4.6 / 4.7 MoE (vLLM glm4_moe.py): grouped-query attention with q/k/v biases and per-head
+q/k norms, DeepSeek-style routing with a shared expert, and an MTP layer the main model skips.
+
+The router is a GateLinear built in float32 (params_dtype=torch.float32) without the quant config,
+and it is not handed to the fused-MoE runner: it keeps its `mlp.gate` path. Its
+e_score_correction_bias (float32) is handed to the runner, whose key
+`mlp.experts.routed_experts.e_score_correction_bias` is the smaller; so is
+`mlp.experts._shared_experts._layer` for the shared experts. Partial rotary (0.5) has no weights.
+"""
+
+from reshard.rules.deepseek import DENSE_MLP, SHARED
+from reshard.rules.deepseek import TOP as UNTIED_TOP
+from reshard.rules.llama import ATTN, FROM_HIDDEN, NORMS, QKV
+from reshard.rules.spec import Architecture, Kind, Module, replicate
+
+
+def moe_layer(config: dict, layer: int) -> bool:
+    """Glm4MoeDecoderLayer: MoE from first_k_dense_replace on."""
+    return config.get("n_routed_experts") is not None and layer >= int(config.get("first_k_dense_replace") or 0)
+
+
+GLM4_MOE = Architecture(
+    names=("Glm4MoeForCausalLM",),
+    top=UNTIED_TOP,  # Glm4MoeForCausalLM never ties its ParallelLMHead
+    layer=(
+        *NORMS,
+        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN),
+        Module("self_attn.o_proj", Kind.ROW),
+        replicate("self_attn.q_norm", when="use_qk_norm"),
+        replicate("self_attn.k_norm", when="use_qk_norm"),
+        ATTN,
+    ),
+    dense_mlp=DENSE_MLP,
+    moe_mlp=(
+        replicate("mlp.gate", dtype="F32"),
+        # the bias handed to the runner too: its smallest key is the runner's
+        replicate("mlp.experts.routed_experts", "mlp.gate", param="e_score_correction_bias", dtype="F32"),
+        Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
+        Module(
+            SHARED + "gate_up_proj",
+            Kind.MERGED,
+            ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+            when="n_shared_experts",
+        ),
+        Module(SHARED + "down_proj", Kind.ROW, ("mlp.shared_experts.down_proj",), when="n_shared_experts"),
+    ),
+    is_moe_layer=moe_layer,
+    experts_key=("n_routed_experts",),
+    spec_layers_key=("num_nextn_predict_layers",),
+)

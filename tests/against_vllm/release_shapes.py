@@ -1,0 +1,119 @@
+"""Record what vLLM 0.32 builds for the header-only releases of tests/fixtures/releases (issue 15).
+
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind PYTHONPATH=$PWD \
+        /work/tools/vllm-slot .venv-vllm/bin/python tests/against_vllm/release_shapes.py [RELEASE ...]
+
+For each release (GLM-4.6, MiniMax-M2, Kimi-K2): its published config.json with the decoder layers
+cut to a few (`CUT_LAYERS`), built by vLLM's own model code on 8 gloo CPU ranks, with and without
+expert parallelism, exactly as `vllm_state.py` builds a model before loading (`initialize_model`
+under the vLLM config and the model dtype). No weight is loaded: parameters are allocated, never
+touched, so the 300-700B models' layers cost virtual memory only. Each rank's
+`ShardedStateLoader._filter_subtensors(model.state_dict())` -- names, dtypes, shapes -- is what
+`--load-format sharded_state` requires of that rank's files. Written to
+tests/fixtures/releases/<release>.json; tests/test_releases.py plans the header-only copies and
+compares. Nothing in the JSON comes from reshard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from tests.against_vllm import vllm_state  # noqa: E402
+from tests.fixtures.releases import CUT_LAYERS, RELEASES, cut  # noqa: E402
+from tests.fixtures.releases import HERE as FIXTURES  # noqa: E402
+
+TP = 8
+
+
+def _rank(rank: int, port: int, vllm_config, case: dict, out: Path) -> None:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    torch.set_num_threads(1)
+    os.environ["VLLM_DIST_IDENT"] = str(port)
+    vllm_state._allow_missing_fp8_linear_kernel(out)
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=TP, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"
+        )
+        ensure_model_parallel_initialized(TP, 1)
+        vllm_config.compilation_config.static_forward_context.clear()
+        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("cpu"):
+            model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        state = ShardedStateLoader._filter_subtensors(model.state_dict())
+        info = {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in sorted(state.items())}
+    (out / f"rank{rank}.json").write_text(json.dumps(info))
+
+
+def _entry(*args) -> None:
+    import traceback
+
+    try:
+        _rank(*args)
+    except BaseException:
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def record(release: str) -> dict:
+    import multiprocessing as mp
+
+    config = cut(RELEASES[release], CUT_LAYERS[release])
+    result = {"release": release, "num_hidden_layers": CUT_LAYERS[release], "tp": TP, "layouts": {}}
+    with tempfile.TemporaryDirectory(prefix=f"release-{release}-") as tmp:
+        model_dir = Path(tmp, "model")
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(config))
+        for ep in (False, True):
+            t0 = time.perf_counter()
+            case = {"tp": TP, "pp": 1, "ep": ep, "dtype": "auto"}
+            vllm_config = vllm_state._make_config(str(model_dir), case, load_format="dummy")
+            out = Path(tmp, f"ep{int(ep)}")
+            out.mkdir()
+            port = vllm_state._free_port()
+            ctx = mp.get_context("fork")
+            procs = [ctx.Process(target=_entry, args=(r, port, vllm_config, case, out)) for r in range(TP)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(900)
+            if any(p.exitcode != 0 for p in procs):
+                raise SystemExit(f"{release} ep={ep}: ranks exited {[p.exitcode for p in procs]}")
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(TP)]
+            states = list({json.dumps(s, sort_keys=True): s for s in ranks}.values())
+            result["layouts"]["tp8-ep" if ep else "tp8"] = {
+                "states": states,
+                "rank_state": [states.index(s) for s in ranks],
+            }
+            print(f"{release} ep={ep}: {len(ranks[0])} keys per rank, {time.perf_counter() - t0:.0f} s", flush=True)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    for k, v in vllm_state.VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    import vllm
+
+    for release in argv or list(RELEASES):
+        res = record(release)
+        res["vllm"] = vllm.__version__
+        (FIXTURES / f"{release}.json").write_text(json.dumps(res, indent=0, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
