@@ -137,7 +137,8 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
 
     # damage: named file, what to do; rank 0's own file is intact and loads
     e = error("flipped", 1)
-    assert "model-rank-1-part-0.safetensors (sha256" in e and "differ from their recorded checksum" in e, e
+    algo = json.loads((folders["flipped"] / "reshard.json").read_text()).get("checksum", "sha256")
+    assert f"model-rank-1-part-0.safetensors ({algo} " in e and "differ from their recorded checksum" in e, e
     assert results["flipped"][0]["ok"], shown
     e = error("missing", 1)
     assert "model-rank-1-part-0.safetensors is missing" in e and "Nothing was loaded" in e, e
