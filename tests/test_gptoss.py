@@ -23,7 +23,7 @@ from reshard.save import save
 from reshard.sources import open_source
 from tests.fixtures.oss_release import RELEASES, write_release
 from tests.fixtures.quant import convert
-from tests.fixtures.reference import load_source, materialize
+from tests.fixtures.reference import assert_files_equal_plan, load_source
 
 EXPERTS = "model.layers.{L}.mlp.experts.routed_experts."
 
@@ -52,14 +52,7 @@ def test_streamed_files_equal_plan(sources, tmp_path, fmt, tp, ep, backend):
     src = sources[fmt]
     result = save(str(src), tmp_path / "out", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000,
                   moe_backend=backend)  # fmt: skip
-    source = load_source(src, open_source(str(src)).checkpoint)
-    for f in result.plan.files:
-        with safe_open(str(tmp_path / "out" / f.name), "pt") as h:
-            assert set(h.keys()) == {t.name for t in f.tensors}
-            for t in f.tensors:
-                have, want = h.get_tensor(t.name), materialize(t, source)
-                assert have.dtype == want.dtype and have.shape == want.shape, t.name
-                assert torch.equal(have.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), t.name
+    assert_files_equal_plan(src, tmp_path / "out", result.plan)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.save import save
 from reshard.sources import open_source
-from tests.fixtures.reference import load_source, materialize
+from tests.fixtures.reference import assert_files_equal_plan, load_source
 
 LM = "language_model.model.layers."
 
@@ -23,13 +23,7 @@ LM = "language_model.model.layers."
 def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
     src = tiny(arch)
     result = save(str(src), tmp_path / "out", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
-    source = load_source(src, open_source(str(src)).checkpoint)
-    for f in result.plan.files:
-        with safe_open(str(tmp_path / "out" / f.name), "pt") as h:
-            assert set(h.keys()) == {t.name for t in f.tensors}
-            for t in f.tensors:
-                have, want = h.get_tensor(t.name), materialize(t, source)
-                assert torch.equal(have.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), t.name
+    assert_files_equal_plan(src, tmp_path / "out", result.plan)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

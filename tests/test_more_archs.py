@@ -20,7 +20,7 @@ from reshard.plan import DEFAULT_MAX_PART, Fill, Slice, build_plan
 from reshard.rules import ARCHITECTURES
 from reshard.save import save
 from reshard.sources import open_source
-from tests.fixtures.reference import load_source, materialize
+from tests.fixtures.reference import assert_files_equal_plan, load_source
 
 NEW = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
@@ -269,14 +269,7 @@ def test_phi3_files_equal_torch_slicing(tiny, tmp_path):
 def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
     src = tiny(arch, shards=2)
     result = save(str(src), tmp_path / "out", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
-    source = load_source(src, open_source(str(src)).checkpoint)
-    for f in result.plan.files:
-        with safe_open(str(tmp_path / "out" / f.name), "pt") as h:
-            assert set(h.keys()) == {t.name for t in f.tensors}
-            for t in f.tensors:
-                have, want = h.get_tensor(t.name), materialize(t, source)
-                assert have.dtype == want.dtype and have.shape == want.shape, t.name
-                assert torch.equal(have.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), t.name
+    assert_files_equal_plan(src, tmp_path / "out", result.plan)
 
 
 def test_deepseek_bias_written_float32(tiny, tmp_path):
