@@ -2,7 +2,7 @@
 and the releases planned from headers against the shapes vLLM itself builds.
 
 Byte-for-byte agreement with vLLM is `tests/against_vllm/test_vllm.py` (qwen3-next*, qwen3.5-moe);
-the release shapes come from `tests/against_vllm/qwen_next_release_shapes.py` (vLLM's own model
+the release shapes come from `tests/against_vllm/release_shapes.py` (vLLM's own model
 code on 8 CPU ranks), recorded in tests/fixtures/qwen_next_releases/*.json.
 """
 

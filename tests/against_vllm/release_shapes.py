@@ -3,15 +3,17 @@
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind PYTHONPATH=$PWD \
         /work/tools/vllm-slot .venv-vllm/bin/python tests/against_vllm/release_shapes.py [RELEASE ...]
 
-For each release (GLM-4.6, MiniMax-M2, Kimi-K2): its published config.json with the decoder layers
-cut to a few (`CUT_LAYERS`), built by vLLM's own model code on 8 gloo CPU ranks, with and without
+For each release of tests/fixtures/releases (GLM-4.6, MiniMax-M2, Kimi-K2) and of
+tests/fixtures/qwen_next_releases.py (Qwen3-Next-80B-A3B, Qwen3.5-397B-A17B-FP8: 3 gated-delta-net
+layers and 1 full-attention layer; Qwen3.5 with --language-model-only and the torchvision stub): its
+published config.json with the decoder layers cut to a few (`CUT_LAYERS`), built by vLLM's own model code on 8 gloo CPU ranks, with and without
 expert parallelism, exactly as `vllm_state.py` builds a model before loading (`initialize_model`
 under the vLLM config and the model dtype). No weight is loaded: parameters are allocated, never
 touched, so the 300-700B models' layers cost virtual memory only. Each rank's
 `ShardedStateLoader._filter_subtensors(model.state_dict())` -- names, dtypes, shapes -- is what
-`--load-format sharded_state` requires of that rank's files. Written to
-tests/fixtures/releases/<release>.json; tests/test_releases.py plans the header-only copies and
-compares. Nothing in the JSON comes from reshard.
+`--load-format sharded_state` requires of that rank's files. Written beside the release's
+registry (tests/fixtures/releases/<release>.json, tests/fixtures/qwen_next_releases/<release>.json);
+tests/test_releases.py and tests/test_qwen_next.py plan the header-only copies and compare. Nothing in the JSON comes from reshard.
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
 from tests.against_vllm import vllm_state  # noqa: E402
-from tests.fixtures.releases import CUT_LAYERS, RELEASES, cut  # noqa: E402
-from tests.fixtures.releases import HERE as FIXTURES  # noqa: E402
+from tests.fixtures import qwen_next_releases, releases  # noqa: E402
+from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
+
+REGISTRIES = (releases, qwen_next_releases)  # each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes)
 
 TP = 8
 
 
-def _rank(rank: int, port: int, vllm_config, case: dict, out: Path) -> None:
+def _rank(rank: int, port: int, vllm_config, out: Path) -> None:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -72,12 +77,14 @@ def _entry(*args) -> None:
 def record(release: str) -> dict:
     import multiprocessing as mp
 
-    config = cut(RELEASES[release], CUT_LAYERS[release])
-    result = {"release": release, "num_hidden_layers": CUT_LAYERS[release], "tp": TP, "layouts": {}}
+    reg = _registry(release)
+    config = reg.cut(reg.RELEASES[release], reg.CUT_LAYERS[release])
+    result = {"release": release, "num_hidden_layers": reg.CUT_LAYERS[release], "tp": TP, "layouts": {}}
     with tempfile.TemporaryDirectory(prefix=f"release-{release}-") as tmp:
         model_dir = Path(tmp, "model")
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(config))
+        _write_tokenizer(model_dir, 1000)  # Qwen3.5's model __init__ asks for a tokenizer; ids never used
         for ep in (False, True):
             t0 = time.perf_counter()
             case = {"tp": TP, "pp": 1, "ep": ep, "dtype": "auto"}
@@ -86,7 +93,7 @@ def record(release: str) -> dict:
             out.mkdir()
             port = vllm_state._free_port()
             ctx = mp.get_context("fork")
-            procs = [ctx.Process(target=_entry, args=(r, port, vllm_config, case, out)) for r in range(TP)]
+            procs = [ctx.Process(target=_entry, args=(r, port, vllm_config, out)) for r in range(TP)]
             for p in procs:
                 p.start()
             for p in procs:
@@ -100,7 +107,16 @@ def record(release: str) -> dict:
                 "rank_state": [states.index(s) for s in ranks],
             }
             print(f"{release} ep={ep}: {len(ranks[0])} keys per rank, {time.perf_counter() - t0:.0f} s", flush=True)
+    if reg is qwen_next_releases:  # its test checks the padded vocabulary against this
+        result["vocab_size"] = config.get("text_config", config)["vocab_size"]
     return result
+
+
+def _registry(release: str):
+    for reg in REGISTRIES:
+        if release in reg.RELEASES:
+            return reg
+    raise SystemExit(f"unknown release {release!r}: one of {[r for reg in REGISTRIES for r in reg.RELEASES]}")
 
 
 def main(argv: list[str]) -> int:
@@ -108,10 +124,12 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault(k, v)
     import vllm
 
-    for release in argv or list(RELEASES):
+    for release in argv or [r for reg in REGISTRIES for r in reg.RELEASES]:
         res = record(release)
         res["vllm"] = vllm.__version__
-        (FIXTURES / f"{release}.json").write_text(json.dumps(res, indent=0, sort_keys=True) + "\n")
+        where = _registry(release).HERE
+        where.mkdir(exist_ok=True)
+        (where / f"{release}.json").write_text(json.dumps(res, indent=0, sort_keys=True) + "\n")
     return 0
 
 
