@@ -47,6 +47,18 @@ DENSE_MLP = (
 )
 
 SHARED = "mlp.experts._shared_experts._layer."
+# the routed experts and the shared expert (merged gate/up, row down) that DeepseekV2MoE-style
+# layers hand to the fused-MoE runner (GLM-4.5 too)
+ROUTED_AND_SHARED = (
+    Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
+    Module(
+        SHARED + "gate_up_proj",
+        Kind.MERGED,
+        ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
+        when="n_shared_experts",
+    ),
+    Module(SHARED + "down_proj", Kind.ROW, ("mlp.shared_experts.down_proj",), when="n_shared_experts"),
+)
 
 
 def noaux_tc(config: dict) -> bool:
@@ -76,14 +88,7 @@ DEEPSEEK_V2 = Architecture(
             dtype="F32",  # torch.empty(E, dtype=torch.float32) whatever the model dtype
             when=noaux_tc,
         ),
-        Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
-        Module(
-            SHARED + "gate_up_proj",
-            Kind.MERGED,
-            ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
-            when="n_shared_experts",
-        ),
-        Module(SHARED + "down_proj", Kind.ROW, ("mlp.shared_experts.down_proj",), when="n_shared_experts"),
+        *ROUTED_AND_SHARED,
     ),
     is_moe_layer=moe_layer,
     experts_key=("n_routed_experts",),

@@ -8,7 +8,7 @@ e_score_correction_bias (float32) is handed to the runner, whose key
 `mlp.experts._shared_experts._layer` for the shared experts. Partial rotary (0.5) has no weights.
 """
 
-from reshard.rules.deepseek import DENSE_MLP, SHARED
+from reshard.rules.deepseek import DENSE_MLP, ROUTED_AND_SHARED
 from reshard.rules.deepseek import TOP as UNTIED_TOP
 from reshard.rules.llama import ATTN, FROM_HIDDEN, NORMS, QKV
 from reshard.rules.spec import Architecture, Kind, Module, replicate
@@ -35,14 +35,7 @@ GLM4_MOE = Architecture(
         replicate("mlp.gate", dtype="F32"),
         # the bias handed to the runner too: its smallest key is the runner's
         replicate("mlp.experts.routed_experts", "mlp.gate", param="e_score_correction_bias", dtype="F32"),
-        Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
-        Module(
-            SHARED + "gate_up_proj",
-            Kind.MERGED,
-            ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
-            when="n_shared_experts",
-        ),
-        Module(SHARED + "down_proj", Kind.ROW, ("mlp.shared_experts.down_proj",), when="n_shared_experts"),
+        *ROUTED_AND_SHARED,
     ),
     is_moe_layer=moe_layer,
     experts_key=("n_routed_experts",),
