@@ -6,7 +6,9 @@ tests/against_vllm/test_plugin.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -191,14 +193,19 @@ def _targets(files: list[checks.RankFile]) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("chunk", [reader.CHUNK, 4096])
-def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk):
-    monkeypatch.setattr(reader, "CHUNK", chunk)  # small: many reads and hashed pieces per tensor
+@pytest.mark.parametrize(
+    ("chunk", "stripe_min", "threads"),
+    [(reader.CHUNK, reader.STRIPE_MIN, 2), (4096, reader.STRIPE_MIN, 1), (4096, 8192, 3), (4096 * 3, 4096, 4)],
+)
+def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_min, threads):
+    # small chunks: many reads and hashed pieces per tensor; small stripes: several streams per file
+    monkeypatch.setattr(reader, "CHUNK", chunk)
+    monkeypatch.setattr(reader, "STRIPE_MIN", stripe_min)
     files = _files(clean[1])
     targets = _targets(files)
     lines: list[str] = []
     algo = manifest_algorithm(read_manifest(clean[1]))
-    n, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=2, log=lines.append, label="rank 1")
+    n, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=threads, log=lines.append, label="rank 1")
     assert bad == [] and n == sum(f.size for f in files)
     want = {k: v for f in files for k, v in load_file(f.path).items()}
     assert sorted(want) == sorted(targets)
@@ -206,20 +213,56 @@ def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk):
         assert targets[k].dtype == v.dtype and torch.equal(targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k  # fmt: skip
 
 
-def test_a_flipped_byte_is_caught_and_can_be_let_through(out):
+@pytest.mark.parametrize("striped", [False, True])
+def test_a_flipped_byte_is_caught_and_can_be_let_through(out, monkeypatch, striped):
+    if striped:  # the byte lies in the last of several stripes, hashed after the others
+        monkeypatch.setattr(reader, "CHUNK", 4096)
+        monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
     name = "model-rank-1-part-0.safetensors"
     data = bytearray((out / name).read_bytes())
     data[-3] ^= 0x10
     (out / name).write_bytes(bytes(data))
     files = _files(out)  # size and header unchanged: only the checksum can tell
     algo = manifest_algorithm(read_manifest(out))
-    _, _, bad = reader.read_rank(files, _targets(files), algorithm=algo, threads=1, log=print, label="rank 1")
+    _, _, bad = reader.read_rank(files, _targets(files), algorithm=algo, threads=4, log=print, label="rank 1")
     assert [b.name for b in bad] == [name] and bad[0].want == entry_digest(
         next(e for e in read_manifest(out)["files"] if e["name"] == name), algo
     )
     assert bad[0].got == hash_file(out / name, algo)
     _, _, bad = reader.read_rank(files, _targets(files), algorithm=None, threads=1, log=print, label="rank 1")
     assert bad == []
+
+
+@pytest.mark.parametrize("stripe_min", [reader.STRIPE_MIN, 4096])
+def test_a_file_that_shrank_since_the_check_is_a_read_error(out, monkeypatch, stripe_min):
+    monkeypatch.setattr(reader, "CHUNK", 4096)
+    monkeypatch.setattr(reader, "STRIPE_MIN", stripe_min)
+    files = _files(out)  # checked at full size
+    path = files[0].path
+    os.truncate(path, path.stat().st_size // 2)
+    algo = manifest_algorithm(read_manifest(out))
+    with pytest.raises(reader.ReadError, match="ended early"):
+        reader.read_rank(files, _targets(files), algorithm=algo, threads=4, log=print, label="rank 1")
+    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-")]  # no thread left waiting
+
+
+def test_gpu_parameters_go_through_the_bounce_buffer(clean, monkeypatch):
+    """Parameters the reads cannot land in (on a GPU: taken here as every one) are read front to
+    back by one thread through a bounce buffer; the bytes and the checksum come out the same."""
+    monkeypatch.setattr(reader, "CHUNK", 4096)
+    monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
+    monkeypatch.setattr(reader, "_direct", lambda param, shape: False)
+    bounced: list[int] = []
+    real = reader._bounce
+    monkeypatch.setattr(reader, "_bounce", lambda f, dest, *a: (bounced.append(dest.numel()), real(f, dest, *a)))
+    files = _files(clean[1])
+    targets = _targets(files)
+    algo = manifest_algorithm(read_manifest(clean[1]))
+    _, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=4, log=print, label="rank 1")
+    assert bad == [] and sum(bounced) == sum(t.nbytes for f in files for t in f.tensors)
+    want = {k: v for f in files for k, v in load_file(f.path).items()}
+    for k, v in want.items():
+        assert torch.equal(targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
 
 
 def test_lora_padded_parameter_gets_the_leading_corner(clean):

@@ -28,7 +28,7 @@ class Options:
     """`--model-loader-extra-config` for `--load-format reshard`."""
 
     checksums: bool = True  # verify every file's checksum while reading
-    threads: int = 4  # files of a rank read at once
+    threads: int = 4  # read streams per rank (files, and stripes of a file read into CPU memory)
 
 
 def parse_options(extra: dict | None) -> Options:

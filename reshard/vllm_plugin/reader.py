@@ -1,16 +1,22 @@
 """Read one rank's files straight into its parameters, checksumming on the fly; torch, no vLLM.
 
-Each file is read front to back once, in large sequential reads (`CHUNK`), several files at a time.
-A CPU parameter that is contiguous and has the recorded shape receives the bytes directly (the read
-lands in its memory; nothing is copied after). Others (a GPU parameter, a LoRA-padded one) go through
-a bounce buffer of at most `CHUNK` bytes (a narrowed LoRA view: one tensor). The checksum of a file
-covers every byte of it in order; a second thread per file hashes the chunks already read while the
-next one is being read (hashlib releases the GIL).
+Every byte of a file is read once, in large reads (`CHUNK`). A file whose tensors all land in CPU
+parameters that are contiguous and of the recorded shape is read straight into them (nothing is
+copied after), by several threads at once, each with its own descriptor reading its own contiguous
+stripe front to back: more reads in flight than one sequential stream (as the parallel page faults of
+a multi-threaded `copy_` out of safetensors' mmap give sharded_state), each stream still sequential
+for the kernel's read-ahead. The file's checksum covers its bytes in order: a hash thread per file
+follows the stripes chunk by chunk, hashing from the parameters' memory.
+
+Other files (a GPU parameter, a LoRA-padded one) are read front to back by one thread, through a
+bounce buffer of at most `CHUNK` bytes (a narrowed LoRA view: one tensor), and hashed as read.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import os
 import queue
 import threading
@@ -25,6 +31,8 @@ from reshard.hashing import new_hasher
 from reshard.vllm_plugin.checks import RankFile, fits_narrowed
 
 CHUNK = 32 * 1024 * 1024
+STRIPE_MIN = 64 * 1024 * 1024  # a file is read by at most size / STRIPE_MIN streams
+IOV_MAX = 1024  # buffers per preadv
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long load
 
 
@@ -39,39 +47,129 @@ class ReadError(Exception):
     """A rank file could not be read to its end (I/O error, or it shrank since it was checked)."""
 
 
-class _Hasher:
-    """Hashes the pieces handed to it, in order, on its own thread."""
-
-    def __init__(self, algorithm: str) -> None:
-        self._h = new_hasher(algorithm)
-        self._q: queue.Queue = queue.Queue(maxsize=8)
-        self._error: BaseException | None = None
-        self._t = threading.Thread(target=self._run, name="reshard-hash", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while (piece := self._q.get()) is not None:
-            try:
-                self._h.update(piece)
-            except BaseException as e:  # pragma: no cover - hashlib does not fail on bytes
-                self._error = e
-
-    def update(self, piece: memoryview) -> None:
-        self._q.put(piece)
-
-    def hexdigest(self) -> str:
-        self._q.put(None)
-        self._t.join()
-        if self._error is not None:
-            raise self._error
-        return self._h.hexdigest()
+Count = Callable[[int], None]
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _read_exact(f, view: memoryview, hasher: _Hasher | None, count: Callable[[int], None]) -> None:
+def _direct(param: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    return param.device.type == "cpu" and param.is_contiguous() and tuple(param.shape) == shape
+
+
+class _Striped:
+    """A file read straight into CPU parameters by `streams` threads, one contiguous stripe each,
+    and hashed in order by a thread of its own (when `algorithm`)."""
+
+    def __init__(self, rf: RankFile, targets: dict[str, torch.Tensor], algorithm: str | None, streams: int) -> None:
+        self.rf = rf
+        # the file as (offset, memory) segments, back to back: the header, then every tensor
+        self.segments: list[tuple[int, memoryview]] = [(0, memoryview(bytearray(rf.header_bytes)))]
+        for info in rf.tensors:
+            if info.nbytes:
+                self.segments.append((info.offset, memoryview(_byte_view(targets[info.name]).numpy())))
+        self.starts = [off for off, _ in self.segments]
+        self.chunks = max(1, math.ceil(rf.size / CHUNK))
+        self.bounds = [j * self.chunks // streams for j in range(streams + 1)]
+        self.ready = [threading.Event() for _ in range(self.chunks)]
+        self.failed = False
+        self.hasher = new_hasher(algorithm) if algorithm and rf.digest else None
+        self.digest: str | None = None
+        self.hash_thread: threading.Thread | None = None
+        if self.hasher is not None:
+            self.hash_thread = threading.Thread(target=self._hash, name="reshard-hash", daemon=True)
+            self.hash_thread.start()
+
+    def stripes(self) -> list[int]:
+        return [j for j in range(len(self.bounds) - 1) if self.bounds[j] < self.bounds[j + 1]]
+
+    def _views(self, c: int) -> list[memoryview]:
+        """The memory of file bytes [c * CHUNK, (c + 1) * CHUNK), in order."""
+        a, b = c * CHUNK, min(self.rf.size, (c + 1) * CHUNK)
+        out = []
+        for i in range(max(0, bisect.bisect_right(self.starts, a) - 1), len(self.segments)):
+            off, mem = self.segments[i]
+            if off >= b:
+                break
+            end = off + len(mem)
+            if end > a:
+                out.append(mem[max(a, off) - off : min(b, end) - off])
+        return out
+
+    def read_stripe(self, j: int, count: Count) -> None:
+        try:
+            fd = os.open(self.rf.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                with contextlib.suppress(AttributeError, OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                for c in range(self.bounds[j], self.bounds[j + 1]):
+                    if self.failed:
+                        return
+                    views, pos = self._views(c), c * CHUNK
+                    while views:
+                        got = os.preadv(fd, views[:IOV_MAX], pos)
+                        if got <= 0:
+                            raise EOFError(f"{self.rf.path.name}: ended early")
+                        count(got)
+                        pos += got
+                        while views and got >= len(views[0]):
+                            got -= len(views.pop(0))
+                        if got:
+                            views[0] = views[0][got:]
+                    self.ready[c].set()
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.failed = True
+            for e in self.ready:
+                e.set()
+            raise
+
+    def _hash(self) -> None:
+        assert self.hasher is not None
+        for c in range(self.chunks):
+            self.ready[c].wait()
+            if self.failed:
+                return
+            for v in self._views(c):
+                self.hasher.update(v)
+        self.digest = self.hasher.hexdigest()
+
+    def result(self) -> BadChecksum | None:
+        if self.hash_thread is None:
+            return None
+        self.hash_thread.join()
+        if self.failed or self.digest is None:
+            return None  # the read failed: that error is the one reported
+        return (
+            None if self.digest == self.rf.digest else BadChecksum(self.rf.path.name, self.digest, self.rf.digest or "")
+        )
+
+
+class _Hasher:
+    """Hashes the pieces handed to it, in order, on its own thread."""
+
+    def __init__(self, algorithm: str) -> None:
+        self._h = new_hasher(algorithm)
+        self._q: queue.Queue = queue.Queue(maxsize=8)
+        self._t = threading.Thread(target=self._run, name="reshard-hash", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while (piece := self._q.get()) is not None:
+            self._h.update(piece)
+
+    def update(self, piece: memoryview | bytes) -> None:
+        self._q.put(piece)
+
+    def hexdigest(self) -> str:
+        self._q.put(None)
+        self._t.join()
+        return self._h.hexdigest()
+
+
+def _read_exact(f, view: memoryview, hasher: _Hasher | None, count: Count) -> None:
     pos, n = 0, len(view)
     while pos < n:
         got = f.readinto(view[pos : pos + CHUNK])
@@ -84,39 +182,45 @@ def _read_exact(f, view: memoryview, hasher: _Hasher | None, count: Callable[[in
 
 
 def read_file(
-    rf: RankFile, targets: dict[str, torch.Tensor], *, algorithm: str | None, count: Callable[[int], None]
+    rf: RankFile, targets: dict[str, torch.Tensor], *, algorithm: str | None, count: Count
 ) -> BadChecksum | None:
-    """Read `rf` into `targets` (name -> parameter tensor); its checksum compared when `algorithm`."""
+    """Read `rf` into `targets` front to back on this thread (any parameter: CPU, GPU, LoRA-padded);
+    its checksum compared when `algorithm`."""
     hasher = _Hasher(algorithm) if algorithm and rf.digest else None
-    with open(rf.path, "rb", buffering=0) as f:
-        with contextlib.suppress(AttributeError, OSError):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        head = bytearray(rf.header_bytes)
-        _read_exact(f, memoryview(head), hasher, count)
-        for info in rf.tensors:
-            param = targets[info.name]
-            if info.nbytes == 0:
-                continue
-            if param.device.type == "cpu" and param.is_contiguous() and tuple(param.shape) == info.shape:
-                _read_exact(f, memoryview(_byte_view(param).numpy()), hasher, count)
-            elif param.is_contiguous() and tuple(param.shape) == info.shape:
-                _bounce(f, _byte_view(param), hasher, count)
-            else:  # LoRA padding: the recorded tensor fills the leading corner of the parameter
-                assert fits_narrowed(info.shape, tuple(param.shape)), info.name
-                tmp = torch.empty(info.nbytes, dtype=torch.uint8)
-                _read_exact(f, memoryview(tmp.numpy()), hasher, count)
-                # (the hasher's view keeps tmp alive; nothing writes to it again)
-                view = param.data
-                for dim, size in enumerate(info.shape):
-                    view = view.narrow(dim, 0, size)
-                view.copy_(tmp.view(param.dtype).reshape(info.shape))
+    try:
+        with open(rf.path, "rb", buffering=0) as f:
+            with contextlib.suppress(AttributeError, OSError):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            head = bytearray(rf.header_bytes)
+            _read_exact(f, memoryview(head), hasher, count)
+            for info in rf.tensors:
+                param = targets[info.name]
+                if info.nbytes == 0:
+                    continue
+                if _direct(param, info.shape):
+                    _read_exact(f, memoryview(_byte_view(param).numpy()), hasher, count)
+                elif param.is_contiguous() and tuple(param.shape) == info.shape:
+                    _bounce(f, _byte_view(param), hasher, count)
+                else:  # LoRA padding: the recorded tensor fills the leading corner of the parameter
+                    assert fits_narrowed(info.shape, tuple(param.shape)), info.name
+                    tmp = torch.empty(info.nbytes, dtype=torch.uint8)
+                    _read_exact(f, memoryview(tmp.numpy()), hasher, count)
+                    # (the hasher's view keeps tmp alive; nothing writes to it again)
+                    view = param.data
+                    for dim, size in enumerate(info.shape):
+                        view = view.narrow(dim, 0, size)
+                    view.copy_(tmp.view(param.dtype).reshape(info.shape))
+    except BaseException:
+        if hasher is not None:
+            hasher.hexdigest()  # end its thread
+        raise
     if hasher is None:
         return None
     got = hasher.hexdigest()
     return None if got == rf.digest else BadChecksum(rf.path.name, got, rf.digest or "")
 
 
-def _bounce(f, dest: torch.Tensor, hasher: _Hasher | None, count: Callable[[int], None]) -> None:
+def _bounce(f, dest: torch.Tensor, hasher: _Hasher | None, count: Count) -> None:
     """Read into a host buffer in chunks and copy each to `dest` (a byte view on another device).
     Chunks are hashed before the buffer is reused."""
     buf = torch.empty(min(CHUNK, dest.numel()), dtype=torch.uint8)
@@ -140,8 +244,9 @@ def read_rank(
     log: Callable[[str], None],
     label: str,
 ) -> tuple[int, float, list[BadChecksum]]:
-    """Read every file of a rank, `threads` at a time (largest first). Returns (bytes, seconds, files
-    whose checksum differs from the manifest's). Logs progress every few seconds of a long load."""
+    """Read every file of a rank with `threads` read streams at a time (largest files first; a file
+    that goes straight into CPU parameters is cut in up to `threads` stripes). Returns (bytes,
+    seconds, files whose checksum differs from the manifest's). Logs progress every few seconds."""
     total = sum(f.size for f in files)
     done = [0]
     lock = threading.Lock()
@@ -156,16 +261,35 @@ def read_rank(
                 last[0] = now
                 log(f"reshard: {label}: {_gb(done[0])} of {_gb(total)} read ({100 * done[0] // max(total, 1)}%)")
 
-    def one(rf: RankFile) -> BadChecksum | None:
+    striped: list[_Striped] = []
+    jobs: list[tuple[RankFile, Callable[[], BadChecksum | None]]] = []
+    for rf in sorted(files, key=lambda f: -f.size):
+        if all(_direct(targets[t.name], t.shape) for t in rf.tensors if t.nbytes):
+            streams = max(1, min(threads, rf.size // STRIPE_MIN))
+            s = _Striped(rf, targets, algorithm, streams)
+            striped.append(s)
+            jobs += [(rf, lambda s=s, j=j: s.read_stripe(j, count)) for j in s.stripes()]
+        else:
+            jobs.append((rf, lambda rf=rf: read_file(rf, targets, algorithm=algorithm, count=count)))
+
+    def run(job: tuple[RankFile, Callable[[], BadChecksum | None]]) -> BadChecksum | None:
+        rf, fn = job
         try:
-            return read_file(rf, targets, algorithm=algorithm, count=count)
+            return fn()
         except (OSError, EOFError) as e:
             raise ReadError(f"{rf.path}: cannot read ({getattr(e, 'strerror', None) or e})") from e
 
-    order = sorted(files, key=lambda f: -f.size)
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(order))), thread_name_prefix="reshard-read") as pool:
-        results = list(pool.map(one, order))
-    return done[0], time.perf_counter() - t0, [r for r in results if r is not None]
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs))), thread_name_prefix="reshard-read") as pool:
+            results = list(pool.map(run, jobs))
+    finally:
+        for s in striped:  # a failed stripe has released its file's hash thread
+            if s.hash_thread is not None and any(not e.is_set() for e in s.ready):
+                s.failed = True
+                for e in s.ready:
+                    e.set()
+    bad = [r for r in results if r is not None] + [b for s in striped if (b := s.result()) is not None]
+    return done[0], time.perf_counter() - t0, bad
 
 
 def _gb(n: int) -> str:
