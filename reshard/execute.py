@@ -31,7 +31,6 @@ writers never wait on memory, so all waits end.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ import numpy as np
 from reshard.checkpoint import Reader
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
-from reshard.io.dtypes import Caster, fill_bytes
+from reshard.io.dtypes import Caster, fill_bytes, pad_rows, upsample
 from reshard.io.memory import DEFAULT_MAX_MEMORY, Lease, Memory
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
@@ -172,23 +171,6 @@ def _row_bytes(t: TensorInfo) -> int:
 
 def _bounds(p: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (p.start, p.stop) if p.start else ((0,), (1,))
-
-
-def _pad(arr: np.ndarray, pad: tuple[int, ...], value: float, dtype: str) -> np.ndarray:
-    """Rows of `arr` ([rows, *inner, itemsize] uint8) at the origin of [rows, *pad[1:]], `value` elsewhere."""
-    shape = (arr.shape[0], *pad[1:])
-    out = np.frombuffer(bytearray(fill_bytes(value, math.prod(shape), dtype)), np.uint8).reshape(
-        (*shape, arr.shape[-1])
-    )
-    out[tuple(slice(0, n) for n in arr.shape[:-1])] = arr
-    return out
-
-
-def _upsample(arr: np.ndarray, up: tuple[int, ...]) -> np.ndarray:
-    for dim, k in enumerate(up):
-        if k > 1:
-            arr = np.repeat(arr, k, axis=dim)
-    return arr
 
 
 def file_header(f: OutFile, metadata: dict[str, str]) -> bytes:
@@ -329,6 +311,7 @@ class Executor:
         every holder, each as far as its pieces use them."""
         source, src_dtype = read.info.name, read.info.dtype
         c0, c1 = read.rows or (0, _ALL_ROWS)
+        upsampled: dict[tuple[int, ...], np.ndarray] = {}  # every rank's scale piece from one up-sampling
         for h in holders:
             pieces = h.tensor.pieces
             while True:
@@ -341,7 +324,9 @@ class Executor:
                     break
                 a, b = _bounds(p)
                 if p.up:
-                    part = _upsample(arr, p.up)[tuple(slice(x, y) for x, y in zip(a, b, strict=True))]
+                    if p.up not in upsampled:
+                        upsampled[p.up] = upsample(arr, p.up)
+                    part = upsampled[p.up][tuple(slice(x, y) for x, y in zip(a, b, strict=True))]
                     self._write(h, part, src_dtype, None)
                     h.cursor += 1
                     continue
@@ -370,7 +355,7 @@ class Executor:
         src_dtype = self.tensors[p.source].dtype
         if p.up:
             idx = tuple(slice(x, y) for x, y in zip(a, b, strict=True))
-            self._write(h, _upsample(arr, p.up)[idx], src_dtype, None)
+            self._write(h, upsample(arr, p.up)[idx], src_dtype, None)
         else:
             idx = (slice(None, None, p.step), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
             self._write(h, arr[idx], src_dtype, lease, p)
@@ -386,7 +371,7 @@ class Executor:
             part = np.transpose(part, (*piece.perm, part.ndim - 1))  # the last axis is the item's bytes
         out = self.cast(part, src_dtype, h.tensor.dtype)
         if piece is not None and piece.pad is not None:
-            out = _pad(out, piece.pad, piece.fill, h.tensor.dtype)
+            out = pad_rows(out, piece.pad, piece.fill, h.tensor.dtype)
         if out is part and lease is not None:
             lease.hold()
             h.writer.write(out, lease)

@@ -15,6 +15,7 @@ a 2-core machine slower. sha256 stays for users who must check files with `sha25
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -92,9 +93,11 @@ def hash_file(
     h = new_hasher(algorithm)
     if algorithm == NONE:
         return None
-    buf = bytearray(block)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        # no larger than the file (+1 to see its end in one read): a tokenizer folder's many small
+        # files would each pay for zeroing a 16 MiB buffer
+        buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size + 1)))
+        view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
             if advance is not None:

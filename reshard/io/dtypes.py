@@ -1,4 +1,5 @@
-"""Element bytes in another dtype: casts (exactly as torch's `.to()`) and fill values.
+"""Element bytes in another dtype: casts (exactly as torch's `.to()`), fill values, and the two
+array transforms pieces may need (padding, up-sampling).
 
 Dtypes are safetensors codes ("BF16", ...); the torch dtype of a code is the one `reshard.format`
 names for it (`DTYPE_CODES`). torch is imported only when a cast needs it.
@@ -6,11 +7,30 @@ names for it (`DTYPE_CODES`). torch is imported only when a cast needs it.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import numpy as np
 
 from reshard.format import DTYPE_CODES, ITEMSIZE
+
+
+def pad_rows(arr: np.ndarray, pad: tuple[int, ...], value: float, dtype: str) -> np.ndarray:
+    """Rows of `arr` ([rows, *inner, itemsize] uint8) at the origin of [rows, *pad[1:]], `value` elsewhere."""
+    shape = (arr.shape[0], *pad[1:])
+    out = np.frombuffer(bytearray(fill_bytes(value, math.prod(shape), dtype)), np.uint8).reshape(
+        (*shape, arr.shape[-1])
+    )
+    out[tuple(slice(0, n) for n in arr.shape[:-1])] = arr
+    return out
+
+
+def upsample(arr: np.ndarray, up: tuple[int, ...]) -> np.ndarray:
+    """`arr` with every element repeated `up[d]` times along dim d (block scales to finer blocks)."""
+    for dim, k in enumerate(up):
+        if k > 1:
+            arr = np.repeat(arr, k, axis=dim)
+    return arr
 
 
 def fill_bytes(value: float, count: int, dtype: str) -> bytes:
