@@ -37,7 +37,7 @@ def cli() -> None:
       RESHARD_DEBUG=1             show the traceback of an error
       RESHARD_DISABLE_PROGRESS=1  no progress output on stderr (also: --json, NO_COLOR only colours)
       RESHARD_O_DIRECT=0          buffered writes instead of O_DIRECT (for filesystems that mis-handle it)
-      RESHARD_DIRECT_READS=1      read the source with O_DIRECT instead of through the page cache
+      RESHARD_DIRECT_READS=auto   O_DIRECT reads of source files not in the page cache (1: all, 0: none)
       HF_HOME, HF_HUB_OFFLINE, HF_TOKEN, HF_ENDPOINT   as for huggingface_hub (Hub repo ids)
     """
 

@@ -13,9 +13,9 @@ Threads overlap so that a save runs at the disk's speed (docs/benchmarks.md):
 
 - READ_THREADS reader threads (`reshard.io.prefetch`) read the source ranges ahead, in exactly the
   order they will be used, into reused page-aligned buffers; several reads in flight keep the
-  device busy, also through the thousands of small tensors of an MoE checkpoint. Reads go through
-  the page cache (kernel read-ahead); RESHARD_DIRECT_READS=1 reads with O_DIRECT instead
-  (`reshard.io.reader`);
+  device busy, also through the thousands of small tensors of an MoE checkpoint. A file in the
+  page cache is read out of it, one that is not with O_DIRECT (RESHARD_DIRECT_READS,
+  `reshard.io.reader`);
 - the main thread (here) takes those chunks in order and hands every rank *views* of its rows: no
   copy;
 - one writer thread per open output file (`reshard.io.worker`) gathers strided views (column

@@ -749,7 +749,9 @@ def report(r: dict) -> str:
         "## How `reshard save` gets there",
         "",
         "- Reader threads read source row chunks (32 MiB) ahead, in the order the plan will use them, into reused "
-        "buffers; four reads in flight also keep the disk busy through an MoE's thousands of small tensors.",
+        "buffers; four reads in flight also keep the disk busy through an MoE's thousands of small tensors. A "
+        "source file in the page cache is copied out of it; one that is not (16 pages sampled) is read with "
+        "O_DIRECT, which spares the kernel's allocation and copy of every page (*dropped* vs *warm* CPU s/GB).",
         "- The main thread hands every rank views of the rows it needs: no copies, no whole tensors.",
         "- Per output file, a writer thread hashes (BLAKE3, about twice sha256's speed per core) and an I/O thread "
         "writes with O_DIRECT: no page-cache copy and no dirty-page throttling. Contiguous pieces (row splits, "
@@ -759,8 +761,9 @@ def report(r: dict) -> str:
         "- Memory: the executor's max_memory (default 512 MiB) of reused buffers plus 8 MiB per open output file, "
         "whatever the checkpoint or tensor size.",
         "- What bounds it: the disk, which serves the reads and the writes (every byte is read once and written "
-        "once). Its CPU per GB: the hash, the kernel's copy of each source byte out of the page cache, and with a "
-        "dropped cache the kernel's cost of filling the page cache (`cp -r` pays it too; see its CPU s/GB).",
+        "once). Its CPU per GB: the hash, the kernel's copy of each source byte out of the page cache (warm) or "
+        "the gathering of pieces that O_DIRECT reads leave off a page boundary (dropped), the kernel's I/O, and "
+        "Python's per-piece work, which MoE checkpoints' thousands of small tensors multiply.",
         "",
     ]
     if notes:

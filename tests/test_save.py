@@ -44,8 +44,11 @@ def read_rank_files(out_dir, plan):
     return got
 
 
+@pytest.mark.parametrize("reads", ["direct", "buffered"])
 @pytest.mark.parametrize("arch, tp, ep", CASES, ids=[f"{a}-tp{t}{'-ep' if e else ''}" for a, t, e in CASES])
-def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
+def test_streamed_files_equal_plan(tiny, tmp_path, monkeypatch, arch, tp, ep, reads):
+    # O_DIRECT reads land each chunk at its file offset's place in a page, buffered ones at the start
+    monkeypatch.setenv("RESHARD_DIRECT_READS", "1" if reads == "direct" else "0")
     src = tiny(arch, shards=2)
     out = tmp_path / "out"
     # a tiny chunk forces every tensor through many chunk boundaries

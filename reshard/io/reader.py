@@ -2,9 +2,14 @@
 
 `FileReader` is the `reshard.checkpoint.Reader` of a local checkpoint folder. It is also an
 `AlignedReader`: it can say ahead of a read how much page-aligned memory the read needs, so that
-the prefetching threads (`reshard.io.prefetch`) can read into reused aligned buffers with
-O_DIRECT (RESHARD_DIRECT_READS=1; default: through the page cache, with the kernel's read-ahead).
+the prefetching threads (`reshard.io.prefetch`) can read into reused aligned buffers with O_DIRECT.
 Other readers (a reshard output as SOURCE) implement `Reader` only.
+
+Which files are read with O_DIRECT (RESHARD_DIRECT_READS): `auto` (default) those mostly not in
+the page cache (sampled, `cached_share`), `1` all, `0` none. A file in the cache is copied out of
+it (the fastest read there is); a file that is not costs, through the page cache, the kernel's
+allocation and copy of every page besides the disk's time (on the benchmark machine 1.5-4 CPU
+seconds per GB against 0.9 with O_DIRECT, in the same wall time), and evicts the user's cache.
 """
 
 from __future__ import annotations
@@ -21,7 +26,41 @@ from reshard.errors import SourceError
 from reshard.format import TensorInfo
 from reshard.io.memory import ALIGN
 
-DIRECT_READS = os.environ.get("RESHARD_DIRECT_READS", "0") == "1"
+PROBES = 16  # pages sampled per file to tell whether it is in the page cache
+
+
+def direct_reads_mode() -> str:
+    """RESHARD_DIRECT_READS: `auto` (default), `1` (always O_DIRECT) or `0` (never)."""
+    mode = os.environ.get("RESHARD_DIRECT_READS", "auto").strip().lower()
+    return {"1": "1", "true": "1", "yes": "1", "0": "0", "false": "0", "no": "0"}.get(mode, "auto")
+
+
+def cached_share(path: Path) -> float | None:
+    """The share of `PROBES` pages spread over the file that are in the page cache; None where the
+    system cannot tell. Each page is asked for with RWF_NOWAIT, which fails rather than wait for
+    the disk; the probing descriptor reads no more ahead than the page it asks for (RANDOM)."""
+    if not hasattr(os, "RWF_NOWAIT") or not hasattr(os, "posix_fadvise"):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        n = min(PROBES, size // ALIGN)
+        if n == 0:
+            return None
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        byte = bytearray(1)
+        hits = 0
+        for i in range(n):
+            with contextlib.suppress(BlockingIOError):  # not in the cache
+                hits += os.preadv(fd, [byte], (2 * i + 1) * size // (2 * n), os.RWF_NOWAIT) == 1
+        return hits / n
+    except OSError:  # RWF_NOWAIT not supported here (EOPNOTSUPP, EINVAL)
+        return None
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +105,7 @@ class FileReader(AlignedReader):
         self.direct_fds: dict[str, int | None] = {}
         self.stale: list[int] = []
         self.lock = threading.Lock()
+        self.mode = direct_reads_mode()
 
     def fd(self, name: str) -> int:
         if name not in self.fds:
@@ -112,11 +152,17 @@ class FileReader(AlignedReader):
     def _direct_fd(self, name: str) -> int | None:
         if name not in self.direct_fds:
             fd = None
-            if DIRECT_READS and hasattr(os, "O_DIRECT"):
+            if hasattr(os, "O_DIRECT") and self._wants_direct(name):
                 with contextlib.suppress(OSError):
                     fd = os.open(self.root / name, os.O_RDONLY | os.O_DIRECT)
             self.direct_fds[name] = fd
         return self.direct_fds[name]
+
+    def _wants_direct(self, name: str) -> bool:
+        if self.mode != "auto":
+            return self.mode == "1"
+        share = cached_share(self.root / name)
+        return share is not None and share < 0.5
 
     @staticmethod
     def _fill(fd: int, t: TensorInfo, pos: int, out: memoryview, need: int) -> None:

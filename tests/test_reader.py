@@ -1,0 +1,118 @@
+"""FileReader: O_DIRECT reads give the same bytes as buffered ones, and `auto` picks O_DIRECT for
+files that are not in the page cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from reshard.format import TensorInfo
+from reshard.io.memory import ALIGN, aligned_buffer
+from reshard.io.reader import FileReader, cached_share, direct_reads_mode
+
+
+def _fs_type(path: Path) -> str:
+    """The filesystem type of the mount holding `path` (longest mount point that prefixes it)."""
+    best, kind = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, mnt, fs = line.split()[:3]
+            mnt = mnt.replace("\\040", " ")
+            if str(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
+                best, kind = mnt, fs
+    return kind
+
+
+def _direct_capable(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> tuple[Path, bytes]:
+    data = os.urandom(5 * ALIGN + 1234)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    return path, data
+
+
+@pytest.mark.parametrize(
+    "value, mode", [(None, "auto"), ("auto", "auto"), ("1", "1"), ("true", "1"), ("0", "0"), ("no", "0")]
+)
+def test_mode_from_environment(monkeypatch, value, mode):
+    if value is None:
+        monkeypatch.delenv("RESHARD_DIRECT_READS", raising=False)
+    else:
+        monkeypatch.setenv("RESHARD_DIRECT_READS", value)
+    assert direct_reads_mode() == mode
+
+
+@pytest.mark.parametrize("mode", ["1", "0"])
+@pytest.mark.parametrize(
+    "offset, start, nbytes",
+    [(0, 0, ALIGN), (8, 0, 5), (100, 4000, 200), (37, 1, 5 * ALIGN), (0, 2 * ALIGN - 3, 3 * ALIGN + 1234)],
+)
+def test_prepared_reads_give_the_file_bytes(monkeypatch, data_file, mode, offset, start, nbytes):
+    """Unaligned tensors and spans, also up to the end of the file (O_DIRECT reads the whole last
+    block, which EOF cuts short)."""
+    path, data = data_file
+    nbytes = min(nbytes, len(data) - offset - start)
+    monkeypatch.setenv("RESHARD_DIRECT_READS", mode)
+    reader = FileReader(path.parent)
+    info = TensorInfo("w", "U8", (len(data) - offset,), path.name, offset, len(data) - offset)
+    try:
+        prepared = reader.prepare(info, start, nbytes)
+        assert (prepared.fd is not None) == (mode == "1" and _direct_capable(path))
+        region = memoryview(aligned_buffer(prepared.size))
+        got = reader.read_prepared(info, start, nbytes, prepared, region)
+        assert bytes(got) == data[offset + start : offset + start + nbytes]
+    finally:
+        reader.close()
+
+
+def test_auto_reads_uncached_files_with_o_direct(monkeypatch, data_file):
+    path, data = data_file
+    if _fs_type(path) in ("tmpfs", "ramfs", "") or not _direct_capable(path) or not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("needs a disk-backed filesystem with O_DIRECT and RWF_NOWAIT")
+    monkeypatch.delenv("RESHARD_DIRECT_READS", raising=False)
+    assert path.read_bytes() == data
+    assert cached_share(path) == 1.0
+    reader = FileReader(path.parent)
+    info = TensorInfo("w", "U8", (len(data),), path.name, 0, len(data))
+    assert reader.prepare(info, 0, 10).fd is None  # in the page cache: copied out of it
+    reader.close()
+
+    for _ in range(10):  # a page another CPU still holds may escape one eviction
+        _evict(path)
+        share = cached_share(path)
+        if share == 0.0:
+            break
+    assert share == 0.0
+    _evict(path)  # the probe's reads of its pages may have brought them in
+    reader = FileReader(path.parent)
+    try:
+        prepared = reader.prepare(info, 3, 10)
+        assert prepared.fd is not None
+        got = reader.read_prepared(info, 3, 10, prepared, memoryview(aligned_buffer(prepared.size)))
+        assert bytes(got) == data[3:13]
+    finally:
+        reader.close()
+
+
+def test_cached_share_of_an_empty_file_is_unknown(tmp_path):
+    (tmp_path / "e").write_bytes(b"")
+    assert cached_share(tmp_path / "e") is None
