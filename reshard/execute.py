@@ -229,6 +229,7 @@ class Executor:
         max_memory = max_memory or DEFAULT_MAX_MEMORY
         self.chunk_bytes = max(1, min(chunk_bytes, max_memory // 4))  # leave room for a few in flight
         self.mem = Memory(max_memory, self.chunk_bytes)
+        self.mem.on_short = self._flush_held
         self.progress = progress or (lambda n: None)
         self.sync = sync
         self.sink = sink or (lambda f, header: FileWriter(self.out_dir / f.name, header, checksum))
@@ -270,6 +271,11 @@ class Executor:
             self.reader.close()
             self.mem.close()
         return self.done
+
+    def _flush_held(self) -> None:
+        """Memory is short (a reader or the main thread waits): writers write what they hold."""
+        for w in list(self.open.values()):
+            w.flush_held()
 
     def _writer(self, f: OutFile) -> Worker:
         if f.name not in self.open:

@@ -756,8 +756,11 @@ def report(r: dict) -> str:
         "- Per output file, a writer thread hashes (BLAKE3, about twice sha256's speed per core) and an I/O thread "
         "writes with O_DIRECT: no page-cache copy and no dirty-page throttling. Contiguous pieces (row splits, "
         "whole experts, replicated tensors) of 1 MiB and more go to disk straight from the read buffer: the "
-        "headers are padded so that most of a file's tensors start on a page, as they lie in the buffers. Column "
-        "splits and small pieces are gathered into 4 MiB aligned stages (the one copy they need).",
+        "headers are padded so that most of a file's tensors start on a page, as they lie in the buffers. Smaller "
+        "ones from 64 KiB (an MoE's experts at TP 8) that line up with their file are held, not copied, and "
+        "written with the stage in one vectored write. Column splits, small pieces and pieces off a page boundary "
+        "(O_DIRECT reads keep a tensor's page offset in the source) are gathered into 4 MiB aligned stages (the "
+        "one copy they need).",
         "- Memory: the executor's max_memory (default 512 MiB) of reused buffers plus 8 MiB per open output file, "
         "whatever the checkpoint or tensor size.",
         "- What bounds it: the disk, which serves the reads and the writes (every byte is read once and written "

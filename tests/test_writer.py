@@ -3,6 +3,8 @@ straight from the caller's buffer (large contiguous writes whose memory lines up
 
 from __future__ import annotations
 
+import threading
+
 import blake3
 import numpy as np
 import pytest
@@ -92,3 +94,152 @@ def test_header_pads_the_bulk_of_the_bytes_onto_pages(tmp_path):
     assert tensors["a.k_scale"].offset % ALIGN != 0
     with safe_open(str(path), "pt") as st:
         assert st.get_tensor("w2").shape == (64, 1024)
+
+
+class _Lease:
+    """A lease that counts its references; `waiting`: whether memory is short."""
+
+    def __init__(self) -> None:
+        self.refs = 0
+        self.waiting = False
+
+    def hold(self) -> None:
+        self.refs += 1
+
+    def release(self) -> None:
+        self.refs -= 1
+
+    def short(self) -> bool:
+        return self.waiting
+
+
+@pytest.fixture
+def small_held(monkeypatch):
+    """Pieces of 1 to 7 blocks held, at most 3 at once or 16 blocks; a 4-block stage; counts the
+    pieces held."""
+    monkeypatch.setattr(wr, "USE_O_DIRECT", True)
+    monkeypatch.setattr(wr, "HELD_MIN", ALIGN)
+    monkeypatch.setattr(wr, "THROUGH_MIN", 8 * ALIGN)
+    monkeypatch.setattr(wr, "THROUGH_SEGMENT", 16 * ALIGN)
+    monkeypatch.setattr(wr, "HELD_MAX_IOV", 3)
+    monkeypatch.setattr(wr, "STAGE_BYTES", 4 * ALIGN)
+    held = []
+    real = wr.FileWriter.write_held
+
+    class Counted:  # the writer's view of the lease: counts the pieces it holds
+        def __init__(self, lease, n):
+            self.lease, self.n = lease, n
+
+        def hold(self):
+            held.append(self.n)
+            self.lease.hold()
+
+        def release(self):
+            self.lease.release()
+
+        def short(self):
+            return self.lease.short()
+
+    def counted(self, view, lease):
+        real(self, view, Counted(lease, view.nbytes))
+
+    monkeypatch.setattr(wr.FileWriter, "write_held", counted)
+    return held
+
+
+def test_held_pieces_go_out_in_order_with_the_stage(tmp_path, small_held):
+    """Held pieces (no copy) between staged bytes, gathered columns and through-writes: the file and
+    its digest are those of the bytes in order, and every lease the writer took is given back."""
+    rng = np.random.default_rng(1)
+    slab = aligned_buffer(64 * ALIGN)
+    arr = np.frombuffer(slab, np.uint8)
+    arr[:] = rng.integers(0, 256, arr.size, dtype=np.uint8)
+    header = bytes(rng.integers(0, 256, 2 * ALIGN, dtype=np.uint8))  # ends on a block
+    w = wr.FileWriter(tmp_path / "f", header)
+    lease = _Lease()
+    expect = [header]
+
+    def hold(a, b):
+        expect.append(arr[a:b].tobytes())
+        w.write_held(memoryview(arr[a:b]), lease)
+
+    hold(0, 3 * ALIGN)  # held after the header's stage segment
+    hold(5 * ALIGN, 6 * ALIGN)  # the header's bytes and two pieces: a write of their own (HELD_MAX_IOV)
+    assert not w.leases and w.pending is not None
+    strided = arr[: 128 * 64].reshape(128, 64)[:, :32]  # gathered: one block into the stage
+    expect.append(strided.tobytes())
+    w.write_array(strided)
+    hold(8 * ALIGN, 10 * ALIGN)
+    assert len(w.leases) == 1 and w.seg == w.fill == 3 * ALIGN  # header and columns: one stage
+    expect.append(b"tail bytes")  # the file position is off a block now ...
+    w.write(b"tail bytes")
+    w.write_held(memoryview(arr[12 * ALIGN : 13 * ALIGN]), lease)  # ... so this one is staged
+    expect.append(arr[12 * ALIGN : 13 * ALIGN].tobytes())
+    w.write(b"x" * (ALIGN - 10))  # back on a block
+    expect.append(b"x" * (ALIGN - 10))
+    hold(20 * ALIGN, 22 * ALIGN)
+    expect.append(b"partial")
+    w.write(b"partial")  # the stage's bytes after a held piece stay when the held ones go out
+    w.flush_held(if_short=True)
+    assert len(w.leases) == 1  # no thread waits for memory: kept
+    lease.waiting = True
+    w.flush_held(if_short=True)
+    assert not w.leases and w.fill - w.seg == 7
+    expect.append(b"y" * (ALIGN - 7))
+    w.write(b"y" * (ALIGN - 7))
+    hold(30 * ALIGN, 33 * ALIGN)
+    expect.append(arr[40 * ALIGN : 50 * ALIGN].tobytes())
+    w.write(memoryview(arr[40 * ALIGN : 50 * ALIGN]))  # through: in line with the file
+    hold(52 * ALIGN, 53 * ALIGN)  # held last: written by close
+    done = w.close(sync=False)
+    data = b"".join(expect)
+    assert (tmp_path / "f").read_bytes() == data
+    assert done.size == len(data) and done.digest == blake3.blake3(data).hexdigest()
+    assert lease.refs == 0
+    assert small_held == [3 * ALIGN, ALIGN, 2 * ALIGN, 2 * ALIGN, 3 * ALIGN, ALIGN]
+
+
+def test_held_writes_fall_back_to_staging_when_buffered(tmp_path, small_held, monkeypatch):
+    monkeypatch.setattr(wr, "USE_O_DIRECT", False)
+    arr = np.frombuffer(aligned_buffer(4 * ALIGN), np.uint8)
+    arr[:] = 7
+    w = wr.FileWriter(tmp_path / "f", b"h" * ALIGN)
+    lease = _Lease()
+    w.write_held(memoryview(arr[: 2 * ALIGN]), lease)
+    w.close(sync=False)
+    assert (tmp_path / "f").read_bytes() == b"h" * ALIGN + bytes([7]) * (2 * ALIGN)
+    assert small_held == [] and lease.refs == 0
+
+
+@pytest.mark.parametrize("max_memory", [None, 40_000], ids=["roomy", "short"])
+def test_save_with_held_pieces_writes_the_same_bytes(tiny, tmp_path, monkeypatch, small_held, max_memory):
+    """A whole save whose aligned small pieces are held: the same files as a save that stages all;
+    with memory so short that readers wait on the writers' held pieces, it still ends (the writers
+    let go of what they hold when a reader waits)."""
+    src = tiny("qwen3-moe-fp8")
+    if max_memory:  # two read buffers of 6 blocks: readers wait for the writers all the time
+        monkeypatch.setattr("reshard.io.memory.MIN_SLAB", 4 * ALIGN)
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(
+                save(str(src), tmp_path / "a", tp=2, max_part_size=200_000, chunk_bytes=4096, max_memory=max_memory)
+            )
+        except BaseException as e:
+            box.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the save hung: pieces held by idle writers kept a reader waiting"
+    (held,) = box
+    assert not isinstance(held, BaseException), held
+    assert small_held, "no piece was held"
+    monkeypatch.setattr(wr, "HELD_MIN", 1 << 62)
+    monkeypatch.setattr(wr, "THROUGH_MIN", 1 << 62)
+    staged = save(str(src), tmp_path / "b", tp=2, max_part_size=200_000, chunk_bytes=4096)
+    assert held.plan.files == staged.plan.files
+    for f in held.plan.files:
+        a, b = ((tmp_path / d / f.name).read_bytes() for d in "ab")
+        assert a[8 + int.from_bytes(a[:8], "little") :] == b[8 + int.from_bytes(b[:8], "little") :], f.name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Callable
 
 DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
 MIN_SLAB = 1024 * 1024
@@ -42,6 +43,10 @@ class Lease:
     def hold(self) -> None:
         with self.mem.cond:
             self.refs += 1
+
+    def short(self) -> bool:
+        """Does a thread wait for memory now? (A holder should then let go soon.)"""
+        return self.mem.waiting > 0
 
     def release(self) -> None:
         with self.mem.cond:
@@ -101,6 +106,11 @@ class Memory:
         self.stopped = False
         self.cur: Slab | None = None  # the arena's slab; the allocating thread holds one reference
         self.off = 0
+        # called (under the lock; it must not block) when a thread starts waiting for memory: the
+        # writers then write out the pieces they hold, whose leases they give back once written;
+        # while one waits (`waiting`), an idle writer holds nothing (Lease.short)
+        self.on_short: Callable[[], None] = lambda: None
+        self.waiting = 0
 
     def alloc(self, nbytes: int) -> tuple[memoryview, Lease]:
         """A page-aligned region; its holder owns one reference to the returned lease."""
@@ -121,10 +131,8 @@ class Memory:
 
     def _take(self) -> Slab:
         with self.cond:
-            while not self.free and self.made >= self.count:
-                if self.stopped:
-                    raise Stopped
-                self.cond.wait()
+            if not self.free and self.made >= self.count:
+                self._wait_for(lambda: bool(self.free) or self.made < self.count)
             if self.free:
                 return self.free.pop()
             self.made += 1
@@ -134,12 +142,22 @@ class Memory:
         """Count a fresh array against the budget, first waiting for writers to free some if needed."""
         nbytes = max(nbytes, 256)  # a queued write costs something even when tiny
         with self.cond:
-            while self.fresh and self.fresh + nbytes > self.fresh_limit:
+            if self.fresh and self.fresh + nbytes > self.fresh_limit:
+                self._wait_for(lambda: not self.fresh or self.fresh + nbytes <= self.fresh_limit)
+            self.fresh += nbytes
+        return Fresh(self, nbytes)
+
+    def _wait_for(self, ready: Callable[[], bool]) -> None:
+        """Wait (holding `cond`) until `ready()`, having asked the writers for what they hold."""
+        self.waiting += 1
+        try:
+            self.on_short()
+            while not ready():
                 if self.stopped:
                     raise Stopped
                 self.cond.wait()
-            self.fresh += nbytes
-        return Fresh(self, nbytes)
+        finally:
+            self.waiting -= 1
 
     def drop_arena(self) -> None:
         """Give back the arena's own reference to its current slab (allocating threads stopped)."""

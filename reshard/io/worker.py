@@ -21,7 +21,7 @@ from reshard.io.writer import STAGE_BYTES, GatheringSink, Sink, Written
 if TYPE_CHECKING:
     from reshard.plan import OutTensor
 
-_BEGIN, _WRITE, _CLOSE, _ABORT = range(4)
+_BEGIN, _WRITE, _CLOSE, _ABORT, _FLUSH = range(5)
 
 
 class Worker:
@@ -30,6 +30,7 @@ class Worker:
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.gather = sink.write_array if isinstance(sink, GatheringSink) else None
+        self.hold = getattr(sink, "write_held", None)  # a FileWriter: may hold aligned pieces (no copy)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.aborting = False
@@ -52,6 +53,11 @@ class Worker:
             self._check()
         self.q.put((_WRITE, data, lease))
 
+    def flush_held(self) -> None:
+        """From any thread: have the sink write what it holds (memory is short: free it soon)."""
+        if self.hold is not None:
+            self.q.put((_FLUSH, None, None))
+
     def close(self, sync: bool) -> None:
         self._check()
         self.q.put((_CLOSE, sync, None))
@@ -73,11 +79,16 @@ class Worker:
     # writer thread
     def _run(self) -> None:
         while True:
+            if self.hold is not None and self.q.empty() and self.error is None and not self.aborting:
+                try:  # idle next: what it holds must not keep a thread waiting for memory
+                    self.sink.flush_held(if_short=True)  # type: ignore[attr-defined]
+                except BaseException as e:
+                    self.error = e
             op, arg, lease = self.q.get()
             if op == _WRITE:
                 try:
                     if self.error is None and not self.aborting:
-                        self._write(arg)
+                        self._write(arg, lease)
                 except BaseException as e:
                     self.error = e
                 finally:
@@ -89,6 +100,12 @@ class Worker:
                         self._tensor_done()
                         self.tensor, self.got = arg, 0
                         self.sink.begin(arg)
+                    except BaseException as e:
+                        self.error = e
+            elif op == _FLUSH:
+                if self.error is None and not self.aborting:
+                    try:
+                        self.sink.flush_held()  # type: ignore[attr-defined]
                     except BaseException as e:
                         self.error = e
             elif op == _CLOSE:
@@ -118,12 +135,15 @@ class Worker:
             )
         self.tensor = None
 
-    def _write(self, data: np.ndarray | bytes) -> None:
+    def _write(self, data: np.ndarray | bytes, lease: Lease) -> None:
         self.got += len(data) if isinstance(data, bytes) else data.nbytes
         if isinstance(data, bytes):
             self.sink.write(data)
         elif data.flags.c_contiguous:
-            self.sink.write(memoryview(data).cast("B"))
+            if self.hold is not None:
+                self.hold(memoryview(data).cast("B"), lease)
+            else:
+                self.sink.write(memoryview(data).cast("B"))
         elif self.gather is not None:
             self.gather(data)
         else:  # a strided slice for a sink that takes bytes only: gather row blocks here

@@ -5,7 +5,9 @@ file: the writer thread gathers into one and hashes it while the file's I/O thre
 other with O_DIRECT where the filesystem allows it (RESHARD_O_DIRECT=0: buffered). Large
 contiguous writes whose memory lines up with the file (page offsets equal: the executor's headers
 are page-padded and its read buffers page-aligned) skip the stage: hashed and written from the
-caller's buffer.
+caller's buffer. Smaller ones that line up (whole experts, row splits of an MoE at TP 8) are held
+(`write_held`: the caller's lease keeps their memory) and go to disk with the stage in one
+vectored write, again without a copy.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import ctypes.util
 import errno
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ import numpy as np
 from reshard.errors import OutputError
 from reshard.format import ITEMSIZE, encode_header
 from reshard.hashing import DEFAULT, new_hasher
-from reshard.io.memory import ALIGN, aligned_buffer
+from reshard.io.memory import ALIGN, Lease, aligned_buffer
 
 if TYPE_CHECKING:
     from reshard.plan import OutTensor
@@ -38,6 +40,9 @@ WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every thi
 USE_O_DIRECT = os.environ.get("RESHARD_O_DIRECT", "1") != "0"
 THROUGH_MIN = 1024 * 1024  # contiguous writes from this size may skip the stage (see FileWriter.write)
 THROUGH_SEGMENT = 8 * 1024 * 1024  # ... hashed and written this many bytes at a time
+HELD_MIN = 64 * 1024  # smaller aligned contiguous writes may be held (see FileWriter.write_held) ...
+HELD_MAX_IOV = 256  # ... this many pieces at most in one vectored write
+IOV_MAX = 1024  # buffers per writev
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,12 @@ class FileWriter(GatheringSink):
         self.stage, self.array = self.views[0], self.arrays[0]
         self.fill = 0
         self.padded = False
+        # what the next flush writes before the stage's bytes [seg, fill): held pieces and earlier
+        # stage segments, in file order, and the leases that keep the held pieces' memory
+        self.iov: list[memoryview] = []
+        self.leases: list[Lease] = []
+        self.held = 0
+        self.seg = 0
         self.io = ThreadPoolExecutor(1, thread_name_prefix="reshard-io")
         self.pending: Future | None = None
         self.write(header)
@@ -160,6 +171,32 @@ class FileWriter(GatheringSink):
             self._write_through(view)
             return
         self._stage_bytes(view)
+
+    def write_held(self, view: memoryview, lease: Lease) -> None:
+        """`write`, but a contiguous piece whose memory lines up with the file may be held, not
+        copied: `lease` (whose memory `view` is) gets a reference of the writer's until the piece is
+        on disk. Held pieces go out with the next flush, or at `flush_held`."""
+        n = view.nbytes
+        lined_up = n % ALIGN == 0 and self.size % ALIGN == 0 and _address(view) % ALIGN == 0
+        if not (self.direct and HELD_MIN <= n < THROUGH_MIN and lined_up):
+            self.write(view)
+            return
+        if self.fill > self.seg:  # the stage's bytes so far go first (they end on a block)
+            self.iov.append(self.stage[self.seg : self.fill])
+            self.seg = self.fill
+        lease.hold()
+        self.leases.append(lease)
+        self.iov.append(view)
+        self.held += n
+        self.size += n
+        if self.held >= THROUGH_SEGMENT or len(self.iov) >= HELD_MAX_IOV:
+            self._flush_held()
+
+    def flush_held(self, if_short: bool = False) -> None:
+        """Write what is held now (the executor's memory is short: give its leases back soon);
+        `if_short`: only if a thread waits for memory now."""
+        if self.leases and (not if_short or self.leases[-1].short()):
+            self._flush_held()
 
     def _stage_bytes(self, view: memoryview) -> None:
         """Copy into the stage, flushing every full one."""
@@ -191,14 +228,14 @@ class FileWriter(GatheringSink):
         if head:
             self._stage_bytes(view[:head])
         end = head + (n - head) // ALIGN * ALIGN if self.direct else n
-        if end > head and self.fill:
+        if end > head and (self.fill or self.iov):
             self._flush()
         for a in range(head, end, THROUGH_SEGMENT):
             part = view[a : min(a + THROUGH_SEGMENT, end)]
             self.hasher.update(part)
             self.size += part.nbytes
             self._wait()
-            self.pending = self.io.submit(self._write_out, part, self.size)
+            self.pending = self.io.submit(self._write_out, [part], self.size)
         self._wait()
         if end < n:
             self._stage_bytes(view[end:])
@@ -224,49 +261,76 @@ class FileWriter(GatheringSink):
                 self._flush()
 
     def _flush(self) -> None:
-        """Hash the stage, hand it to the I/O thread and switch to the other one (once it is free).
+        """Hash what is pending (held pieces, then the stage's bytes), hand it to the I/O thread and
+        switch to the other stage (once it is free).
 
         Whole blocks, except at the end: padded, and truncated in close()."""
-        nbytes = self.fill
-        self.hasher.update(self.stage[:nbytes])
-        if self.direct and nbytes % ALIGN:
-            pad = -nbytes % ALIGN
-            self.stage[nbytes : nbytes + pad] = bytes(pad)
-            nbytes += pad
+        pad = -self.fill % ALIGN if self.direct else 0
+        if pad:
+            self.stage[self.fill : self.fill + pad] = bytes(pad)
             self.padded = True
-        self._wait()
-        self.pending = self.io.submit(self._write_out, self.stage[:nbytes], self.size)
+        if self.fill > self.seg:
+            self.iov.append(self.stage[self.seg : self.fill + pad])
+        self._submit(self.size, pad)
         self.cur ^= 1
         self.stage, self.array = self.views[self.cur], self.arrays[self.cur]
-        self.fill = 0
+        self.fill = self.seg = 0
+
+    def _flush_held(self) -> None:
+        """Hash and hand to the I/O thread the held pieces and the stage's bytes before them; the
+        stage's later bytes stay (in a region of the stage that this write does not touch)."""
+        self._submit(self.size - (self.fill - self.seg))
+
+    def _submit(self, end: int, pad: int = 0) -> None:
+        """Hash `self.iov` (the last `pad` bytes are padding) and have it written; `end`: the file
+        position after it, unpadded."""
+        iov, leases = self.iov, self.leases
+        self.iov, self.leases, self.held = [], [], 0
+        for v in iov[:-1]:
+            self.hasher.update(v)
+        if iov:
+            self.hasher.update(iov[-1][: iov[-1].nbytes - pad])
+        self._wait()
+        self.pending = self.io.submit(self._write_out, iov, end, leases)
 
     def _wait(self) -> None:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.result()
 
-    def _write_out(self, rest: memoryview, size: int) -> None:
-        """On the I/O thread: write a stage at the file position (the writes are sequential)."""
+    def _write_out(self, bufs: list[memoryview], size: int, leases: Sequence[Lease] = ()) -> None:
+        """On the I/O thread: write `bufs` at the file position (the writes are sequential), then
+        give back the leases of the held pieces among them."""
         try:
-            while rest.nbytes:
+            while bufs:
                 try:
-                    rest = rest[os.write(self.fd, rest) :]
+                    n = os.writev(self.fd, bufs[:IOV_MAX])
                 except OSError as e:
                     if not (self.direct and e.errno == errno.EINVAL):
                         raise
                     _no_direct(self.fd)  # the filesystem took O_DIRECT at open, not for writes
                     self.direct = False
+                    continue
+                if n == 0:
+                    raise OSError(errno.EIO, "write returned 0")
+                while bufs and n >= bufs[0].nbytes:
+                    n -= bufs.pop(0).nbytes
+                if n:
+                    bufs[0] = bufs[0][n:]
         except OSError as e:
             raise _write_error(self.path, e) from e
         finally:
-            rest.release()
+            for v in bufs:
+                v.release()
+            for lease in leases:
+                lease.release()
         if not self.direct and _START_WRITEBACK is not None and size - self.flushed >= WRITEBACK_BYTES:
             _START_WRITEBACK(self.fd, self.flushed, size - self.flushed)
             self.flushed = size
 
     def close(self, sync: bool) -> Written:
         try:
-            if self.fill:
+            if self.fill or self.iov:
                 self._flush()
             self._wait()
             if self.padded:
@@ -292,6 +356,10 @@ class FileWriter(GatheringSink):
 
     def _free(self) -> None:
         self.pending = None
+        self.iov = []
+        leases, self.leases = self.leases, []
+        for lease in leases:  # held pieces never submitted (an abort)
+            lease.release()
         self.io.shutdown(wait=True)
         for v in self.views:
             v.release()
