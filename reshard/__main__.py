@@ -20,7 +20,15 @@ def run() -> None:
         print("reshard: error: interrupted; nothing was published and a previous output is unchanged",
               file=sys.stderr, flush=True)  # fmt: skip
         sys.exit(130)
-    main()
+    try:
+        main()
+    finally:
+        # The run is over: its output published or refused, its last line printed. A Ctrl-C or
+        # SIGTERM from here on changes nothing; ignored, it can neither print a traceback from the
+        # interpreter's exit (atexit) nor, once Python has put the default action back, kill the
+        # process with -15 in place of the run's exit code.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -189,6 +189,25 @@ def cli_subprocess(args: list[str], env: dict[str, str]) -> subprocess.Completed
     )
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_after_the_run_changes_nothing(tiny, tmp_path, sig):
+    """A Ctrl-C or SIGTERM that lands while the interpreter exits (here: from an atexit hook, after
+    the save finished) neither prints a traceback nor replaces exit 0 with death by the signal."""
+    out = tmp_path / "out"
+    code = (
+        "import atexit, os, signal, sys\n"
+        f"atexit.register(lambda: (os.kill(os.getpid(), signal.{sig}), print('sent', file=sys.stderr)))\n"
+        f"sys.argv = ['reshard', 'save', {str(tiny('llama'))!r}, {str(out)!r}, '--tp', '2']\n"
+        "from reshard.__main__ import run\n"
+        "run()\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "RESHARD_DISABLE_PROGRESS": "1"}, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "sent" in p.stderr and "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    assert run("verify", str(out))[0] == 0
+
+
 def test_repo_id_offline_from_cache(tiny, tmp_path):
     commit = lay_out_hub_cache(tmp_path / "hf", "acme/tiny-llama", tiny("llama", shards=2))
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "RESHARD_DISABLE_PROGRESS": "1"}
