@@ -79,11 +79,8 @@ class Worker:
     # writer thread
     def _run(self) -> None:
         while True:
-            if self.hold is not None and self.q.empty() and self.error is None and not self.aborting:
-                try:  # idle next: what it holds must not keep a thread waiting for memory
-                    self.sink.flush_held(if_short=True)  # type: ignore[attr-defined]
-                except BaseException as e:
-                    self.error = e
+            if self.hold is not None and self.q.empty():
+                self._flush_held(if_short=True)  # idle next: what it holds must not keep a thread waiting
             op, arg, lease = self.q.get()
             if op == _WRITE:
                 try:
@@ -103,11 +100,7 @@ class Worker:
                     except BaseException as e:
                         self.error = e
             elif op == _FLUSH:
-                if self.error is None and not self.aborting:
-                    try:
-                        self.sink.flush_held()  # type: ignore[attr-defined]
-                    except BaseException as e:
-                        self.error = e
+                self._flush_held(if_short=False)
             elif op == _CLOSE:
                 if self.error is None and not self.aborting:
                     try:
@@ -123,6 +116,13 @@ class Worker:
                 with contextlib.suppress(Exception):
                     self.sink.abort()
                 return
+
+    def _flush_held(self, if_short: bool) -> None:
+        if self.error is None and not self.aborting:
+            try:
+                self.sink.flush_held(if_short=if_short)  # type: ignore[attr-defined]
+            except BaseException as e:
+                self.error = e
 
     def _tensor_done(self) -> None:
         """Every tensor must get exactly the bytes its header declares, or the file is unreadable."""
@@ -140,7 +140,7 @@ class Worker:
         if isinstance(data, bytes):
             self.sink.write(data)
         elif data.flags.c_contiguous:
-            if self.hold is not None:
+            if self.hold is not None:  # the sink may keep the lease's memory instead of copying it
                 self.hold(memoryview(data).cast("B"), lease)
             else:
                 self.sink.write(memoryview(data).cast("B"))
