@@ -15,7 +15,8 @@ from reshard import VLLM_VERSIONS, __version__
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import fsync_dir
 from reshard.hashing import FIELD, NONE, entry_digest, hash_file, manifest_algorithm
-from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, PLUGIN_LOAD_FORMAT, parse_rank_file
+from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB, parse_rank_file
+from reshard.serve import PLUGIN_LOAD_FORMAT
 
 FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1

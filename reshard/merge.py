@@ -17,7 +17,7 @@ from reshard.checkpoint import Checkpoint
 from reshard.errors import ReshardError, SourceError, UnsupportedError
 from reshard.format import ITEMSIZE
 from reshard.hashing import NONE
-from reshard.layout import INDEX, MANIFEST, hf_shard_name
+from reshard.names import INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
 from reshard.publish import (
     check_free_space,

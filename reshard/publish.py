@@ -1,13 +1,13 @@
 """Getting files into OUT_DIR without ever losing a good output, shared by `save` and `merge`.
 
-A run builds its complete new folder beside OUT_DIR (`.NAME.reshard-new-RUN`, same filesystem),
+A run builds its complete new folder beside OUT_DIR (`names.STAGING`, same filesystem),
 manifest included, every file and the folder fsynced. Publishing is then one atomic exchange of the
 two folders (Linux renameat2 RENAME_EXCHANGE), after which the old folder is removed. So at every
 instant OUT_DIR is either the previous output or the new one, both complete: an interrupt, a
 failure or a full disk before the exchange leaves OUT_DIR exactly as it was. Files of OUT_DIR that
 reshard did not write are carried into the new folder (hard links) before the exchange.
 
-Where the exchange is not available, two renames are used (OUT_DIR -> `.NAME.reshard-old-RUN`,
+Where the exchange is not available, two renames are used (OUT_DIR -> `names.OLD`,
 new -> OUT_DIR) with signals held off between them; a crash in that instant is repaired by the
 next run (`recover`), which puts the old folder back.
 
@@ -31,9 +31,19 @@ from pathlib import Path
 from reshard.console import human_bytes
 from reshard.errors import OutputError
 from reshard.format import fsync_dir
-from reshard.layout import INDEX, MANIFEST, TMP_PREFIX, WEIGHT_SUFFIXES, is_rank_file_name
-
-_NEW, _OLD, _LOCK = ".reshard-new-", ".reshard-old-", ".reshard.lock"
+from reshard.names import (
+    HIDDEN_PREFIX,
+    INDEX,
+    LOCK,
+    MANIFEST,
+    OLD,
+    STAGING,
+    TMP_PREFIX,
+    WEIGHT_SUFFIXES,
+    is_rank_file_name,
+    sibling,
+    siblings,
+)
 
 
 def check_out_dir(out_dir: Path, source_root: Path | None, overwrite: bool) -> None:
@@ -93,15 +103,10 @@ def copy_files(src: Path, names: Iterable[str], dst: Path) -> None:
 # ---- one run at a time ---------------------------------------------------------------------------
 
 
-def _sibling(out_dir: Path, kind: str, tag: str = "") -> Path:
-    out = out_dir.resolve()
-    return out.parent / f".{out.name}{kind}{tag}"
-
-
 @contextlib.contextmanager
 def lock(out_dir: Path) -> Iterator[None]:
     """Hold the exclusive lock of OUT_DIR (a file beside it, removed at the end)."""
-    path = _sibling(out_dir, _LOCK)
+    path = sibling(out_dir, LOCK)
     _check_parents(out_dir)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,11 +158,11 @@ def recover(out_dir: Path) -> None:
     """Repair what an earlier run killed mid-publish left (call with the lock held): put an old
     folder back if OUT_DIR is missing, then remove leftover staging and old folders."""
     out = out_dir.resolve()
-    olds = sorted(out.parent.glob(f".{out.name}{_OLD}*"))
+    olds = siblings(out_dir, OLD)
     if olds and not out.exists():
         os.rename(olds.pop(), out)
         fsync_dir(out.parent)
-    for leftover in [*olds, *out.parent.glob(f".{out.name}{_NEW}*")]:
+    for leftover in [*olds, *siblings(out_dir, STAGING)]:
         shutil.rmtree(leftover, ignore_errors=True)
     if out.is_dir():  # temporary folders of older reshard versions, inside OUT_DIR
         for old in out.glob(f"{TMP_PREFIX}*"):
@@ -166,7 +171,7 @@ def recover(out_dir: Path) -> None:
 
 def staging_dir(out_dir: Path, tag: str) -> Path:
     """Where a run builds its new OUT_DIR (created by the caller)."""
-    return _sibling(out_dir, _NEW, tag)
+    return sibling(out_dir, STAGING, tag)
 
 
 def make_dir(path: Path) -> None:
@@ -184,10 +189,10 @@ def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced:
     out = out_dir.resolve()
     if out.is_dir():
         for p in sorted(out.iterdir()):
-            if not ours(p.name) and not (staged / p.name).exists() and not p.name.startswith(".reshard"):
+            if not ours(p.name) and not (staged / p.name).exists() and not p.name.startswith(HIDDEN_PREFIX):
                 _link_tree(p, staged / p.name)
     _fsync_tree(staged, skip=set(synced))
-    old = _sibling(out_dir, _OLD, staged.name.rsplit(_NEW, 1)[-1])
+    old = sibling(out_dir, OLD, staged.name.rsplit(STAGING, 1)[-1])
     with _signals_held():
         if not out.exists():
             os.rename(staged, out)

@@ -24,7 +24,6 @@ from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError
 from reshard.execute import Executor
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
-from reshard.layout import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
 from reshard.manifest import (
     Manifest,
     assemble,
@@ -34,6 +33,7 @@ from reshard.manifest import (
     side_file_entries,
     write_manifest,
 )
+from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
 from reshard.plan import OutFile, Plan, build_plan
 from reshard.publish import (
     check_free_space,

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from reshard.layout import parse_rank_file, rank_files_in
+from reshard.names import parse_rank_file, rank_files_in
 from scripts.bench import scrub
 from scripts.make_synthetic import make_config, parse_size, write_checkpoint
 

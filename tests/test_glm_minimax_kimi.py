@@ -203,7 +203,7 @@ def test_kimi_k2_saves_with_its_side_files(tiny, tmp_path):
 
 
 def test_hub_downloads_remote_code():
-    from reshard.layout import HUB_PATTERNS
+    from reshard.names import HUB_PATTERNS
 
     assert "*.py" in HUB_PATTERNS  # tokenization_kimi.py, configuration_deepseek.py
     assert "*.model" in HUB_PATTERNS  # tiktoken.model

@@ -67,7 +67,8 @@ def test_lower_layers_do_not_import_upper_ones():
     graph = _imports()
     low = (
         "reshard.format",
-        "reshard.layout",
+        "reshard.names",
+        "reshard.serve",
         "reshard.rules",
         "reshard.errors",
         "reshard.hashing",
@@ -89,13 +90,15 @@ def test_modules_stay_small():
     assert not big, big
 
 
-def test_file_names_live_in_layout():
-    """Rank-file and manifest names are spelled only in reshard/layout.py."""
+def test_file_names_live_in_names():
+    """Rank-file, manifest, staging and lock names are spelled only in reshard/names.py."""
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "layout.py":
+        if path.name == "names.py" and path.parent == PACKAGE:
             continue
         text = path.read_text()
-        for literal in ('"model-rank-', '"model-pp-', '"reshard.json"', "reshard.ranks-"):
+        literals = ('"model-rank-', '"model-pp-', '"reshard.json"', "reshard.ranks-", ".reshard-new", ".reshard-old",
+                    ".reshard.lock", ".reshard-tmp")  # fmt: skip
+        for literal in literals:
             assert literal not in text, f"{path.relative_to(PACKAGE.parent)} spells {literal}"
 
 
@@ -108,7 +111,7 @@ def test_vllm_plugin_layering():
         if not mod.startswith("reshard.vllm_plugin"):
             assert not any(d.startswith("reshard.vllm_plugin") for d in deps), f"{mod} imports the vLLM plugin"
             continue
-        allowed = ("reshard.vllm_plugin", "reshard.manifest", "reshard.layout", "reshard.format", "reshard.hashing",
+        allowed = ("reshard.vllm_plugin", "reshard.manifest", "reshard.names", "reshard.serve", "reshard.format", "reshard.hashing",
                    "reshard.vllm_versions", "reshard.errors")  # fmt: skip
         bad = sorted(d for d in deps if d != "reshard" and not d.startswith(allowed))
         assert not bad, f"{mod} imports {bad}"

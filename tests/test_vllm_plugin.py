@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from reshard.hashing import entry_digest, hash_file, manifest_algorithm
-from reshard.layout import MANIFEST
 from reshard.manifest import read_manifest
+from reshard.names import MANIFEST
 from reshard.vllm_plugin import checks, reader
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS, vllm_versions
 from reshard.cli import cli
-from reshard.layout import MANIFEST
+from reshard.names import MANIFEST
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.save import save
 from reshard.verify import verify

@@ -8,7 +8,8 @@ import click
 
 from reshard.commands.options import json_option
 from reshard.console import emit_json, stdout
-from reshard.layout import MANIFEST, PLUGIN_NOTE
+from reshard.names import MANIFEST
+from reshard.serve import PLUGIN_NOTE
 from reshard.vllm_versions import recorded_range, serve_note
 
 

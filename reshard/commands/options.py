@@ -6,7 +6,7 @@ import re
 
 import click
 
-from reshard.layout import MOE_BACKENDS
+from reshard.plan.backends import MOE_BACKENDS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip

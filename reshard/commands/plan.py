@@ -16,7 +16,7 @@ from reshard.commands.options import (
     tp_option,
 )
 from reshard.console import emit_json, human_bytes, stdout
-from reshard.layout import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
+from reshard.serve import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
 

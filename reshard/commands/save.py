@@ -22,7 +22,8 @@ from reshard.commands.options import (
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
 from reshard.hashing import ALGORITHMS
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
-from reshard.layout import DEFAULT_MAX_PART, MANIFEST, PLUGIN_NOTE
+from reshard.names import DEFAULT_MAX_PART, MANIFEST
+from reshard.serve import PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
 

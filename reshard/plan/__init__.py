@@ -12,7 +12,7 @@ model     the plan as data (Plan, OutFile, OutTensor, Slice, Fill)
 Imports nothing that imports torch or numpy.
 """
 
-from reshard.layout import DEFAULT_MAX_PART
+from reshard.names import DEFAULT_MAX_PART
 from reshard.plan.files import natural_key, split_by_size
 from reshard.plan.geometry import Dims
 from reshard.plan.model import Fill, OutFile, OutTensor, Piece, Plan, Slice

@@ -25,7 +25,10 @@ from __future__ import annotations
 import math
 
 from reshard.errors import UnsupportedError
-from reshard.layout import MOE_BACKENDS
+
+# vLLM's --moe-backend names (fused_moe/oracle): the serve line pins one where the MoE layout depends on it
+MOE_BACKENDS = ("auto", "triton", "batched_triton", "deep_gemm", "cutlass", "flashinfer_trtllm", "flashinfer_cutlass",
+                "marlin", "humming", "aiter", "hpc")  # fmt: skip
 
 # vLLM 0.32's MoEBackend names (config/kernel.py) that its FP8 or unquantized oracles accept
 # oracle/fp8.py map_fp8_backend

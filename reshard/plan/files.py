@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from reshard.format import ITEMSIZE
-from reshard.layout import rank_file_name
+from reshard.names import rank_file_name
 from reshard.plan.model import OutFile, OutTensor
 
 _NUM = re.compile(r"(\d+)")

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from reshard import VLLM_LAYOUT, __version__, layout
+from reshard import VLLM_LAYOUT, __version__, names, serve
 from reshard.errors import SourceError
 from reshard.format import DTYPE_CODES, ITEMSIZE, TensorInfo
 
@@ -121,14 +121,14 @@ class Plan:
 
     @property
     def pattern(self) -> str:
-        return layout.file_pattern(self.pp)
+        return names.file_pattern(self.pp)
 
     @property
     def total_bytes(self) -> int:
         return sum(f.data_bytes for f in self.files)
 
     def serve_command(self, out_dir: str, load_format: str = "sharded_state") -> str:
-        return layout.serve_command(
+        return serve.serve_command(
             out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin,
             extra=self.serve_flags, load_format=load_format, trust_remote_code=self.trust_remote_code,
         )  # fmt: skip

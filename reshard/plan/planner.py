@@ -8,7 +8,7 @@ from __future__ import annotations
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_NAMES
-from reshard.layout import DEFAULT_MAX_PART
+from reshard.names import DEFAULT_MAX_PART
 from reshard.plan.backends import check_backend
 from reshard.plan.context import Context, dims_from_config
 from reshard.plan.files import assign_files

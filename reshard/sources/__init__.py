@@ -10,7 +10,7 @@ from pathlib import Path
 
 from reshard.checkpoint import Source
 from reshard.errors import SourceError
-from reshard.layout import MANIFEST
+from reshard.names import MANIFEST
 from reshard.sources.hub import is_repo_id, open_hub
 from reshard.sources.local import LocalSource, read_config
 from reshard.sources.output import OutputSource

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from reshard.errors import SourceError
-from reshard.layout import CONFIG, HUB_PATTERNS
+from reshard.names import CONFIG, HUB_PATTERNS
 from reshard.sources.local import LocalSource
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -32,7 +32,7 @@ from reshard.checkpoint import Checkpoint, Reader
 from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, Prepared
-from reshard.layout import INDEX, SINGLE
+from reshard.names import INDEX, SINGLE
 from reshard.sources.hubgroups import Groups
 from reshard.sources.hubhttp import HubRepo
 from reshard.sources.local import read_config

@@ -8,7 +8,7 @@ from pathlib import Path
 from reshard.checkpoint import Checkpoint, Reader
 from reshard.errors import SourceError
 from reshard.format import TensorInfo, read_header
-from reshard.layout import CONFIG, INDEX, SINGLE
+from reshard.names import CONFIG, INDEX, SINGLE
 from reshard.sources.validate import check_config, check_index
 
 

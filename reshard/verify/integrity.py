@@ -7,7 +7,7 @@ import os
 import time
 
 from reshard.hashing import NONE, entry_digest, hash_file
-from reshard.layout import MANIFEST
+from reshard.names import MANIFEST
 from reshard.verify.report import CORRUPT, RERUN, CheckedFile, Progress, Report, advance_for
 from reshard.verify.structure import Folder
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import ITEMSIZE, TensorInfo
-from reshard.layout import MANIFEST
+from reshard.names import MANIFEST
 from reshard.plan import OutTensor, Plan, build_plan, natural_key, num_experts
 from reshard.sources import read_config
 from reshard.verify.report import CORRUPT, LAYOUT, CheckedFile, Report, rank_label

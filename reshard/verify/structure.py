@@ -16,7 +16,8 @@ from pathlib import Path
 from reshard.errors import CorruptError, SourceError
 from reshard.format import DTYPE_CODES, read_header
 from reshard.hashing import LEGACY, manifest_algorithm
-from reshard.layout import (
+from reshard.manifest import read_manifest
+from reshard.names import (
     CONFIG,
     MANIFEST,
     PIECE_MANIFEST_GLOB,
@@ -26,7 +27,6 @@ from reshard.layout import (
     parse_rank_file,
     vllm_globs,
 )
-from reshard.manifest import read_manifest
 from reshard.plan import natural_key
 from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, rank_label
 

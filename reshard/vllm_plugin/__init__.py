@@ -8,7 +8,7 @@ reads into the parameters) import no vLLM at all; only `loader` does.
 
 from __future__ import annotations
 
-from reshard.layout import PLUGIN_LOAD_FORMAT as LOAD_FORMAT
+from reshard.serve import PLUGIN_LOAD_FORMAT as LOAD_FORMAT
 
 
 def register() -> None:

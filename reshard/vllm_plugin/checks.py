@@ -13,7 +13,7 @@ from pathlib import Path
 from reshard.errors import SourceError
 from reshard.format import DTYPE_CODES, TensorInfo, read_header
 from reshard.hashing import entry_digest
-from reshard.layout import MANIFEST, file_pattern
+from reshard.names import MANIFEST, file_pattern
 from reshard.vllm_versions import in_range, recorded_range
 
 SHOWN = 3  # differences named in a message

@@ -1,8 +1,9 @@
-"""Every name reshard gives a file, in one place: rank files, manifests, temporary folders, Hub files.
+"""Every name reshard gives a file or folder, in one place: rank files and their globs, manifests,
+staging, old and lock names beside OUT_DIR, Hugging Face checkpoint files.
 
 vLLM's ShardedStateLoader finds a rank's files with a glob of its `pattern` (`model-rank-{rank}-part-*`
 or, with pipeline parallelism, `model-pp-{pp}-tp-{tp}-part-*`). Everything that names, matches or
-lists such a file goes through here, and so does the `vllm serve` line.
+lists such a file goes through here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ DEFAULT_MAX_PART = 5 * 1024**3  # bytes per rank file part, as vLLM's save_shard
 MANIFEST = "reshard.json"
 PIECE_MANIFEST = "reshard.ranks-{tag}.json"  # a `save --ranks` piece's partial manifest
 PIECE_MANIFEST_GLOB = "reshard.ranks-*.json"
-TMP_PREFIX = ".reshard-tmp-"  # a run's temporary folder inside OUT_DIR
+TMP_PREFIX = ".reshard-tmp-"  # a run's temporary folder inside OUT_DIR (reshard < 0.4; removed when seen)
+
+# ---- beside OUT_DIR: `.<OUT_DIR name><kind><tag>` (reshard.publish) ---------------------------------
+
+STAGING = ".reshard-new-"  # a run's new OUT_DIR, built complete before the swap
+OLD = ".reshard-old-"  # the previous OUT_DIR between two renames (no RENAME_EXCHANGE)
+LOCK = ".reshard.lock"  # one run per OUT_DIR
+HIDDEN_PREFIX = ".reshard"  # anything above, or a temporary file of reshard's inside OUT_DIR
 
 # ---- Hugging Face checkpoints ----------------------------------------------------------------------
 
@@ -103,53 +111,13 @@ def rank_files_in(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-# the --load-format of reshard's vLLM loader plugin (reshard.vllm_plugin): strict and checksum-verified
-PLUGIN_LOAD_FORMAT = "reshard"
-PLUGIN_NOTE = (
-    "or `--load-format reshard` (reshard's vLLM plugin, installed with reshard): it checks the folder against "
-    "the engine before reading and verifies every checksum while loading"
-)
-
-# vLLM's --moe-backend names (fused_moe/oracle): the serve line pins one where the MoE layout depends on it
-MOE_BACKENDS = (
-    "auto",
-    "triton",
-    "batched_triton",
-    "deep_gemm",
-    "cutlass",
-    "flashinfer_trtllm",
-    "flashinfer_cutlass",
-    "marlin",
-    "humming",
-    "aiter",
-    "hpc",
-)
+def sibling(out_dir: Path, kind: str, tag: str = "") -> Path:
+    """`.<name><kind><tag>` beside OUT_DIR (kind: STAGING, OLD or LOCK)."""
+    out = out_dir.resolve()
+    return out.parent / f".{out.name}{kind}{tag}"
 
 
-def serve_command(
-    out_dir: str,
-    *,
-    tp: int,
-    pp: int,
-    ep: bool,
-    dtype: str,
-    load_format: str = "sharded_state",
-    moe_backend: str | None = None,
-    extra: tuple[str, ...] = (),
-    trust_remote_code: bool = False,
-) -> str:
-    """The `vllm serve` line that loads `out_dir` as written (dtype: torch's name, e.g. bfloat16;
-    moe_backend: pinned where the experts' layout depends on vLLM's MoE backend;
-    trust_remote_code: the checkpoint ships its own config/tokenizer code, e.g. Kimi-K2's)."""
-    parts = [f"vllm serve {out_dir} --load-format {load_format}", f"--tensor-parallel-size {tp}"]
-    if pp > 1:
-        parts.append(f"--pipeline-parallel-size {pp}")
-    if ep:
-        parts.append("--enable-expert-parallel")
-    parts.append(f"--dtype {dtype}")
-    if moe_backend:
-        parts.append(f"--moe-backend {moe_backend}")
-    parts.extend(extra)  # e.g. --language-model-only: the files hold no vision tower
-    if trust_remote_code:
-        parts.append("--trust-remote-code")
-    return " ".join(parts)
+def siblings(out_dir: Path, kind: str) -> list[Path]:
+    """Every `.<name><kind>*` beside OUT_DIR, sorted."""
+    out = out_dir.resolve()
+    return sorted(out.parent.glob(f".{out.name}{kind}*"))
