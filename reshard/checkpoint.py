@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from reshard.format import TensorInfo
+
+if TYPE_CHECKING:
+    from reshard.manifest import Manifest
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Checkpoint:
     files: list[str]
     ref: dict
     file_sizes: dict[str, int] = field(default_factory=dict)
-    manifest: dict | None = None
+    manifest: Manifest | None = None
     missing: list[str] = field(default_factory=list)
 
     @property
@@ -55,7 +58,11 @@ class Reader(Protocol):
 
 
 class Source(Protocol):
-    """A checkpoint to read: its metadata, and a way to read its bytes."""
+    """A checkpoint to read: its metadata, and a way to read its bytes. Sources subclass it and
+    keep its defaults where they have nothing to add."""
+
+    # what a source that downloads counts (reshard.sources.hubhttp.Meter), shown beside the writes
+    meter: object | None = None
 
     @property
     def checkpoint(self) -> Checkpoint: ...
@@ -64,5 +71,6 @@ class Source(Protocol):
         """A new reader; the caller closes it."""
         ...
 
-    # Optional: `finish()`, called once a save has read everything it needed; a source that keeps a
-    # copy of what it reads (a Hub repo in the cache) completes that copy there.
+    def finish(self) -> None:
+        """Called once a save has read everything it needed: a source that keeps a copy of what it
+        reads (a Hub repo in the cache) completes that copy there. Nothing by default."""

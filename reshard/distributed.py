@@ -6,12 +6,14 @@ No networking of our own: under torchrun, torch.distributed (gloo) carries the f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from datetime import timedelta
 
 from reshard.errors import UnsupportedError
 from reshard.hashing import hash_bytes
+from reshard.layout import Layout
 
 
 class Group:
@@ -76,7 +78,7 @@ def ranks_tag(ranks: list[int]) -> str:
     return "_".join(out)
 
 
-def shared_run_id(source: dict, layout: dict, source_tensors: dict, version: str) -> str:
+def shared_run_id(source: dict, layout: Layout, source_tensors: dict, version: str) -> str:
     """The same for every piece of one job, wherever it runs: a digest of what is being made."""
-    blob = json.dumps([version, source, layout, source_tensors], sort_keys=True).encode()
+    blob = json.dumps([version, source, dataclasses.asdict(layout), source_tensors], sort_keys=True).encode()
     return hash_bytes(blob, "sha256")[:32]  # sha256 whatever the files' checksum: run ids stay stable

@@ -31,151 +31,21 @@ writers never wait on memory, so all waits end.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from reshard.checkpoint import Reader
+from reshard.checkpoint import Reader, Source
 from reshard.format import ITEMSIZE, TensorInfo
-from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
 from reshard.io.dtypes import Caster, fill_bytes, pad_rows, upsample
-from reshard.io.memory import DEFAULT_MAX_MEMORY, Lease, Memory
+from reshard.io.memory import Lease, Memory
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
-from reshard.io.writer import FileWriter, Sink, Written, page_aligned_header
-from reshard.plan import Fill, OutFile, OutTensor, Plan, Slice, natural_key
-
-DEFAULT_CHUNK = 32 * 1024 * 1024
-_ALL_ROWS = 1 << 62
-
-# ---- the schedule: every read, in order, and who consumes it ---------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Read:
-    """One source read: bytes [start, start + nbytes) of `info`.
-
-    rows: the source rows [r0, r1) it holds; None: the whole tensor (it is up-sampled).
-    piece: None: fed to every rank's copy of the step's tensor (one pass over the source);
-        (holder, piece): the one piece it is read for (a tensor one pass cannot serve).
-    """
-
-    info: TensorInfo
-    start: int
-    nbytes: int
-    rows: tuple[int, int] | None
-    piece: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One tensor name: every rank's copy of it (file, tensor), the reads that make them, and the
-    files whose last tensor it is."""
-
-    name: str
-    slots: tuple[tuple[OutFile, OutTensor], ...]
-    reads: tuple[Read, ...]
-    closes: tuple[str, ...]
-
-
-def schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Step]:
-    """The plan's tensors in the global write order (widest dtype first, then natural name order),
-    each with its reads: source rows in chunks of about `chunk_bytes`."""
-    slots: dict[str, list[tuple[OutFile, OutTensor]]] = {}
-    last: dict[str, str] = {}  # file -> name of its last tensor
-    for f in plan.files:
-        for t in f.tensors:
-            slots.setdefault(t.name, []).append((f, t))
-        if f.tensors:
-            last[f.name] = f.tensors[-1].name
-    order = sorted(slots, key=lambda n: (-ITEMSIZE[slots[n][0][1].dtype], natural_key(n)))
-    return [
-        Step(
-            name,
-            tuple(slots[name]),
-            tuple(_reads([t for _, t in slots[name]], tensors, chunk_bytes)),
-            tuple(f.name for f, _ in slots[name] if last[f.name] == name),
-        )
-        for name in order
-    ]
-
-
-def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterator[Read]:
-    """The reads that make one tensor name's copies (`out`): one pass over each source in row
-    chunks, or, where the pieces' order does not allow that, one read per piece."""
-    sources = _sources(out)
-    if not _streamable(out, list(sources)):
-        for h, t in enumerate(out):
-            for i, p in enumerate(t.pieces):
-                if isinstance(p, Slice):
-                    info = tensors[p.source]
-                    (a, *_), (b, *_) = _bounds(p)
-                    yield _whole(info, (h, i)) if p.up else _rows(info, a, b, (h, i))
-        return
-    for s, (up, lo, hi) in sources.items():
-        info = tensors[s]
-        if up:
-            yield _whole(info)
-            continue
-        rows_per_chunk = max(1, chunk_bytes // max(_row_bytes(info), 1))
-        for c0 in range(lo, hi, rows_per_chunk):
-            yield _rows(info, c0, min(c0 + rows_per_chunk, hi))
-
-
-def _whole(info: TensorInfo, piece: tuple[int, int] | None = None) -> Read:
-    return Read(info, 0, info.nbytes, None, piece)
-
-
-def _rows(info: TensorInfo, r0: int, r1: int, piece: tuple[int, int] | None = None) -> Read:
-    row_bytes = _row_bytes(info)
-    return Read(info, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1), piece)
-
-
-def _sources(tensors: list[OutTensor]) -> dict[str, tuple[bool, int, int]]:
-    """Source tensors of these pieces in order of first use: whether a piece up-samples it, and
-    the span of its rows the pieces use."""
-    out: dict[str, tuple[bool, int, int]] = {}
-    for t in tensors:
-        for p in t.pieces:
-            if isinstance(p, Slice):
-                (a, *_), (b, *_) = _bounds(p)
-                up, lo, hi = out.get(p.source, (False, a, b))
-                out[p.source] = (up or bool(p.up), min(lo, a), max(hi, b))
-    return out
-
-
-def _streamable(tensors: list[OutTensor], sources: list[str]) -> bool:
-    """Can one pass over each source, in order, emit every tensor's pieces in order?"""
-    rank = {s: i for i, s in enumerate(sources)}
-    for t in tensors:
-        prev: Slice | None = None
-        for p in (p for p in t.pieces if isinstance(p, Slice)):
-            if p.step > 1 or (prev is not None and rank[p.source] < rank[prev.source]):
-                return False  # strided rows (each piece from its own read), or sources out of order
-            back = prev is not None and p.source == prev.source and (p.up or _bounds(p)[0][0] < _bounds(prev)[1][0])
-            if back and not p.row_of(prev):
-                return False
-            prev = p
-    return True
-
-
-def _shape(t: TensorInfo) -> tuple[int, ...]:
-    return t.shape if t.shape else (1,)
-
-
-def _row_bytes(t: TensorInfo) -> int:
-    return t.nbytes // _shape(t)[0]
-
-
-def _bounds(p: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return (p.start, p.stop) if p.start else ((0,), (1,))
-
-
-def file_header(f: OutFile, metadata: dict[str, str]) -> bytes:
-    return page_aligned_header([(t.name, t.dtype, t.shape) for t in f.tensors], metadata)
-
+from reshard.io.writer import FileWriter, Sink, Written
+from reshard.plan import Fill, OutFile, OutTensor, Plan, Slice
+from reshard.schedule import ALL_ROWS, DEFAULT_CHUNK, Read, Step, bounds, file_header, schedule, shape_of
 
 # ---- the executor ----------------------------------------------------------------------------------
 
@@ -191,6 +61,37 @@ class _Holder:
         self.cursor = 0
 
 
+@dataclass(frozen=True)
+class WriteOptions:
+    """How the executor writes (its defaults are the CLI's: reshard.commands.options).
+
+    checksum: the default sink's hash (`reshard.hashing.ALGORITHMS`).
+    max_memory: about how many bytes of tensor data may be in memory at once: reused buffers and
+        fresh arrays (at least 2 chunks); each open output file adds STAGE_BYTES on top.
+    device: where each piece is materialised before writing (cpu, cuda).
+    chunk_bytes: source rows are read this many bytes at a time (the reused buffers' size).
+    """
+
+    checksum: str
+    max_memory: int
+    device: str = "cpu"
+    chunk_bytes: int = DEFAULT_CHUNK
+
+
+Progress = Callable[[int], None]  # called with the bytes written since the last call
+
+
+def run_executor(
+    plan: Plan, source: Source, out: Path, options: WriteOptions, metadata: dict[str, str], progress: Progress | None
+) -> list[Written]:
+    """Write `plan`'s files into `out`, reading through the source's own reader; then let the source
+    finish what it keeps of what it read (a Hub source completes its cache copy)."""
+    written = Executor(plan, source.open_reader(), source.checkpoint.tensors, out, options, metadata=metadata,
+                       progress=progress).run()  # fmt: skip
+    source.finish()
+    return written
+
+
 class Executor:
     """Writes a plan's files (see the module docstring for how).
 
@@ -198,10 +99,6 @@ class Executor:
         reader); the executor closes it at the end of `run`.
     tensors: the source tensors by name.
     sink: makes each output file's sink from (file, header); default: a `FileWriter` in out_dir.
-    chunk_bytes: source rows are read this many bytes at a time (the reused buffers' size).
-    max_memory: about how many bytes of tensor data may be in memory at once: reused buffers and
-        fresh arrays (at least 2 chunks); each open output file adds STAGE_BYTES on top.
-    checksum: the default sink's hash (`reshard.hashing.ALGORITHMS`).
     """
 
     def __init__(
@@ -210,24 +107,21 @@ class Executor:
         reader: Reader,
         tensors: dict[str, TensorInfo],
         out_dir: Path,
+        options: WriteOptions,
         *,
         metadata: dict[str, str],
-        device: str = "cpu",
-        chunk_bytes: int = DEFAULT_CHUNK,
-        progress: Callable[[int], None] | None = None,
+        progress: Progress | None = None,
         sync: bool = True,
         sink: Callable[[OutFile, bytes], Sink] | None = None,
-        max_memory: int | None = None,
-        checksum: str = DEFAULT_CHECKSUM,
     ) -> None:
         self.plan = plan
         self.tensors = tensors
         self.out_dir = out_dir
         self.metadata = metadata
         self.reader = reader
-        self.cast = Caster(device)
-        max_memory = max_memory or DEFAULT_MAX_MEMORY
-        self.chunk_bytes = max(1, min(chunk_bytes, max_memory // 4))  # leave room for a few in flight
+        self.cast = Caster(options.device)
+        max_memory, checksum = options.max_memory, options.checksum
+        self.chunk_bytes = max(1, min(options.chunk_bytes, max_memory // 4))  # leave room for a few in flight
         self.mem = Memory(max_memory, self.chunk_bytes)
         self.mem.on_short = self._flush_held
         self.progress = progress or (lambda n: None)
@@ -292,9 +186,9 @@ class Executor:
             info = read.info
             item = ITEMSIZE[info.dtype]
             if read.rows is None:
-                arr = np.frombuffer(view, np.uint8).reshape((*_shape(info), item))
+                arr = np.frombuffer(view, np.uint8).reshape((*shape_of(info), item))
             else:
-                arr = np.frombuffer(view, np.uint8).reshape((read.rows[1] - read.rows[0], *_shape(info)[1:], item))
+                arr = np.frombuffer(view, np.uint8).reshape((read.rows[1] - read.rows[0], *shape_of(info)[1:], item))
             if read.piece is None:
                 self._feed(holders, read, arr, lease)
             else:
@@ -316,7 +210,7 @@ class Executor:
         """Hand the read's rows [c0, c1) of its source (as uint8 array [rows, ..., itemsize]) to
         every holder, each as far as its pieces use them."""
         source, src_dtype = read.info.name, read.info.dtype
-        c0, c1 = read.rows or (0, _ALL_ROWS)
+        c0, c1 = read.rows or (0, ALL_ROWS)
         upsampled: dict[tuple[int, ...], np.ndarray] = {}  # every rank's scale piece from one up-sampling
         for h in holders:
             pieces = h.tensor.pieces
@@ -328,7 +222,7 @@ class Executor:
                 assert isinstance(p, Slice)
                 if p.source != source:
                     break
-                a, b = _bounds(p)
+                a, b = bounds(p)
                 if p.up:
                     if p.up not in upsampled:
                         upsampled[p.up] = upsample(arr, p.up)
@@ -357,7 +251,7 @@ class Executor:
         assert h.cursor == i
         p = h.tensor.pieces[i]
         assert isinstance(p, Slice)
-        a, b = _bounds(p)
+        a, b = bounds(p)
         src_dtype = self.tensors[p.source].dtype
         if p.up:
             idx = tuple(slice(x, y) for x, y in zip(a, b, strict=True))

@@ -3,7 +3,7 @@
 A manifest names its algorithm in the top-level field `checksum` (`ALGORITHMS`); each file entry
 then holds its digest under the algorithm's name (`"blake3": "<hex>"`, `"sha256": "<hex>"`), and
 none with `none`. Manifests written before the field existed hold `sha256` digests
-(`manifest_algorithm` says so). `save` hashes on the fly: `new_hasher(name)` gives an incremental
+(reshard.manifest.schema reads them so). `save` hashes on the fly: `new_hasher(name)` gives an incremental
 hasher (`update`, `hexdigest`).
 
 BLAKE3 (the `blake3` package) is the default: about 2x sha256's speed per core here even with
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -55,24 +55,6 @@ def new_hasher(algorithm: str = DEFAULT) -> Hasher:
     if algorithm == NONE:
         return _NoHash()
     raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
-
-
-def manifest_algorithm(manifest: Mapping) -> str:
-    """The algorithm of a manifest's digests: its `checksum` field, `sha256` when absent (manifests
-    written before it was recorded). Raises ValueError when the field names no known algorithm."""
-    name = manifest.get(FIELD, LEGACY)
-    if name not in ALGORITHMS:
-        raise ValueError(f"checksum {name!r} is not one of {', '.join(ALGORITHMS)} (written by a newer reshard?)")
-    return name
-
-
-def entry_digest(entry: Mapping, algorithm: str) -> str | None:
-    """The digest a manifest entry (a rank file or a copied file) records for `algorithm`; None
-    for `none` or when the entry has none."""
-    if algorithm == NONE:
-        return None
-    value = entry.get(algorithm)
-    return value if isinstance(value, str) else None
 
 
 def hash_bytes(data: bytes | memoryview, algorithm: str = DEFAULT) -> str | None:

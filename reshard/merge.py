@@ -7,7 +7,6 @@ shards with an index as the Hub lays them out, config and tokenizer copied.
 from __future__ import annotations
 
 import json
-import shutil
 import uuid
 from collections.abc import Callable
 from fnmatch import fnmatch
@@ -15,24 +14,15 @@ from pathlib import Path
 
 from reshard.checkpoint import Checkpoint
 from reshard.errors import ReshardError, SourceError, UnsupportedError
+from reshard.execute import WriteOptions, run_executor
 from reshard.format import ITEMSIZE
 from reshard.hashing import NONE
-from reshard.names import INDEX, MANIFEST, hf_shard_name
+from reshard.io.memory import DEFAULT_MAX_MEMORY
+from reshard.layout import Layout
+from reshard.names import CONFIG, INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
-from reshard.publish import (
-    check_free_space,
-    check_out_dir,
-    copy_files,
-    lock,
-    make_dir,
-    recover,
-    side_files,
-    staging_dir,
-    swap_in,
-    write_error,
-)
+from reshard.publish import copy_files, side_files, staged, swap_in, write_config
 from reshard.rules import get_architecture
-from reshard.save import run_executor
 from reshard.sources import OutputSource
 
 DEFAULT_SHARD = 5 * 1024**3
@@ -41,11 +31,10 @@ DEFAULT_SHARD = 5 * 1024**3
 def merge_plan(ckpt: Checkpoint, max_shard_size: int) -> Plan:
     """One whole tensor per source tensor the output holds, in Hub-style shards."""
     manifest = ckpt.manifest
-    assert manifest is not None
+    assert manifest is not None and manifest.source_tensors is not None  # OutputSource refuses it otherwise
     tensors = []
     for name in sorted(ckpt.tensors, key=natural_key):
-        dtype, shape = manifest["source_tensors"][name]
-        shape = tuple(shape)
+        dtype, shape = manifest.source_tensors[name]
         tensors.append(OutTensor(name, dtype, shape, (Slice(name, (0,) * len(shape), shape),)))
     shards = split_by_size(tensors, max_shard_size)
     files = []
@@ -53,18 +42,7 @@ def merge_plan(ckpt: Checkpoint, max_shard_size: int) -> Plan:
         # widest dtypes first keeps tensors aligned; the executor writes in that order
         chunk.sort(key=lambda t: (-ITEMSIZE[t.dtype], natural_key(t.name)))
         files.append(OutFile(hf_shard_name(i, len(shards)), 0, 0, i, tuple(chunk)))
-    layout = manifest["layout"]
-    return Plan(
-        source=ckpt.ref,
-        architecture=layout["architecture"],
-        tp=1,
-        pp=1,
-        ep=False,
-        dtype="BF16",
-        quant=None,
-        files=files,
-        layer_ranges=[],
-    )
+    return Plan(source=ckpt.ref, architecture=manifest.architecture, layout=Layout(), files=files, layer_ranges=[])
 
 
 # (original dtype, stored dtype) pairs that round-trip exactly: the stored one holds every value
@@ -74,10 +52,10 @@ _EXACT = {("BF16", "F32"), ("F16", "F32")}
 def lossy_tensors(ckpt: Checkpoint) -> list[dict]:
     """Tensors the output holds in a dtype that cannot give back the original values (e.g. a
     bf16 checkpoint saved with --dtype float16, or a float32 one saved as bfloat16)."""
-    assert ckpt.manifest is not None
+    assert ckpt.manifest is not None and ckpt.manifest.source_tensors is not None
     out = []
     for name, t in sorted(ckpt.tensors.items(), key=lambda kv: natural_key(kv[0])):
-        original = ckpt.manifest["source_tensors"][name][0]
+        original = ckpt.manifest.source_tensors[name][0]
         if t.dtype != original and (original, t.dtype) not in _EXACT:
             out.append({"name": name, "original": original, "stored": t.dtype})
     return out
@@ -90,6 +68,7 @@ def merge(
     max_shard_size: int = DEFAULT_SHARD,
     overwrite: bool = False,
     allow_lossy: bool = False,
+    max_memory: int = DEFAULT_MAX_MEMORY,
     on_plan: Callable[[Plan], Callable[[int], None] | None] | None = None,
 ) -> dict:
     """Write the Hugging Face checkpoint that `out_dir` was made from into `hf_dir`.
@@ -113,33 +92,22 @@ def merge(
             "output saved with --dtype auto",
         )
     config_patch = _spec_layers_patch(ckpt)
-    with lock(hf_dir):
-        recover(hf_dir)
-        check_out_dir(hf_dir, out_dir, overwrite)
-        make_dir(hf_dir.resolve().parent)
-        check_free_space(hf_dir.resolve().parent, plan.total_bytes)
+    with staged(hf_dir, uuid.uuid4().hex, source=out_dir, overwrite=overwrite, need=plan.total_bytes) as folder:
         progress = on_plan(plan) if on_plan else None
-        staged = staging_dir(hf_dir, uuid.uuid4().hex)
-        make_dir(staged)
-        try:
-            # Hub shards record no checksum: hashing them would only cost CPU
-            written = run_executor(plan, source, staged, {"format": "pt"}, progress=progress, checksum=NONE)
-            if len(plan.files) > 1:
-                index = {
-                    "metadata": {"total_size": plan.total_bytes},
-                    "weight_map": {t.name: f.name for f in plan.files for t in f.tensors},
-                }
-                (staged / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-            copy_files(out_dir, side_files(out_dir), staged)
-            if config_patch and (staged / "config.json").is_file():
-                config = {**json.loads((staged / "config.json").read_text()), **config_patch}
-                (staged / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            swap_in(staged, hf_dir, ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"),
-                    synced=[f.name for f in plan.files])  # fmt: skip
-        except OSError as e:
-            raise write_error(hf_dir, e) from e
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)
+        # Hub shards record no checksum: hashing them would only cost CPU
+        options = WriteOptions(checksum=NONE, max_memory=max_memory)
+        written = run_executor(plan, source, folder, options, {"format": "pt"}, progress)
+        if len(plan.files) > 1:
+            index = {
+                "metadata": {"total_size": plan.total_bytes},
+                "weight_map": {t.name: f.name for f in plan.files for t in f.tensors},
+            }
+            (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        copy_files(out_dir, side_files(out_dir), folder)
+        if config_patch and (folder / CONFIG).is_file():
+            write_config(folder, json.loads((folder / CONFIG).read_text()), config_patch)
+        swap_in(folder, hf_dir, ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"),
+                synced=[f.name for f in plan.files])  # fmt: skip
     return {
         "ok": True,
         "hf_dir": str(hf_dir),

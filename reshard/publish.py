@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -32,6 +33,7 @@ from reshard.console import human_bytes
 from reshard.errors import OutputError
 from reshard.format import fsync_dir
 from reshard.names import (
+    CONFIG,
     HIDDEN_PREFIX,
     INDEX,
     LOCK,
@@ -149,6 +151,39 @@ def _read_pid(fd: int) -> str:
     with contextlib.suppress(OSError):
         return os.pread(fd, 32, 0).decode(errors="replace").strip()
     return ""
+
+
+# ---- the publish sequence -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def staged(out_dir: Path, tag: str, *, source: Path | None, overwrite: bool, need: int) -> Iterator[Path]:
+    """The one sequence that gets a new folder into OUT_DIR, for save, merge and assemble: lock
+    OUT_DIR, repair what an interrupted run left, check it (`check_out_dir`: not inside `source`,
+    empty unless `overwrite`) and its free space (`need` bytes), make the staging folder beside it,
+    yield it; the caller fills it and publishes (`swap_in` or `move_into`) inside the block. A write
+    error is told as an OutputError; the staging folder never outlives the block."""
+    with lock(out_dir):
+        recover(out_dir)  # first: a folder an interrupted swap took away is put back
+        check_out_dir(out_dir, source, overwrite)
+        make_dir(out_dir.resolve().parent)
+        check_free_space(out_dir.resolve().parent, need)
+        folder = staging_dir(out_dir, tag)
+        make_dir(folder)
+        try:
+            yield folder
+        except OSError as e:
+            raise write_error(out_dir, e) from e
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_config(folder: Path, config: dict, patch: dict) -> None:
+    """config.json with `patch` applied (to its text_config too, where the model keeps one)."""
+    config = {**config, **patch}
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = {**config["text_config"], **patch}
+    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
 # ---- staging and the swap ------------------------------------------------------------------------

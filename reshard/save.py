@@ -1,17 +1,20 @@
-"""`reshard save`: plan, stream into a temporary folder, then publish, manifest last.
+"""`reshard save`: plan, stream into a staging folder, then publish, manifest last.
 
-One job may be split across processes: under torchrun (WORLD_SIZE > 1) each process writes a
-disjoint share of the files and process 0 publishes them and writes the manifest once all have
-finished; with `ranks`, only those engine ranks' files are written, with a partial manifest (the
-full one appears when all pieces are in, `reshard.manifest.assemble`).
+Two choices are made once per run, each a small strategy:
+
+- who writes (`Processes`): this process alone (`Solo`), or, under torchrun (WORLD_SIZE > 1), every
+  process a disjoint share of the files while process 0 holds OUT_DIR and publishes (`Torchrun`);
+- what is published (`Target`): the whole output, swapped in with its manifest (`Whole`), or, with
+  `--ranks`, those engine ranks' files and a partial manifest, moved into OUT_DIR beside the other
+  pieces; the full manifest appears when every piece is in (`Piece`, reshard.manifest.pieces).
+
+The result says which happened: `Saved`, `PieceSaved`, or `Helped` (a torchrun process other than 0).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
-import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,273 +25,274 @@ from reshard import __version__
 from reshard.checkpoint import Checkpoint, Source
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError
-from reshard.execute import Executor
-from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
-from reshard.manifest import (
-    Manifest,
-    assemble,
-    build_manifest,
-    read_manifest,
-    same_job,
-    side_file_entries,
-    write_manifest,
-)
+from reshard.execute import Progress, WriteOptions, run_executor
+from reshard.io.writer import Written
+from reshard.layout import Layout
+from reshard.manifest import Manifest, build_manifest, read_manifest, side_file_entries, write_manifest
+from reshard.manifest.pieces import assemble, same_job
 from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
 from reshard.plan import OutFile, Plan, build_plan
-from reshard.publish import (
-    check_free_space,
-    check_out_dir,
-    copy_files,
-    lock,
-    make_dir,
-    move_into,
-    recover,
-    side_files,
-    staging_dir,
-    swap_in,
-    write_error,
-)
+from reshard.publish import copy_files, make_dir, move_into, side_files, staged, swap_in, write_config, write_error
 from reshard.sources import open_source
 
-Progress = Callable[[int], None]
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How to save, beside the layout (defaults: the CLI's, reshard.commands.options)."""
+
+    write: WriteOptions
+    max_part_size: int
+    overwrite: bool = False
+    revision: str | None = None
+    stream: bool = False
+    ranks: str | None = None  # --ranks: these engine ranks only (a piece)
 
 
-@dataclass
-class SaveResult:
+@dataclass(frozen=True)
+class Saved:
+    """A complete output, published in OUT_DIR."""
+
     plan: Plan
-    manifest: Manifest | dict
+    manifest: Manifest
     out_dir: Path
 
 
-@dataclass
-class _Job:
-    """What one save writes: the plan, the files of the chosen ranks, and the run's identity."""
+@dataclass(frozen=True)
+class PieceSaved:
+    """A `--ranks` piece moved into OUT_DIR; `manifest` when it was the last one (assembled)."""
 
-    source: Source
     plan: Plan
-    files: list[OutFile]
-    chosen: list[int] | None  # --ranks, or None for all
-    run_id: str
-    source_tensors: dict
-    checksum: str = DEFAULT_CHECKSUM
+    ranks: list[int]
+    files: int
+    manifest: Manifest | None
+    out_dir: Path
 
-    @property
-    def ckpt(self) -> Checkpoint:
-        return self.source.checkpoint
 
-    @property
-    def piece(self) -> bool:
-        return self.chosen is not None and len(self.chosen) < self.plan.tp * self.plan.pp
+@dataclass(frozen=True)
+class Helped:
+    """A torchrun process other than 0: its files are written, process 0 publishes and reports."""
+
+    plan: Plan
+
+
+SaveResult = Saved | PieceSaved | Helped
+OnPlan = Callable[[Plan, Source], Progress | None]
 
 
 def save(
-    source: str,
-    out_dir: Path,
-    *,
-    tp: int,
-    pp: int = 1,
-    ep: bool = False,
-    dtype: str = "auto",
-    max_part_size: int,
-    revision: str | None = None,
-    device: str = "cpu",
-    overwrite: bool = False,
-    pp_partition: list[int] | None = None,
-    chunk_bytes: int | None = None,
-    max_memory: int | None = None,
-    ranks: str | None = None,
-    on_plan: Callable[[Plan, Source], Progress | None] | None = None,
-    moe_backend: str = "auto",
-    stream: bool = False,
-    checksum: str = DEFAULT_CHECKSUM,
+    source: str, out_dir: Path, layout: Layout, options: SaveOptions, *, on_plan: OnPlan | None = None
 ) -> SaveResult:
-    """Write every rank's files of `source` into `out_dir`; see `reshard save --help`."""
-    group = Group.from_env()
-    coordinator = group is None or group.rank == 0
+    """Write every rank's files of `source` for `layout` into `out_dir`; see `reshard save --help`."""
+    procs = Processes.from_env()
     try:
-        src = open_source(source, revision, stream=stream)
-        plan = build_plan(
-            src.checkpoint,
-            tp=tp,
-            pp=pp,
-            ep=ep,
-            dtype=dtype,
-            max_part_size=max_part_size,
-            pp_partition=pp_partition,
-            moe_backend=moe_backend,
-        )
-        job = replace(_job(src, plan, ranks, group), checksum=checksum)
-        staged = staging_dir(out_dir, job.run_id + (f"-{ranks_tag(job.chosen)}" if job.piece and job.chosen else ""))
-        with contextlib.ExitStack() as held:  # process 0 holds OUT_DIR's lock until it has published
-            _check_output(job, group, out_dir, staged, held, overwrite=overwrite, device=device)
+        src = open_source(source, options.revision, stream=options.stream)
+        plan = build_plan(src.checkpoint, layout, max_part_size=options.max_part_size)
+        target = Piece.chosen(plan, options.ranks) or Whole()
+        files = target.files(plan)
+        tensors = _source_tensors(src.checkpoint)
+        run_id = uuid.uuid4().hex
+        if target.shared or procs.shared:  # every process / piece of one job must agree on it
+            run_id = shared_run_id(plan.source, plan.layout, tensors, __version__)
+        with contextlib.ExitStack() as held:  # process 0 holds OUT_DIR (its lock) until it has published
+
+            def stage() -> Path:
+                overwrite = options.overwrite or target.joins(out_dir, run_id)
+                folder = held.enter_context(staged(out_dir, target.tag(run_id), source=src.checkpoint.root,
+                                                   overwrite=overwrite, need=sum(f.data_bytes for f in files)))  # fmt: skip
+                if options.write.device != "cpu":
+                    _check_device(options.write.device)
+                return folder
+
+            folder = procs.agree(stage)
+            mine = procs.share(plan, files)
+            progress = on_plan(replace(plan, files=mine), src) if on_plan else None
+            meta = {"format": "pt", "reshard_run": run_id, "reshard_layout": plan.layout.tag()}
             try:
-                mine = job.files
-                if group is not None:
-                    group.broadcast(None)  # barrier: the staging folder exists
-                    mine = [f for f in job.files if _engine_rank(plan, f) % group.size == group.rank]
-                progress = on_plan(replace(plan, files=mine), src) if on_plan else None
-                written = _write(job, group, mine, staged, device=device, progress=progress,
-                                 chunk_bytes=chunk_bytes, max_memory=max_memory)  # fmt: skip
-                if group is not None and group.rank != 0:
-                    return SaveResult(plan, {}, out_dir)  # process 0 publishes
-                manifest = _finish(job, written, staged, out_dir)
+                written = procs.collect(lambda: run_executor(replace(plan, files=mine), src, folder, options.write,
+                                                             meta, progress))  # fmt: skip
+                if not procs.leader:
+                    return Helped(plan)
+                manifest = _manifest(src.checkpoint, plan, written, run_id, tensors, folder, out_dir,
+                                     options.write.checksum)  # fmt: skip
+                return target.publish(plan, manifest, folder, out_dir)
             except OSError as e:
                 raise write_error(out_dir, e) from e
-            finally:
-                if coordinator:
-                    shutil.rmtree(staged, ignore_errors=True)
-        return SaveResult(plan, manifest, out_dir)
     finally:
-        if group is not None:
-            group.close()
+        procs.close()
 
 
-def _job(src: Source, plan: Plan, ranks: str | None, group: Group | None) -> _Job:
-    ckpt = src.checkpoint
-    world = plan.tp * plan.pp
-    chosen = parse_ranks(ranks, world)
-    wanted = set(chosen if chosen is not None else range(world))
-    files = [f for f in plan.files if _engine_rank(plan, f) in wanted]
-    # source headers as the original checkpoint had them, also when re-sharding an output
-    source_tensors = (ckpt.manifest or {}).get("source_tensors") or {
-        n: [t.dtype, list(t.shape)] for n, t in sorted(ckpt.tensors.items())
-    }
-    piece = chosen is not None and len(chosen) < world
-    if piece or group is not None:  # every process / piece of one job must agree on it
-        run_id = shared_run_id(plan.source, plan.layout(), source_tensors, __version__)
-    else:
-        run_id = uuid.uuid4().hex
-    return _Job(src, plan, files, chosen, run_id, source_tensors)
+def _source_tensors(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The source headers as the original checkpoint had them, also when re-sharding an output."""
+    if ckpt.manifest is not None and ckpt.manifest.source_tensors is not None:
+        return ckpt.manifest.source_tensors
+    return {n: (t.dtype, tuple(t.shape)) for n, t in sorted(ckpt.tensors.items())}
 
 
-def _check_output(
-    job: _Job, group: Group | None, out_dir: Path, staged: Path, held: contextlib.ExitStack, *, overwrite: bool,
-    device: str,
-) -> None:  # fmt: skip
-    """Process 0 takes OUT_DIR's lock, checks it (and the device) and makes the staging folder; every
-    process raises the same error (under torchrun, none is left waiting for the others)."""
-    error: BaseException | None = None
-    if group is None or group.rank == 0:
-        try:
-            held.enter_context(lock(out_dir))
-            recover(out_dir)  # first: a folder an interrupted swap took away is put back
-            check_out_dir(out_dir, job.ckpt.root, overwrite or (job.piece and same_job(out_dir, job.run_id)))
-            make_dir(out_dir.resolve().parent)
-            check_free_space(out_dir.resolve().parent, sum(f.data_bytes for f in job.files))
-            if device != "cpu":
-                _check_device(device)
-            make_dir(staged)
-        except ReshardError as e:
-            error = e
-    if group is not None:
-        error = group.broadcast(error)
-    if error is not None:
-        raise error
-
-
-def _write(
-    job: _Job, group: Group | None, mine: list[OutFile], tmp: Path, *, device: str, progress: Progress | None,
-    chunk_bytes: int | None, max_memory: int | None,
-) -> list:  # fmt: skip
-    """Stream this process's files; under torchrun, every process's results (or first failure)."""
-    meta = {"format": "pt", "reshard_run": job.run_id, "reshard_layout": _layout_tag(job.plan)}
-    written, failure = [], None
-    try:
-        written = run_executor(replace(job.plan, files=mine), job.source, tmp, meta, device=device, progress=progress,
-                               chunk_bytes=chunk_bytes, max_memory=max_memory, checksum=job.checksum)  # fmt: skip
-    except (ReshardError, OSError) as e:
-        failure = e
-    if group is not None:
-        results = group.gather((written, failure))
-        failures = [f for _, f in results if f is not None]
-        if failures:
-            failure = failure or failures[0]
-        written = [w for ws, _ in results for w in ws]
-    if failure is not None:
-        raise failure
-    return written
-
-
-def _finish(job: _Job, written: list, staged: Path, out_dir: Path) -> Manifest:
-    """Copy the side files and the manifest into `staged`, then publish it as OUT_DIR (a piece's
-    files join the others' instead; the manifest is assembled once every piece is in)."""
+def _manifest(
+    ckpt: Checkpoint, plan: Plan, written: list[Written], run_id: str, tensors: dict, folder: Path, out_dir: Path,
+    checksum: str,
+) -> Manifest:  # fmt: skip
+    """Copy the side files into the staging folder; the manifest of what was written."""
+    assert ckpt.root is not None
+    copied = side_files(ckpt.root)
+    plain = [n for n in copied if not (n == "config.json" and plan.config_patch)]
+    copy_files(ckpt.root, plain, folder)
+    if len(plain) < len(copied):
+        write_config(folder, ckpt.config, plan.config_patch)
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    copied = _copy_side_files(job.ckpt, job.plan, staged)
-    manifest = build_manifest(job.plan, written, run_id=job.run_id, created=created, out_dir=str(out_dir),
-                              copied=copied, source_tensors=job.source_tensors, checksum=job.checksum,
-                              copied_files=side_file_entries(staged, copied, job.checksum))  # fmt: skip
-    if job.piece:
-        assert job.chosen is not None
-        manifest["ranks"] = job.chosen
-        manifest["all_files"] = [f.name for f in job.plan.files]
+    return build_manifest(plan, written, run_id=run_id, created=created, out_dir=str(out_dir), copied=copied,
+                          source_tensors=tensors, checksum=checksum,
+                          copied_files=side_file_entries(folder, copied, checksum))  # fmt: skip
+
+
+# ---- who writes -------------------------------------------------------------------------------------
+
+
+class Processes:
+    """Who writes the files: this process alone, or the processes of a torchrun group."""
+
+    leader = True  # the process that holds OUT_DIR, publishes and reports
+    shared = False  # several processes must agree on one run id
+
+    @staticmethod
+    def from_env() -> Processes:
+        group = Group.from_env()
+        return Torchrun(group) if group is not None else Solo()
+
+    def agree(self, fn: Callable[[], Path]) -> Path:
+        """Run `fn` (take and check OUT_DIR, make the staging folder) on the leader; every process
+        gets its result or raises its error."""
+        return fn()
+
+    def share(self, plan: Plan, files: list[OutFile]) -> list[OutFile]:
+        """This process's share of `files`."""
+        return files
+
+    def collect(self, write: Callable[[], list[Written]]) -> list[Written]:
+        """Run `write` here; the leader gets every process's files (or the first failure)."""
+        return write()
+
+    def close(self) -> None:
+        pass
+
+
+class Solo(Processes):
+    pass
+
+
+class Torchrun(Processes):
+    shared = True
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.leader = group.rank == 0
+
+    def agree(self, fn: Callable[[], Path]) -> Path:
+        result: Path | None = None
+        error: BaseException | None = None
+        if self.leader:
+            try:
+                result = fn()
+            except ReshardError as e:
+                error = e
+        # every process raises the same error: none is left waiting for the others
+        error, result = self.group.broadcast((error, result))  # type: ignore[misc]
+        if error is not None:
+            raise error
+        assert result is not None
+        return result
+
+    def share(self, plan: Plan, files: list[OutFile]) -> list[OutFile]:
+        return [f for f in files if plan.engine_rank(f) % self.group.size == self.group.rank]
+
+    def collect(self, write: Callable[[], list[Written]]) -> list[Written]:
+        written: list[Written] = []
+        failure: BaseException | None = None
+        try:
+            written = write()
+        except (ReshardError, OSError) as e:
+            failure = e
+        results = self.group.gather((written, failure))
+        failure = failure or next((f for _, f in results if f is not None), None)
+        if failure is not None:
+            raise failure
+        return [w for ws, _ in results for w in ws]
+
+    def close(self) -> None:
+        self.group.close()
+
+
+# ---- what is published ------------------------------------------------------------------------------
+
+
+class Target:
+    """What a run publishes into OUT_DIR."""
+
+    shared = False  # several runs (pieces) must agree on one run id
+
+    def files(self, plan: Plan) -> list[OutFile]:
+        return list(plan.files)
+
+    def tag(self, run_id: str) -> str:
+        """The staging folder's name tag."""
+        return run_id
+
+    def joins(self, out_dir: Path, run_id: str) -> bool:
+        """OUT_DIR may be written although it is not empty (and without --overwrite)."""
+        return False
+
+    def publish(self, plan: Plan, manifest: Manifest, folder: Path, out_dir: Path) -> SaveResult:
+        raise NotImplementedError
+
+
+class Whole(Target):
+    def publish(self, plan: Plan, manifest: Manifest, folder: Path, out_dir: Path) -> Saved:
+        write_manifest(folder, manifest)
+        swap_in(folder, out_dir, ours=_ours(out_dir), synced=[f.name for f in plan.files])
+        return Saved(plan, manifest, out_dir)
+
+
+@dataclass(frozen=True)
+class Piece(Target):
+    """`--ranks`: some engine ranks' files, beside the other pieces of the same job in OUT_DIR."""
+
+    ranks: list[int]
+    shared = True
+
+    @staticmethod
+    def chosen(plan: Plan, spec: str | None) -> Piece | None:
+        ranks = parse_ranks(spec, plan.layout.world)
+        return Piece(ranks) if ranks is not None and len(ranks) < plan.layout.world else None
+
+    def files(self, plan: Plan) -> list[OutFile]:
+        return [f for f in plan.files if plan.engine_rank(f) in set(self.ranks)]
+
+    def tag(self, run_id: str) -> str:
+        return f"{run_id}-{ranks_tag(self.ranks)}"
+
+    def joins(self, out_dir: Path, run_id: str) -> bool:
+        return same_job(out_dir, run_id)
+
+    def publish(self, plan: Plan, manifest: Manifest, folder: Path, out_dir: Path) -> PieceSaved:
+        piece = replace(manifest, ranks=tuple(self.ranks), all_files=tuple(f.name for f in plan.files))
         make_dir(out_dir)
         (out_dir / MANIFEST).unlink(missing_ok=True)
-        move_into(staged, out_dir, [f.name for f in job.files] + copied)
-        write_manifest(out_dir, manifest, name=piece_manifest_name(ranks_tag(job.chosen)))
-        return assemble(out_dir, quiet=True) or manifest
-    write_manifest(staged, manifest)
-    swap_in(staged, out_dir, ours=_ours(out_dir), synced=[f.name for f in job.files])
-    return manifest
+        move_into(folder, out_dir, [f.name for f in manifest.files] + list(manifest.copied))
+        write_manifest(out_dir, piece, name=piece_manifest_name(ranks_tag(self.ranks)))
+        whole = assemble(out_dir, quiet=True)
+        return PieceSaved(plan, self.ranks, len(manifest.files), whole, out_dir)
 
 
 def _ours(out_dir: Path) -> Callable[[str], bool]:
     """The names of OUT_DIR that an earlier reshard run wrote (the rest is kept when overwriting)."""
     copied: set[str] = set()
-    with contextlib.suppress(ReshardError, OSError, TypeError, AttributeError):
-        copied = set(read_manifest(out_dir).get("copied") or [])
+    with contextlib.suppress(ReshardError, OSError):
+        copied = set(read_manifest(out_dir).copied)
 
     def ours(name: str) -> bool:
         return is_rank_file_name(name) or name == MANIFEST or name in copied or fnmatch(name, PIECE_MANIFEST_GLOB)
 
     return ours
-
-
-def _engine_rank(plan: Plan, f: OutFile) -> int:
-    return f.pp_rank * plan.tp + f.tp_rank
-
-
-def _copy_side_files(ckpt: Checkpoint, plan: Plan, tmp: Path) -> list[str]:
-    """Config, tokenizer and generation files; config.json with the plan's patch applied."""
-    assert ckpt.root is not None
-    copied = side_files(ckpt.root)
-    plain = [n for n in copied if not (n == "config.json" and plan.config_patch)]
-    copy_files(ckpt.root, plain, tmp)
-    if len(plain) < len(copied):
-        config = {**ckpt.config, **plan.config_patch}
-        if isinstance(config.get("text_config"), dict):
-            config["text_config"] = {**config["text_config"], **plan.config_patch}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return copied
-
-
-def run_executor(
-    plan: Plan,
-    source: Source,
-    out: Path,
-    metadata: dict[str, str],
-    *,
-    device: str = "cpu",
-    progress: Progress | None = None,
-    chunk_bytes: int | None = None,
-    max_memory: int | None = None,
-    checksum: str = DEFAULT_CHECKSUM,
-) -> list:
-    """Write `plan`'s files into `out`, reading through the source's own reader."""
-    kwargs: dict = {"chunk_bytes": chunk_bytes, "checksum": checksum} if chunk_bytes else {"checksum": checksum}
-    if max_memory:
-        kwargs["max_memory"] = max_memory
-    ckpt = source.checkpoint
-    executor = Executor(plan, source.open_reader(), ckpt.tensors, out, metadata=metadata, device=device,
-                        progress=progress, **kwargs)  # fmt: skip
-    written = executor.run()
-    finish = getattr(source, "finish", None)  # a source that stored what it read completes its copy
-    if finish is not None:
-        finish()
-    return written
-
-
-def _layout_tag(plan: Plan) -> str:
-    return f"tp={plan.tp},pp={plan.pp},ep={int(plan.ep)}"
 
 
 def _check_device(device: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from reshard.layout import Layout
+
 # the --load-format of reshard's vLLM loader plugin (reshard.vllm_plugin): strict and checksum-verified
 PLUGIN_LOAD_FORMAT = "reshard"
 PLUGIN_NOTE = (
@@ -12,27 +14,23 @@ PLUGIN_NOTE = (
 
 def serve_command(
     out_dir: str,
+    layout: Layout,
     *,
-    tp: int,
-    pp: int,
-    ep: bool,
-    dtype: str,
     load_format: str = "sharded_state",
-    moe_backend: str | None = None,
     extra: tuple[str, ...] = (),
     trust_remote_code: bool = False,
 ) -> str:
-    """The `vllm serve` line that loads `out_dir` as written (dtype: torch's name, e.g. bfloat16;
-    moe_backend: pinned where the experts' layout depends on vLLM's MoE backend;
-    trust_remote_code: the checkpoint ships its own config/tokenizer code, e.g. Kimi-K2's)."""
-    parts = [f"vllm serve {out_dir} --load-format {load_format}", f"--tensor-parallel-size {tp}"]
-    if pp > 1:
-        parts.append(f"--pipeline-parallel-size {pp}")
-    if ep:
+    """The `vllm serve` line that loads `out_dir` as written: the planned `layout` (its dtype, and the
+    MoE backend pinned where the experts' layout depends on it); trust_remote_code: the checkpoint
+    ships its own config/tokenizer code, e.g. Kimi-K2's."""
+    parts = [f"vllm serve {out_dir} --load-format {load_format}", f"--tensor-parallel-size {layout.tp}"]
+    if layout.pp > 1:
+        parts.append(f"--pipeline-parallel-size {layout.pp}")
+    if layout.ep:
         parts.append("--enable-expert-parallel")
-    parts.append(f"--dtype {dtype}")
-    if moe_backend:
-        parts.append(f"--moe-backend {moe_backend}")
+    parts.append(f"--dtype {layout.dtype}")
+    if layout.moe_pin:
+        parts.append(f"--moe-backend {layout.moe_pin}")
     parts.extend(extra)  # e.g. --language-model-only: the files hold no vision tower
     if trust_remote_code:
         parts.append("--trust-remote-code")

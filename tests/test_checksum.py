@@ -11,11 +11,12 @@ import pytest
 from click.testing import CliRunner
 
 from reshard.cli import cli
-from reshard.hashing import ALGORITHMS, entry_digest, hash_bytes, hash_file, manifest_algorithm, new_hasher
+from reshard.hashing import ALGORITHMS, hash_bytes, hash_file, new_hasher
+from reshard.manifest import ManifestProblem, parse
 from reshard.plan import DEFAULT_MAX_PART
-from reshard.save import save
 from reshard.sources import open_source
 from reshard.verify import verify
+from tests.fixtures.saving import save
 
 RANK1 = "model-rank-1-part-0.safetensors"
 REFERENCE = {"blake3": lambda b: blake3.blake3(b).hexdigest(), "sha256": lambda b: hashlib.sha256(b).hexdigest()}
@@ -33,10 +34,6 @@ def flip_last_byte(path):
 
 def test_api():
     assert ALGORITHMS[0] == "blake3"
-    assert manifest_algorithm({}) == "sha256"  # written before the field existed
-    assert manifest_algorithm({"checksum": "blake3"}) == "blake3"
-    with pytest.raises(ValueError, match="md5"):
-        manifest_algorithm({"checksum": "md5"})
     with pytest.raises(ValueError, match="md5"):
         new_hasher("md5")
     data = bytes(range(256)) * 1000
@@ -46,8 +43,18 @@ def test_api():
         h.update(memoryview(data)[1000:])
         assert h.hexdigest() == hash_bytes(data, name) == ref(data)
     assert hash_bytes(data, "none") is None
-    assert entry_digest({"sha256": "ab", "blake3": "cd"}, "blake3") == "cd"
-    assert entry_digest({"sha256": "ab"}, "none") is None
+
+
+def test_the_manifest_names_its_algorithm(clean):
+    m = json.loads((clean[1] / "reshard.json").read_text())
+    assert parse(m).checksum == "blake3" and parse(m).files[0].digest == m["files"][0]["blake3"]
+    for f in m["files"] + m["copied_files"]:
+        f["sha256"] = "ab"
+    del m["checksum"]  # written before the field existed: sha256
+    assert parse(m).checksum == "sha256" and parse(m).files[0].digest == "ab"
+    with pytest.raises(ManifestProblem, match="md5"):
+        parse({**m, "checksum": "md5"})
+    assert parse({**m, "checksum": "none"}).files[0].digest is None
 
 
 @pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
@@ -149,7 +156,7 @@ def test_deep_verify_hashes_with_the_manifest_algorithm(tiny, tmp_path):
         report = verify(out, against=str(src), deep=True)
         assert report.exit_code == 0, [f.message for f in report.findings]
         assert "hashed_bytes" not in report.stats and report.stats["hashed_in_compare_bytes"] > 0
-        assert all(f.digest == entry_digest(f.entry, algorithm) for f in report.files)
+        assert all(f.entry and f.digest == f.entry.digest for f in report.files)
 
 
 def test_pieces_with_different_checksums_are_not_assembled(tiny, tmp_path):

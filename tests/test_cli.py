@@ -164,9 +164,9 @@ def test_disk_full(tiny, tmp_path, monkeypatch):
 
 
 def test_not_enough_space_is_refused_before_writing(tiny, tmp_path, monkeypatch):
-    import reshard.save as sv
+    import reshard.publish as pub
 
-    monkeypatch.setattr(sv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
+    monkeypatch.setattr(pub.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 10))
     code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2")
     assert code == 5 and "not enough disk space" in err
 

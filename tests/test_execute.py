@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 import reshard.execute as ex
+import reshard.schedule as schedule
+from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART
-from reshard.save import save
 from reshard.sources import open_source
+from tests.fixtures.saving import save
 
 CASES = [
     ("llama", 4, False),
@@ -23,8 +25,8 @@ CASES = [
 def test_read_per_piece_equals_one_pass(tiny, tmp_path, monkeypatch, arch, tp, ep):
     src = tiny(arch)
     streamed = save(str(src), tmp_path / "a", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
-    monkeypatch.setattr(ex, "_streamable", lambda tensors, sources: False)
-    steps = ex.schedule(streamed.plan, open_source(str(src)).checkpoint.tensors, 1000)
+    monkeypatch.setattr(schedule, "_streamable", lambda tensors, sources: False)
+    steps = schedule.schedule(streamed.plan, open_source(str(src)).checkpoint.tensors, 1000)
     assert all(r.piece is not None for s in steps for r in s.reads)
     save(str(src), tmp_path / "b", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
     for f in streamed.plan.files:  # the data sections (headers differ in their run id)
@@ -45,7 +47,8 @@ def test_a_tensor_short_of_its_declared_bytes_is_refused(tiny, tmp_path):
     norm = ckpt.tensors["model.norm.weight"]
     half = Slice(norm.name, (0,), (norm.shape[0] // 2,))
     bad = OutTensor("model.norm.weight", norm.dtype, norm.shape, (half,))
-    plan = plan_of(ckpt, tp=1)
+    plan = plan_of(ckpt, Layout(tp=1))
     plan.files = [OutFile("model-rank-0-part-0.safetensors", 0, 0, 0, (bad,))]
     with pytest.raises(SourceError, match="header declares"):
-        ex.Executor(plan, FileReader(ckpt.root), ckpt.tensors, tmp_path, metadata={}).run()
+        options = ex.WriteOptions(checksum="blake3", max_memory=64 * 2**20)
+        ex.Executor(plan, FileReader(ckpt.root), ckpt.tensors, tmp_path, options, metadata={}).run()

@@ -15,11 +15,12 @@ from safetensors import safe_open
 
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
+from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.rules import REFUSED
-from reshard.save import save
 from reshard.sources import open_source
 from tests.fixtures.reference import assert_files_equal_plan, load_source
+from tests.fixtures.saving import save
 from tests.fixtures.tiny import KIMI_SIDE_FILES
 from tests.test_cli import run
 
@@ -42,7 +43,7 @@ def rank_tensors(plan, tp_rank):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_glm4_moe_tiny(tiny, tp):
-    plan = build_plan(open_source(str(tiny("glm4-moe"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("glm4-moe"))).checkpoint, Layout(tp=tp))
     kv = max(1, 2 // tp)  # 2 KV heads of 32: replicated at TP 4
     for r in range(tp):
         s = shapes(plan, r)
@@ -73,26 +74,26 @@ def test_glm4_moe_without_qk_norm_or_bias(tiny):
     ckpt.config = {**ckpt.config, "use_qk_norm": False}
     for name in [n for n in ckpt.tensors if n.endswith(("q_norm.weight", "k_norm.weight"))]:
         del ckpt.tensors[name]
-    s = shapes(build_plan(ckpt, tp=2), 0)
+    s = shapes(build_plan(ckpt, Layout(tp=2)), 0)
     assert not any("q_norm" in k or "k_norm" in k for k in s)
 
 
 def test_glm4_moe_mtp_layer_skipped_only_when_announced(tiny):
     ckpt = open_source(str(tiny("glm4-moe"))).checkpoint
     assert ckpt.config["num_nextn_predict_layers"] == 1 and "model.layers.4.eh_proj.weight" in ckpt.tensors
-    build_plan(ckpt, tp=2)
+    build_plan(ckpt, Layout(tp=2))
     ckpt.config = {**ckpt.config, "num_nextn_predict_layers": 0}
     with pytest.raises(SourceError, match="match no rule"):
-        build_plan(ckpt, tp=2)
+        build_plan(ckpt, Layout(tp=2))
 
 
 def test_glm4_moe_pp_and_ep(tiny):
     ckpt = open_source(str(tiny("glm4-moe"))).checkpoint
-    plan = build_plan(ckpt, tp=1, pp=2)
+    plan = build_plan(ckpt, Layout(tp=1, pp=2))
     first, last = shapes(plan, 0, 0), shapes(plan, 0, 1)
     assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
     assert {"lm_head.weight", "model.norm.weight"} <= set(last) and "model.embed_tokens.weight" not in last
-    plan = build_plan(ckpt, tp=4, ep=True)
+    plan = build_plan(ckpt, Layout(tp=4, ep=True))
     s = shapes(plan, 3)
     assert s["model.layers.1.mlp.experts.routed_experts.w13_weight"] == ("BF16", (2, 64, 64))  # experts 6, 7
     assert s["model.layers.1.mlp.experts._shared_experts._layer.down_proj.weight"] == ("BF16", (64, 8))  # TP
@@ -103,7 +104,7 @@ def test_glm4_moe_pp_and_ep(tiny):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_minimax_m2_tiny(tiny, tp):
-    plan = build_plan(open_source(str(tiny("minimax-m2"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("minimax-m2"))).checkpoint, Layout(tp=tp))
     for r in range(tp):
         s = shapes(plan, r)
         a, m = "model.layers.3.self_attn.", "model.layers.3.block_sparse_moe."
@@ -125,12 +126,12 @@ def test_minimax_m2_refuses_more_ranks_than_experts(tiny):
     ckpt = open_source(str(tiny("minimax-m2"))).checkpoint
     ckpt.config = {**ckpt.config, "num_attention_heads": 16, "num_local_experts": 8}
     with pytest.raises(UnsupportedError, match="greater than the number of experts"):
-        build_plan(ckpt, tp=16)
+        build_plan(ckpt, Layout(tp=16))
 
 
 @pytest.mark.parametrize("tp, ep", [(1, False), (2, False), (4, False), (2, True)])
 def test_minimax_m2_fp8_tiny(tiny, tp, ep):
-    plan = build_plan(open_source(str(tiny("minimax-m2-fp8"))).checkpoint, tp=tp, ep=ep)
+    plan = build_plan(open_source(str(tiny("minimax-m2-fp8"))).checkpoint, Layout(tp=tp, ep=ep))
     s = shapes(plan, 0)
     a, m = "model.layers.1.self_attn.", "model.layers.1.block_sparse_moe."
     # modules_to_not_convert ["gate", "e_score_correction_bias", "lm_head"] match no vLLM prefix
@@ -196,7 +197,7 @@ def test_kimi_k2_saves_with_its_side_files(tiny, tmp_path):
     manifest = json.loads((out / "reshard.json").read_text())
     assert set(KIMI_SIDE_FILES) <= {f["name"] for f in manifest["copied_files"]}
     assert run("verify", str(out))[0] == 0
-    plan = build_plan(open_source(str(src)).checkpoint, tp=4, ep=True)
+    plan = build_plan(open_source(str(src)).checkpoint, Layout(tp=4, ep=True))
     s = shapes(plan, 3)
     assert s["model.layers.1.mlp.experts.routed_experts.w13_weight"] == ("BF16", (12, 64, 64))  # 48 / 4
     assert s["model.layers.1.mlp.experts.gate.e_score_correction_bias"] == ("F32", (48,))
@@ -210,7 +211,7 @@ def test_hub_downloads_remote_code():
 
 
 def test_no_trust_remote_code_without_auto_map(tiny):
-    plan = build_plan(open_source(str(tiny("glm4-moe"))).checkpoint, tp=2)
+    plan = build_plan(open_source(str(tiny("glm4-moe"))).checkpoint, Layout(tp=2))
     assert "--trust-remote-code" not in plan.serve_command("OUT")
 
 
@@ -221,6 +222,6 @@ def test_no_trust_remote_code_without_auto_map(tiny):
 def test_neighbours_refused_by_name_with_reason(name):
     ckpt = Checkpoint(None, {"architectures": [name]}, {}, [], {"path": "x"})
     with pytest.raises(UnsupportedError) as e:
-        build_plan(ckpt, tp=1)
+        build_plan(ckpt, Layout(tp=1))
     assert str(e.value).startswith(f"{name} is not supported: {REFUSED[name]}")
     assert e.value.exit_code == 3

@@ -18,12 +18,13 @@ import torch
 from safetensors import safe_open
 
 from reshard.errors import UnsupportedError
+from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, build_plan
-from reshard.save import save
 from reshard.sources import open_source
 from tests.fixtures.oss_release import RELEASES, write_release
 from tests.fixtures.quant import convert
 from tests.fixtures.reference import assert_files_equal_plan, load_source
+from tests.fixtures.saving import save
 
 EXPERTS = "model.layers.{L}.mlp.experts.routed_experts."
 
@@ -85,7 +86,7 @@ def test_mxfp4_layout_as_vllm_loads_it(sources, tmp_path):
     rank, into Triton's allocation round_up(48, 64) = 64: ranks 0-2 full, rank 3 only zeros."""
     src = sources["mxfp4"]
     result = save(str(src), tmp_path / "out", tp=4, max_part_size=DEFAULT_MAX_PART)
-    assert result.plan.moe_pin == "triton" and "--moe-backend triton" in result.plan.serve_command("OUT")
+    assert result.plan.layout.moe_pin == "triton" and "--moe-backend triton" in result.plan.serve_command("OUT")
     hf = load_source(src, open_source(str(src)).checkpoint)
     e = EXPERTS.format(L=0)
     blocks = hf["model.layers.0.mlp.experts.gate_up_proj_blocks"].reshape(4, 384, 32)
@@ -109,7 +110,7 @@ def test_mxfp4_backend_allocations(sources):
     ckpt = open_source(str(sources["mxfp4"])).checkpoint
 
     def shapes(**kw):
-        plan = build_plan(ckpt, tp=2, **kw)
+        plan = build_plan(ckpt, Layout(tp=2, **kw))
         return {t.name: t.shape for f in plan.files if f.tp_rank == 1 for t in f.tensors}
 
     e = EXPERTS.format(L=0)
@@ -119,20 +120,20 @@ def test_mxfp4_backend_allocations(sources):
     assert mar[e + "w13_weight"] == (4, 256, 128) and mar[e + "w2_weight"] == (4, 256, 64)
     assert mar[e + "w2_bias"] == (4, 256) and mar[e + "w13_weight_scale"] == (4, 256, 8)
     with pytest.raises(UnsupportedError, match="aiter"):
-        build_plan(ckpt, tp=2, moe_backend="aiter")
+        build_plan(ckpt, Layout(tp=2, moe_backend="aiter"))
 
 
 def test_refusals(sources, tmp_path):
     ckpt = open_source(str(sources["bf16"])).checkpoint
     with pytest.raises(UnsupportedError, match="fails to build"):
-        build_plan(ckpt, tp=8)  # 4 KV heads: vLLM's gpt-oss cannot split them 8 ways
+        build_plan(ckpt, Layout(tp=8))  # 4 KV heads: vLLM's gpt-oss cannot split them 8 ways
     ckpt.config["num_key_value_heads"] = 2
     with pytest.raises(UnsupportedError, match="num_key_value_heads=2"):
-        build_plan(ckpt, tp=4)
+        build_plan(ckpt, Layout(tp=4))
     ckpt.config["num_key_value_heads"] = 4
     ckpt.config["num_local_experts"] = 3
     with pytest.raises(UnsupportedError, match=r"do not divide|divide by"):
-        build_plan(ckpt, tp=2, ep=True)
+        build_plan(ckpt, Layout(tp=2, ep=True))
 
 
 def test_merge_of_transposed_bf16_output_refused(sources, tmp_path):
@@ -151,7 +152,7 @@ def test_gpt_oss_120b_tp8_matches_vllm_build(tmp_path, ep):
     """Every rank's names, dtypes and shapes against vLLM 0.32's own model built from the release's
     config (tests/against_vllm/vllm_state.py shapes_only, 2 layers; layers repeat), and the serve line."""
     src = write_release("gpt-oss-120b", tmp_path / "src")
-    plan = build_plan(open_source(str(src)).checkpoint, tp=8, ep=ep)
+    plan = build_plan(open_source(str(src)).checkpoint, Layout(tp=8, ep=ep))
     expected = json.loads((RELEASES / f"gpt-oss-120b.vllm-tp8{'-ep' if ep else ''}.json").read_text())
     layers = 36
     for r in range(8):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from reshard.plan import DEFAULT_MAX_PART
-from reshard.save import save
 from tests.fixtures.hubserver import HubServer
+from tests.fixtures.saving import save
 
 REPO = "acme/tiny-qwen3"
 

@@ -14,12 +14,13 @@ from safetensors.torch import load_file
 
 from reshard.errors import UnsupportedError
 from reshard.format import TensorInfo
+from reshard.layout import Layout
 from reshard.merge import merge
 from reshard.plan import DEFAULT_MAX_PART, Slice, build_plan
 from reshard.plan.kvscales import vllm_kv_name
-from reshard.save import save
 from reshard.sources import open_source
 from tests.fixtures.quant import convert
+from tests.fixtures.saving import save
 
 L = "model.layers.0.self_attn."
 
@@ -77,7 +78,7 @@ def source_of(t) -> str | float:
 
 
 def test_fp8_dense_namings_fill_k_v_q_prob(quantized):
-    plan = build_plan(open_source(str(quantized("llama", "fp8-tensor-kv"))).checkpoint, tp=2)
+    plan = build_plan(open_source(str(quantized("llama", "fp8-tensor-kv"))).checkpoint, Layout(tp=2))
     p = "model.layers.{}.self_attn."
     expect = {
         0: {"k_scale": "k_scale", "v_scale": "v_scale", "q_scale": "q_scale", "prob_scale": -1.0},
@@ -103,16 +104,16 @@ def test_fp8_dense_namings_fill_k_v_q_prob(quantized):
 
 
 def test_fp8_moe_deprecated_kv_scale_loads_k_only(quantized):
-    plan = build_plan(open_source(str(quantized("qwen3-moe", "fp8-tensor-kv-alt"))).checkpoint, tp=2, ep=True)
+    plan = build_plan(open_source(str(quantized("qwen3-moe", "fp8-tensor-kv-alt"))).checkpoint, Layout(tp=2, ep=True))
     got = attn(plan, 0, 1)
     assert source_of(got["k_scale"]) == "model.layers.0.self_attn.kv_scale"
     assert source_of(got["v_scale"]) == -1.0  # vLLM duplicates k into v only after loading
 
 
 def test_compressed_tensors_kv_cache_scheme_tensor(quantized):
-    plan = build_plan(open_source(str(quantized("llama", "ct-tensor-kv"))).checkpoint, tp=2)
+    plan = build_plan(open_source(str(quantized("llama", "ct-tensor-kv"))).checkpoint, Layout(tp=2))
     got = attn(plan, 0, 1)
-    assert plan.quant.to_json()["kv_cache_scheme"] == "tensor"
+    assert plan.layout.quantization["kv_cache_scheme"] == "tensor"
     assert (got["k_scale"].dtype, got["k_scale"].shape) == ("F32", (1,))
     assert source_of(got["q_scale"]) == "model.layers.0.self_attn.q_scale"
     assert source_of(got["k_zero_point"]) == "model.layers.0.self_attn.k_zero_point"
@@ -123,7 +124,7 @@ def test_compressed_tensors_kv_cache_scheme_tensor(quantized):
 def test_compressed_tensors_attn_head_scales_follow_kv_heads(quantized):
     ckpt = open_source(str(quantized("llama", "ct-channel-kv-head"))).checkpoint  # 2 KV heads
     for tp, heads in ((1, [(0, 2)]), (2, [(0, 1), (1, 2)]), (4, [(0, 1), (0, 1), (1, 2), (1, 2)])):
-        plan = build_plan(ckpt, tp=tp)
+        plan = build_plan(ckpt, Layout(tp=tp))
         for r, (a, b) in enumerate(heads):
             k = attn(plan, 2, r)["k_scale"]
             assert k.shape == (b - a,) and k.pieces == (
@@ -142,11 +143,11 @@ def _with(ckpt, **extra: tuple[str, tuple[int, ...]]):
 def test_scales_vllm_drops_are_left_out_as_vllm_leaves_them(quantized):
     """vLLM 0.32 drops these at load; the output matches its state (and says so in a note)."""
     fp8 = open_source(str(quantized("llama", "fp8-tensor-kv"))).checkpoint
-    plan = build_plan(_with(fp8, **{L + "k_zero_point": ("F32", ())}), tp=2)
+    plan = build_plan(_with(fp8, **{L + "k_zero_point": ("F32", ())}), Layout(tp=2))
     assert any("zero point(s) left out" in n for n in plan.notes)
     assert not [t for f in plan.files for t in f.tensors if "zero_point" in t.name]
     mla = open_source(str(quantized("deepseek-v3", "fp8-tensor-kv-mla"))).checkpoint
-    plan = build_plan(mla, tp=2)
+    plan = build_plan(mla, Layout(tp=2))
     assert any("MLA attention has no FP8 KV-cache scale parameters" in n for n in plan.notes)
     names = {t.name for f in plan.files for t in f.tensors}
     assert not [n for n in names if n.endswith(("k_scale", "v_scale", "q_scale")) and "._" not in n]
@@ -157,15 +158,15 @@ def test_namings_vllm_would_not_load_are_refused(quantized, tiny):
     with pytest.raises(
         UnsupportedError, match=re.escape("2 checkpoint tensors are vLLM's model.layers.0.self_attn.attn.k_scale")
     ):
-        build_plan(_with(fp8, **{L + "kv_scale": ("F32", ())}), tp=2)
+        build_plan(_with(fp8, **{L + "kv_scale": ("F32", ())}), Layout(tp=2))
     with pytest.raises(UnsupportedError, match=re.escape("renames it 'model.layers.0.self_attn.q_proj.attn.q_scale'")):
-        build_plan(_with(fp8, **{L + "q_proj.q_scale": ("F32", ())}), tp=2)
+        build_plan(_with(fp8, **{L + "q_proj.q_scale": ("F32", ())}), Layout(tp=2))
     bf16 = open_source(str(tiny("llama"))).checkpoint
     with pytest.raises(UnsupportedError, match="only for a quantized checkpoint"):
-        build_plan(_with(bf16, **{L + "k_scale": ("F32", ())}), tp=2)
+        build_plan(_with(bf16, **{L + "k_scale": ("F32", ())}), Layout(tp=2))
     head = open_source(str(quantized("llama", "ct-channel-kv-head"))).checkpoint
     with pytest.raises(UnsupportedError, match="per-head q scales"):
-        build_plan(_with(head, **{L + "q_scale": ("F32", (8, 1, 1))}), tp=2)
+        build_plan(_with(head, **{L + "q_scale": ("F32", (8, 1, 1))}), Layout(tp=2))
 
 
 @pytest.mark.parametrize(
@@ -180,7 +181,7 @@ def test_kv_cache_schemes_vllm_refuses_are_refused(quantized, scheme, problem):
     ckpt = open_source(str(quantized("llama", "ct-tensor-kv"))).checkpoint
     qc = {**ckpt.config["quantization_config"], "kv_cache_scheme": scheme}
     with pytest.raises(UnsupportedError, match=problem):
-        build_plan(dataclasses.replace(ckpt, config={**ckpt.config, "quantization_config": qc}), tp=2)
+        build_plan(dataclasses.replace(ckpt, config={**ckpt.config, "quantization_config": qc}), Layout(tp=2))
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, build_plan
-from reshard.save import save
 from reshard.sources import open_source
 from tests.fixtures.reference import assert_files_equal_plan, load_source
+from tests.fixtures.saving import save
 
 LM = "language_model.model.layers."
 
@@ -59,8 +60,8 @@ def test_experts_as_vllm_loads_them(tiny, tmp_path, tp):
 
 def test_text_only_checkpoint_same_layout(tiny):
     """Llama4ForCausalLM holds the same text model without the language_model. prefix."""
-    multi = build_plan(open_source(str(tiny("llama4"))).checkpoint, tp=2)
-    text = build_plan(open_source(str(tiny("llama4-text"))).checkpoint, tp=2)
+    multi = build_plan(open_source(str(tiny("llama4"))).checkpoint, Layout(tp=2))
+    text = build_plan(open_source(str(tiny("llama4-text"))).checkpoint, Layout(tp=2))
 
     def shapes(plan, strip):
         return {t.name.removeprefix(strip): (t.dtype, t.shape) for f in plan.files if f.tp_rank == 1 for t in f.tensors}
@@ -71,11 +72,11 @@ def test_text_only_checkpoint_same_layout(tiny):
 
 def test_experts_read_once(tiny):
     """The gate and up halves of an expert are two pieces of one source row: still one pass over the source."""
-    from reshard.execute import schedule
+    from reshard.schedule import schedule
 
     src = tiny("llama4")
     ckpt = open_source(str(src)).checkpoint
-    plan = build_plan(ckpt, tp=2)
+    plan = build_plan(ckpt, Layout(tp=2))
     name = LM + "1.feed_forward.experts.routed_experts.w13_weight"
     (step,) = [s for s in schedule(plan, ckpt.tensors, 1000) if s.name == name]
     assert all(r.piece is None for r in step.reads)  # fed to every rank, not read per piece

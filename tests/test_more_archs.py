@@ -16,11 +16,12 @@ from safetensors import safe_open
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import ITEMSIZE, TensorInfo
+from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, Fill, Slice, build_plan
 from reshard.rules import ARCHITECTURES
-from reshard.save import save
 from reshard.sources import open_source
 from tests.fixtures.reference import assert_files_equal_plan, load_source
+from tests.fixtures.saving import save
 
 NEW = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
@@ -44,7 +45,7 @@ def rows(piece: Slice) -> tuple[int, int]:
 def test_unknown_architecture_lists_every_supported_one():
     ckpt = Checkpoint(None, {"architectures": ["GPTBigCodeForCausalLM"]}, {}, [], {"path": "x"})
     with pytest.raises(UnsupportedError) as e:
-        build_plan(ckpt, tp=1)
+        build_plan(ckpt, Layout(tp=1))
     assert "unsupported architecture (GPTBigCodeForCausalLM)" in str(e.value)
     assert e.value.hint == "supported: " + ", ".join(sorted(ARCHITECTURES))
     for name in (*NEW, "LlamaForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
@@ -56,7 +57,7 @@ def test_unknown_architecture_lists_every_supported_one():
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_deepseek_v3_tiny(tiny, tp):
-    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, Layout(tp=tp))
     for r in range(tp):
         s = shapes(plan, r)
         # 3 top + 4 layers x (2 norms + 6 MLA tensors + 4 buffers) + dense MLP 2 + 3 MoE layers x 6
@@ -100,7 +101,7 @@ def test_deepseek_v3_tiny(tiny, tp):
 
 
 def test_deepseek_v3_tiny_ep(tiny):
-    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, tp=4, ep=True)
+    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, Layout(tp=4, ep=True))
     s = shapes(plan, 3)
     m = "model.layers.3.mlp.experts."
     assert s[m + "routed_experts.w13_weight"] == ("BF16", (2, 64, 64))  # experts 6, 7 whole
@@ -114,16 +115,16 @@ def test_deepseek_v3_mtp_layer_ignored_but_strays_refused(tiny):
     ckpt = open_source(str(tiny("deepseek-v3"))).checkpoint
     assert ckpt.config["num_nextn_predict_layers"] == 1
     assert "model.layers.4.eh_proj.weight" in ckpt.tensors
-    build_plan(ckpt, tp=2)
+    build_plan(ckpt, Layout(tp=2))
     # without num_nextn_predict_layers the same tensors are strays
     ckpt.config = {**ckpt.config, "num_nextn_predict_layers": 0}
     with pytest.raises(SourceError, match="match no rule"):
-        build_plan(ckpt, tp=2)
+        build_plan(ckpt, Layout(tp=2))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_deepseek_v3_fp8_tiny(tiny, tp):
-    plan = build_plan(open_source(str(tiny("deepseek-v3-fp8"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("deepseek-v3-fp8"))).checkpoint, Layout(tp=tp))
     s = shapes(plan, 0)
     a = "model.layers.1.self_attn."
     # [q_lora 128 | kv_lora 512 + rope 64]: the second part is not a block multiple, so vLLM
@@ -155,7 +156,7 @@ def test_deepseek_v3_fp8_tiny(tiny, tp):
 
 @pytest.mark.parametrize("tp", [1, 4])
 def test_deepseek_v2_lite_tiny_without_q_lora(tiny, tp):
-    plan = build_plan(open_source(str(tiny("deepseek-v2-lite"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("deepseek-v2-lite"))).checkpoint, Layout(tp=tp))
     s = shapes(plan, 0)
     a = "model.layers.1.self_attn."
     assert s[a + "kv_a_proj_with_mqa.weight"] == ("BF16", (576, 64))  # replicated, self_attn path
@@ -166,7 +167,7 @@ def test_deepseek_v2_lite_tiny_without_q_lora(tiny, tp):
 
 
 def test_deepseek_pp_embedding_first_lm_head_last(tiny):
-    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, tp=1, pp=2)
+    plan = build_plan(open_source(str(tiny("deepseek-v3"))).checkpoint, Layout(tp=1, pp=2))
     first, last = shapes(plan, 0, 0), shapes(plan, 0, 1)
     assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
     assert "lm_head.weight" in last and "model.norm.weight" in last and "model.embed_tokens.weight" not in last
@@ -178,7 +179,7 @@ def test_deepseek_pp_embedding_first_lm_head_last(tiny):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gemma2_tiny(tiny, tp):
-    plan = build_plan(open_source(str(tiny("gemma2"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("gemma2"))).checkpoint, Layout(tp=tp))
     s = shapes(plan, tp - 1)
     # no lm_head module: the embedding keeps its key; 4 norms + qkv + o + 4 buffers + 2 MLP
     assert "lm_head.weight" not in s
@@ -201,7 +202,7 @@ def test_gemma_norms_stored_raw(tiny, tmp_path):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_gemma3_tiny_tied(tiny, tp):
-    plan = build_plan(open_source(str(tiny("gemma3"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("gemma3"))).checkpoint, Layout(tp=tp))
     t = rank(plan, 0)
     assert "model.embed_tokens.weight" not in t
     assert t["lm_head.weight"].shape == (1024 // tp, 64)
@@ -213,7 +214,7 @@ def test_gemma3_tiny_tied(tiny, tp):
 
 def test_gemma_top_on_every_pp_stage(tiny):
     for arch, head in (("gemma2", "model.embed_tokens.weight"), ("gemma3", "lm_head.weight")):
-        plan = build_plan(open_source(str(tiny(arch))).checkpoint, tp=2, pp=2)
+        plan = build_plan(open_source(str(tiny(arch))).checkpoint, Layout(tp=2, pp=2))
         for p in (0, 1):
             s = shapes(plan, 1, p)
             assert head in s and "model.norm.weight" in s, (arch, p)
@@ -224,7 +225,7 @@ def test_gemma_top_on_every_pp_stage(tiny):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_phi3_fused_split_with_global_sizes(tiny, tp):
-    plan = build_plan(open_source(str(tiny("phi3"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("phi3"))).checkpoint, Layout(tp=tp))
     nh, nkv, hd, inter = 8, 2, 32, 128
     for r in range(tp):
         t = rank(plan, r)
@@ -384,7 +385,7 @@ def deepseek_headers(config: dict, layers: int | None = None) -> Checkpoint:
 
 
 def test_deepseek_v3_671b_fp8_tp8_from_headers():
-    plan = build_plan(deepseek_headers(DEEPSEEK_V3, layers=5), tp=8)
+    plan = build_plan(deepseek_headers(DEEPSEEK_V3, layers=5), Layout(tp=8))
     s = shapes(plan, 7)
     a, m = "model.layers.4.self_attn.", "model.layers.4.mlp.experts."
     assert s[a + "fused_qkv_a_proj.weight"] == ("F8_E4M3", (2112, 7168))
@@ -411,7 +412,7 @@ def test_deepseek_v3_671b_fp8_tp8_from_headers():
 
 def test_deepseek_moe_layer_freq():
     cfg = {**DEEPSEEK_V3, "first_k_dense_replace": 1, "moe_layer_freq": 2, "n_routed_experts": 4}
-    plan = build_plan(deepseek_headers(cfg, layers=5), tp=2)
+    plan = build_plan(deepseek_headers(cfg, layers=5), Layout(tp=2))
     s = shapes(plan, 0)
     moe = {L for L in range(5) if f"model.layers.{L}.mlp.experts.gate.weight" in s}
     dense = {L for L in range(5) if f"model.layers.{L}.mlp.gate_up_proj.weight" in s}
@@ -423,7 +424,7 @@ def test_deepseek_without_noaux_tc_has_no_correction_bias():
     ckpt = deepseek_headers(cfg, layers=1)
     for name in [n for n in ckpt.tensors if n.endswith("e_score_correction_bias")]:
         del ckpt.tensors[name]
-    s = shapes(build_plan(ckpt, tp=2), 0)
+    s = shapes(build_plan(ckpt, Layout(tp=2)), 0)
     assert "model.layers.0.mlp.experts.gate.weight" in s
     assert not any(k.endswith("e_score_correction_bias") for k in s)
 
@@ -464,7 +465,7 @@ def _phi3_fp8_headers(*, block: bool, static: bool = False) -> Checkpoint:
 
 
 def test_phi3_per_tensor_fp8_scale_fills_every_slot():
-    plan = build_plan(_phi3_fp8_headers(block=False, static=True), tp=2)
+    plan = build_plan(_phi3_fp8_headers(block=False, static=True), Layout(tp=2))
     t = rank(plan, 1)
     for name, n in (("self_attn.qkv_proj", 3), ("mlp.gate_up_proj", 2), ("self_attn.o_proj", 1)):
         for param in ("weight_scale", "input_scale"):
@@ -474,7 +475,7 @@ def test_phi3_per_tensor_fp8_scale_fills_every_slot():
 
 
 def test_phi3_block_fp8_fused_scales():
-    plan = build_plan(_phi3_fp8_headers(block=True), tp=4)
+    plan = build_plan(_phi3_fp8_headers(block=True), Layout(tp=4))
     for r in range(4):
         t = rank(plan, r)
         qkv = t["model.layers.0.self_attn.qkv_proj.weight_scale_inv"]
@@ -494,11 +495,11 @@ def test_phi3_block_fp8_slot_off_the_block_grid_refused():
     s = ckpt.tensors["model.layers.0.self_attn.qkv_proj.weight_scale_inv"]
     ckpt.tensors[s.name] = TensorInfo(s.name, s.dtype, (6, 2), s.file, s.offset, s.nbytes)
     with pytest.raises(UnsupportedError, match="not on an FP8 block boundary"):
-        build_plan(ckpt, tp=1)
+        build_plan(ckpt, Layout(tp=1))
 
 
 def test_vocab_padding_rows_zero_for_new_archs(tiny):
-    plan = build_plan(open_source(str(tiny("gemma2"))).checkpoint, tp=4)
+    plan = build_plan(open_source(str(tiny("gemma2"))).checkpoint, Layout(tp=4))
     emb = rank(plan, 3)["model.embed_tokens.weight"]
     real, pad = emb.pieces
     assert rows(real) == (768, 1000) and isinstance(pad, Fill) and pad.count == 24 * 64

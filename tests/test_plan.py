@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from reshard.errors import SourceError, UnsupportedError
+from reshard.layout import Layout
 from reshard.plan import Fill, build_plan, pp_ranges
 from tests.fixtures.synthetic import LLAMA_3_70B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
 
@@ -20,7 +21,7 @@ def rank_tensors(plan, tp_rank, pp_rank=0):
 
 def test_llama_70b_tp8_plans_from_headers():
     # how long this takes is a figure of scripts/bench.py, not a test
-    plan = build_plan(synthetic_checkpoint(LLAMA_3_70B, files=30), tp=8)
+    plan = build_plan(synthetic_checkpoint(LLAMA_3_70B, files=30), Layout(tp=8))
     r3 = rank_tensors(plan, 3)
     # 80 layers x (2 norms + qkv + o + gate_up + down + 4 attention buffers) + embed + norm + lm_head
     assert len(r3) == 80 * 10 + 3
@@ -46,7 +47,7 @@ def test_planning_imports_no_torch():
 
 def test_kv_heads_replicated_when_tp_exceeds_them():
     cfg = {**LLAMA_3_70B, "num_hidden_layers": 1, "num_key_value_heads": 4}
-    plan = build_plan(synthetic_checkpoint(cfg), tp=8)
+    plan = build_plan(synthetic_checkpoint(cfg), Layout(tp=8))
     for r in range(8):
         q, k, v = rank_tensors(plan, r)["model.layers.0.self_attn.qkv_proj.weight"].pieces
         assert (q.start[0], q.stop[0]) == (r * 1024, (r + 1) * 1024)
@@ -57,7 +58,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them():
 
 def test_vocab_padded_to_64_then_split_with_zero_rows():
     cfg = {**LLAMA_3_70B, "num_hidden_layers": 1, "vocab_size": 32001}
-    plan = build_plan(synthetic_checkpoint(cfg), tp=8)
+    plan = build_plan(synthetic_checkpoint(cfg), Layout(tp=8))
     last = rank_tensors(plan, 7)["model.embed_tokens.weight"]
     assert last.shape == (4008, 8192)  # 32064 / 8
     real, pad = last.pieces
@@ -67,7 +68,7 @@ def test_vocab_padded_to_64_then_split_with_zero_rows():
 
 def test_tied_embeddings_stored_only_as_lm_head():
     cfg = {**LLAMA_3_70B, "num_hidden_layers": 1, "tie_word_embeddings": True}
-    plan = build_plan(synthetic_checkpoint(cfg), tp=2)
+    plan = build_plan(synthetic_checkpoint(cfg), Layout(tp=2))
     names = rank_tensors(plan, 0)
     assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
     assert names["lm_head.weight"].pieces[0].source == "model.embed_tokens.weight"
@@ -86,24 +87,24 @@ def test_tied_embeddings_stored_only_as_lm_head():
 def test_refusals(changes, tp, message):
     cfg = {**LLAMA_3_70B, "num_hidden_layers": 1, **changes}
     if message is None:
-        build_plan(synthetic_checkpoint({**cfg, "intermediate_size": 28672}), tp=tp)
+        build_plan(synthetic_checkpoint({**cfg, "intermediate_size": 28672}), Layout(tp=tp))
         return
     with pytest.raises(UnsupportedError, match=message):
-        build_plan(synthetic_checkpoint(cfg), tp=tp)
+        build_plan(synthetic_checkpoint(cfg), Layout(tp=tp))
 
 
 def test_missing_tensor_is_named():
     ckpt = synthetic_checkpoint({**LLAMA_3_70B, "num_hidden_layers": 2})
     del ckpt.tensors["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(SourceError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        build_plan(ckpt, tp=2)
+        build_plan(ckpt, Layout(tp=2))
 
 
 def test_unexpected_tensor_is_refused():
     ckpt = synthetic_checkpoint({**LLAMA_3_70B, "num_hidden_layers": 1})
     ckpt.tensors["model.extra.weight"] = replace(ckpt.tensors["model.norm.weight"], name="model.extra.weight")
     with pytest.raises(SourceError, match="match no rule"):
-        build_plan(ckpt, tp=1)
+        build_plan(ckpt, Layout(tp=1))
 
 
 def test_pp_split_as_vllm():
@@ -127,7 +128,7 @@ def shapes(plan, r):
 
 
 def test_qwen3_235b_fp8_tp8(qwen235):
-    plan = build_plan(qwen235, tp=8)
+    plan = build_plan(qwen235, Layout(tp=8))
     L = "model.layers.5."
     for r in (0, 7):
         s = shapes(plan, r)
@@ -155,7 +156,7 @@ def test_qwen3_235b_fp8_tp8(qwen235):
 
 
 def test_qwen3_235b_fp8_tp8_ep(qwen235):
-    plan = build_plan(qwen235, tp=8, ep=True)
+    plan = build_plan(qwen235, Layout(tp=8, ep=True))
     L = "model.layers.93."
     s = shapes(plan, 5)
     assert len(s) == 1977
@@ -173,8 +174,8 @@ def test_fp8_moe_split_vllm_refuses():
     # 128 / 8 = 16 per rank: not a multiple of the 128 block, and gcd(128, 16) < 32
     cfg = {**QWEN3_235B_A22B_FP8, "num_hidden_layers": 1, "moe_intermediate_size": 128}
     with pytest.raises(UnsupportedError, match="use --ep, or a smaller --tp"):
-        build_plan(synthetic_checkpoint(cfg), tp=8)
-    build_plan(synthetic_checkpoint(cfg), tp=8, ep=True)
+        build_plan(synthetic_checkpoint(cfg), Layout(tp=8))
+    build_plan(synthetic_checkpoint(cfg), Layout(tp=8, ep=True))
 
 
 # ---- --moe-backend (reshard.plan.backends) -------------------------------------------------------
@@ -208,8 +209,8 @@ def test_qwen3_235b_fp8_tp8_moe_backends(qwen235, monkeypatch):
         assert serve.startswith("vllm serve OUT_DIR")
         assert ("--moe-backend deep_gemm" in serve) == (backend == "deep_gemm")
         assert "--moe-backend" not in serve or backend != "auto"  # FP8 auto refines on every GPU: no pin
-    plan = build_plan(qwen235, tp=8, moe_backend="deep_gemm")
-    assert plan.layout()["moe_backend"] == "deep_gemm" and plan.moe_pin == "deep_gemm"
+    plan = build_plan(qwen235, Layout(tp=8, moe_backend="deep_gemm"))
+    assert plan.layout.moe_backend == "deep_gemm" and plan.layout.moe_pin == "deep_gemm"
     r5, r6 = rank_tensors(plan, 5), rank_tensors(plan, 6)
     w13 = r5[L + "w13_weight"].pieces
     assert (w13[0].start, w13[0].stop) == ((1280, 0), (1536, 4096))  # rank 5: rows [1280, 1536), whole blocks
@@ -224,11 +225,11 @@ def test_bf16_moe_auto_pins_triton_and_trtllm_rounds_up():
     bf16 = {k: v for k, v in cfg.items() if k != "quantization_config"}
     ckpt = synthetic_checkpoint({**bf16, "num_hidden_layers": 1})
     L = "model.layers.0.mlp.experts.routed_experts."
-    auto = build_plan(ckpt, tp=8)
+    auto = build_plan(ckpt, Layout(tp=8))
     assert rank_tensors(auto, 0)[L + "w13_weight"].shape == (128, 384, 4096)
-    assert auto.moe_pin == "triton" and "--moe-backend triton" in auto.serve_command("out")
+    assert auto.layout.moe_pin == "triton" and "--moe-backend triton" in auto.serve_command("out")
     assert any("silently wrong" in n for n in auto.notes)
-    trt = build_plan(ckpt, tp=8, moe_backend="flashinfer_trtllm")
+    trt = build_plan(ckpt, Layout(tp=8, moe_backend="flashinfer_trtllm"))
     t = rank_tensors(trt, 3)
     assert t[L + "w13_weight"].shape == (128, 512, 4096) and t[L + "w2_weight"].shape == (128, 4096, 256)
     gate, pad, up = t[L + "w13_weight"].pieces[:3]
@@ -237,4 +238,4 @@ def test_bf16_moe_auto_pins_triton_and_trtllm_rounds_up():
     assert (down.start, down.stop, down.pad) == ((0, 576), (4096, 768), (4096, 256))
     assert "--moe-backend flashinfer_trtllm" in trt.serve_command("out")
     # the per-rank size is a multiple of 128 at TP 4 (384): one layout for every backend, nothing pinned
-    assert build_plan(ckpt, tp=4).moe_pin is None
+    assert build_plan(ckpt, Layout(tp=4)).layout.moe_pin is None

@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import ITEMSIZE
+from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, build_plan
-from reshard.save import save
 from reshard.sources import open_source
 from tests.fixtures.qwen_next_releases import CUT_LAYERS, HERE, RELEASES, cut, headers
+from tests.fixtures.saving import save
 
 # tiny sizes (tests/fixtures/tiny.py _QWEN_NEXT): key_dim 4 x 64, value_dim 8 x 64, conv_dim 512
 KEY, VALUE, VHEADS, H = 256, 512, 8, 64
@@ -42,7 +43,7 @@ def tensors(plan, tp_rank, pp_rank=0):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_qwen3_next_tiny_shapes(tiny, tp):
-    plan = build_plan(open_source(str(tiny("qwen3-next"))).checkpoint, tp=tp)
+    plan = build_plan(open_source(str(tiny("qwen3-next"))).checkpoint, Layout(tp=tp))
     s = shapes(plan, tp - 1)
     la = "model.layers.0.linear_attn."
     # QwenGatedDeltaNetAttention: in_proj_qkvz one output size (gqa_interleaved_layout) of
@@ -71,7 +72,7 @@ def test_qwen3_next_tiny_shapes(tiny, tp):
 
 def test_conv1d_split_per_piece_not_whole(tiny):
     """mamba_v2_sharded_weight_loader: rank r holds the r-th slice of q, of k and of v."""
-    plan = build_plan(open_source(str(tiny("qwen3-next"))).checkpoint, tp=2)
+    plan = build_plan(open_source(str(tiny("qwen3-next"))).checkpoint, Layout(tp=2))
     (conv,) = [t for n, t in tensors(plan, 1).items() if n == "model.layers.0.linear_attn.conv1d.weight"]
     assert [(p.start[0], p.stop[0]) for p in conv.pieces] == [(128, 256), (384, 512), (768, 1024)]
     assert all(p.stop[1:] == (1, 4) for p in conv.pieces)
@@ -81,7 +82,7 @@ def test_conv1d_split_per_piece_not_whole(tiny):
 
 def test_qwen35_in_proj_pieces(tiny):
     """Qwen3.5: in_proj_qkv is vLLM's shards (0, 1, 2) of in_proj_qkvz, in_proj_z shard 3."""
-    plan = build_plan(open_source(str(tiny("qwen3.5-moe"))).checkpoint, tp=2)
+    plan = build_plan(open_source(str(tiny("qwen3.5-moe"))).checkpoint, Layout(tp=2))
     t = tensors(plan, 1)
     la = "language_model.model.layers.0.linear_attn."
     src = "model.language_model.layers.0.linear_attn."
@@ -130,23 +131,23 @@ def test_files_equal_torch_slicing(tiny, tmp_path, arch):
 def test_mtp_and_vision_skipped_but_strays_refused(tiny):
     ckpt = open_source(str(tiny("qwen3.5-moe"))).checkpoint
     assert any(n.startswith("mtp.") for n in ckpt.tensors) and any(n.startswith("model.visual.") for n in ckpt.tensors)
-    plan = build_plan(ckpt, tp=2)
+    plan = build_plan(ckpt, Layout(tp=2))
     assert any("under model.visual. left out" in n for n in plan.notes)
     stray = dict(ckpt.tensors)
     stray["model.language_model.layers.0.linear_attn.extra.weight"] = ckpt.tensors["mtp.fc.weight"]
     ckpt.tensors = stray
     with pytest.raises(SourceError, match="match no rule"):
-        build_plan(ckpt, tp=2)
+        build_plan(ckpt, Layout(tp=2))
 
 
 def test_pp_top_modules_as_vllm_builds_them(tiny):
     """Qwen3-Next builds embed_tokens and lm_head on every stage (unconditionally), the norm on the
     last; Qwen3.5 embed_tokens on every stage, norm and lm_head (PPMissingLayer) on the last."""
-    nxt = build_plan(open_source(str(tiny("qwen3-next"))).checkpoint, tp=1, pp=2)
+    nxt = build_plan(open_source(str(tiny("qwen3-next"))).checkpoint, Layout(tp=1, pp=2))
     first, last = shapes(nxt, 0, 0), shapes(nxt, 0, 1)
     assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(first) & set(last)
     assert "model.norm.weight" in last and "model.norm.weight" not in first
-    q35 = build_plan(open_source(str(tiny("qwen3.5-moe"))).checkpoint, tp=1, pp=2)
+    q35 = build_plan(open_source(str(tiny("qwen3.5-moe"))).checkpoint, Layout(tp=1, pp=2))
     first, last = shapes(q35, 0, 0), shapes(q35, 0, 1)
     assert "language_model.model.embed_tokens.weight" in first and "language_model.model.embed_tokens.weight" in last
     assert "language_model.lm_head.weight" in last and "language_model.lm_head.weight" not in first
@@ -156,11 +157,11 @@ def test_wrong_piece_sizes_refused(tiny):
     ckpt = open_source(str(tiny("qwen3-next"))).checkpoint
     ckpt.config = {**ckpt.config, "linear_num_value_heads": 4}  # the tensors hold 8
     with pytest.raises(SourceError, match=r"conv1d\.weight has shape"):
-        build_plan(ckpt, tp=2)
+        build_plan(ckpt, Layout(tp=2))
 
 
 def test_fp8_tiny_block_scales(tiny):
-    plan = build_plan(open_source(str(tiny("qwen3-next-fp8"))).checkpoint, tp=2)
+    plan = build_plan(open_source(str(tiny("qwen3-next-fp8"))).checkpoint, Layout(tp=2))
     s = shapes(plan, 1)
     la = "model.layers.0.linear_attn."
     # 2*512 + 2*1024 rows / 2 = 1536 = 12 blocks; in_proj_ba kept bf16 (modules_to_not_convert)
@@ -171,7 +172,7 @@ def test_fp8_tiny_block_scales(tiny):
     assert s["model.layers.1.self_attn.attn.k_scale"] == ("BF16", ())  # Fp8Config's KV-cache method
     # the shared expert's TP 4 share (64 rows of gate, 64 of up) would share one 128-row scale block
     with pytest.raises(UnsupportedError):
-        build_plan(open_source(str(tiny("qwen3-next-fp8"))).checkpoint, tp=4)
+        build_plan(open_source(str(tiny("qwen3-next-fp8"))).checkpoint, Layout(tp=4))
 
 
 # ---- the releases, from headers, against the shapes vLLM 0.32 builds -------------------------------
@@ -183,7 +184,7 @@ def test_release_plan_matches_vllm(release, ep):
     recorded = json.loads((HERE / f"{release}.json").read_text())
     assert recorded["num_hidden_layers"] == CUT_LAYERS[release] and recorded["tp"] == 8
     layout = recorded["layouts"]["tp8-ep" if ep else "tp8"]
-    plan = build_plan(headers(cut(RELEASES[release], CUT_LAYERS[release])), tp=8, ep=ep)
+    plan = build_plan(headers(cut(RELEASES[release], CUT_LAYERS[release])), Layout(tp=8, ep=ep))
     names = {"bfloat16": "BF16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
     for r in range(8):
         want = {k: (names[d], tuple(shape)) for k, (d, shape) in layout["states"][layout["rank_state"][r]].items()}
@@ -202,7 +203,7 @@ def test_qwen35_397b_fp8_tp8_numbers():
     """The model of vLLM issue #41174 at TP 8: block FP8 on the block grid everywhere (no refinement:
     the experts' and the shared expert's 1024 / 8 = 128), FP8 KV-cache parameters on the four
     full-attention layers' attn, which vLLM's own save_sharded_state drops."""
-    plan = build_plan(headers(cut(RELEASES["qwen3.5-397b-a17b-fp8"], 4)), tp=8)
+    plan = build_plan(headers(cut(RELEASES["qwen3.5-397b-a17b-fp8"], 4)), Layout(tp=8))
     s = shapes(plan, 3)
     la, m = "language_model.model.layers.0.linear_attn.", "language_model.model.layers.3.mlp.experts."
     assert s[la + "in_proj_qkvz.weight"] == ("F8_E4M3", ((2 * 2048 + 2 * 8192) // 8, 4096))

@@ -19,6 +19,7 @@ from collections import defaultdict
 import pytest
 
 from reshard.format import DTYPE_CODES, DTYPE_NAMES, ITEMSIZE
+from reshard.layout import Layout
 from reshard.plan import build_plan
 from reshard.sources import open_source
 from tests.fixtures.releases import CUT_LAYERS, RELEASES, cut, vllm_shapes, write_header_only
@@ -55,7 +56,7 @@ def test_cut_release_plans_as_vllm_builds(copies, release, layout):
     expected = vllm_shapes(release)
     assert expected["num_hidden_layers"] == CUT_LAYERS[release] and expected["tp"] == 8
     want = expected["layouts"][layout]
-    plan = build_plan(open_source(str(copies(release, False))).checkpoint, tp=8, ep=LAYOUTS[layout])
+    plan = build_plan(open_source(str(copies(release, False))).checkpoint, Layout(tp=8, ep=LAYOUTS[layout]))
     for r in range(8):
         got, exp = planned(plan, r), want["states"][want["rank_state"][r]]
         missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from reshard.errors import CorruptError
 from reshard.merge import merge
 from reshard.plan import DEFAULT_MAX_PART
-from reshard.save import save
+from tests.fixtures.saving import save
 
 MAX = DEFAULT_MAX_PART
 
@@ -56,7 +56,7 @@ def test_reshard_an_output_equals_resharding_the_original(tiny, tmp_path, arch, 
     via = save(str(tmp_path / "first"), tmp_path / "via", max_part_size=MAX, **second)
     save(str(src), tmp_path / "direct", max_part_size=MAX, **second)
     assert_same(load_dir(tmp_path / "via", "model-*.safetensors"), load_dir(tmp_path / "direct", "model-*.safetensors"))
-    assert via.manifest["source"]["resharded_from"]["path"] == str(src.resolve())
+    assert via.manifest.source["resharded_from"]["path"] == str(src.resolve())
 
 
 @pytest.mark.parametrize("arch, layout", [("llama", dict(tp=2)), ("qwen3-moe", dict(tp=2, ep=True)),

@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from reshard.plan import DEFAULT_MAX_PART
-from reshard.save import save
 from reshard.sources import open_source
 from tests.fixtures.reference import load_source, materialize
+from tests.fixtures.saving import save
 
 CASES = [
     ("llama", 1, False),
@@ -38,7 +38,7 @@ def read_rank_files(out_dir, plan):
     got = {}
     for f in plan.files:
         with safe_open(str(out_dir / f.name), "pt") as h:
-            assert h.metadata()["reshard_layout"].startswith(f"tp={plan.tp},")
+            assert h.metadata()["reshard_layout"].startswith(f"tp={plan.layout.tp},")
             for k in h.keys():  # noqa: SIM118
                 got[(f.tp_rank, f.pp_rank, k)] = h.get_tensor(k)
     return got
@@ -98,7 +98,7 @@ def test_dtype_cast_matches_torch(tiny, tmp_path):
     assert norm.dtype == torch.float16
     assert torch.equal(norm, source["model.layers.0.input_layernorm.weight"].to(torch.float16))
     assert scale.dtype == torch.float32 and scale.item() == 1.0
-    assert "--dtype float16" in result.manifest["serve"]
+    assert "--dtype float16" in result.manifest.serve
 
 
 def test_bf16_scales_become_fp32(tiny, tmp_path):

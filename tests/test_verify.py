@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from reshard.cli import cli, main
 from reshard.format import read_header
 from reshard.plan import DEFAULT_MAX_PART
-from reshard.save import save
 from reshard.verify import verify
+from tests.fixtures.saving import save
 
 RANK0 = "model-rank-0-part-0.safetensors"
 RANK1 = "model-rank-1-part-0.safetensors"
@@ -198,7 +198,7 @@ def test_two_runs_mixed(clean, out, tmp_path):
     code, rep = run(out)
     assert code == 7
     f = one(rep, "run-mix", file=RANK1)
-    assert other.manifest["run_id"][:12] in f["message"] and "two runs" in f["message"]
+    assert other.manifest.run_id[:12] in f["message"] and "two runs" in f["message"]
     assert [x["file"] for x in errors(rep)] == [RANK1, RANK1]  # run-mix, checksum
 
 

@@ -16,18 +16,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reshard.hashing import entry_digest, hash_file, manifest_algorithm
-from reshard.manifest import read_manifest
+from reshard.hashing import hash_file
+from reshard.layout import Layout
+from reshard.manifest import Manifest, read_manifest
 from reshard.names import MANIFEST
 from reshard.vllm_plugin import checks, reader
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 
-ENGINE = Engine(tp=2, pp=1, ep=False, dtype="bfloat16", quantization=None, moe_backend="auto", vllm_version="0.32.0")
+ENGINE = Engine(Layout(tp=2, dtype="bfloat16"), quantization=None, vllm_version="0.32.0")
 
 
-def _engine_for(manifest: dict, **kw) -> Engine:
-    lay = manifest["layout"]
-    return replace(ENGINE, tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], dtype=lay["dtype"], **kw)
+def _engine_for(manifest: Manifest, **kw) -> Engine:
+    lay = manifest.layout
+    return replace(ENGINE, layout=Layout(lay.tp, lay.pp, lay.ep, lay.dtype), **kw)
 
 
 # ---- options ---------------------------------------------------------------------------------------------
@@ -55,8 +56,9 @@ def test_engine_fits_its_folder(clean):
 
 def test_engine_differences_are_each_named(clean):
     m = read_manifest(clean[1])
-    m["layout"] = {**m["layout"], "moe_backend_pinned": "deep_gemm", "quantization": {"method": "fp8"}}
-    e = replace(_engine_for(m), tp=4, pp=2, ep=True, dtype="float16", moe_backend="triton", vllm_version="0.34.0")
+    m = replace(m, layout=m.layout.but(moe_pin="deep_gemm", quantization={"method": "fp8"}))
+    runs = Layout(tp=4, pp=2, ep=True, dtype="float16", moe_backend="triton")
+    e = replace(_engine_for(m), layout=runs, vllm_version="0.34.0")
     assert checks.engine_problems(m, e) == [
         "made for tp=2, this engine runs tp=4",
         "made for pp=1, this engine runs pp=2",
@@ -68,13 +70,14 @@ def test_engine_differences_are_each_named(clean):
     ]
     # a pinned backend against "auto": the model's state decides (auto builds the pinned layout on some
     # GPUs); the message then says the folder was made for the pinned one
-    m["layout"]["quantization"] = None
+    m = replace(m, layout=m.layout.but(quantization=None))
     assert checks.engine_problems(m, _engine_for(m)) == []
     msg = checks.mismatch_message(Path("OUT"), m, _engine_for(m), ["x.w13_weight: shape [2] in the folder, [4] in the model"])  # fmt: skip
     assert "[4] in the model (the folder was made for --moe-backend deep_gemm, this engine runs auto). To fix" in msg
     # an unpinned backend is no difference: the layout does not depend on it
-    m["layout"]["moe_backend_pinned"] = None
-    assert checks.engine_problems(m, replace(_engine_for(m), moe_backend="triton")) == []
+    m = replace(m, layout=m.layout.but(moe_pin=None))
+    e = _engine_for(m)
+    assert checks.engine_problems(m, replace(e, layout=e.layout.but(moe_backend="triton"))) == []
 
 
 # ---- model state vs recorded tensors -----------------------------------------------------------------------
@@ -108,10 +111,10 @@ def test_lora_padding_is_the_one_exception():
 
 def test_mismatch_message_names_the_first_and_says_what_to_run(clean):
     m = read_manifest(clean[1])
-    e = replace(_engine_for(m), tp=4, ep=True, moe_backend="deep_gemm", dtype="float16")
+    e = replace(_engine_for(m), layout=Layout(tp=4, ep=True, moe_backend="deep_gemm", dtype="float16"))
     msg = checks.mismatch_message(Path("OUT"), m, e, [f"p{i}" for i in range(5)])
     assert msg.startswith("--load-format reshard: OUT does not fit this engine (rank 0): p0; p1; p2; and 2 more. ")
-    src = m["source"]["path"]
+    src = m.source["path"]
     assert f"`reshard save {src} OUT --tp 4 --ep --dtype float16 --moe-backend deep_gemm`" in msg
     assert "`vllm serve " in msg and "--load-format reshard --tensor-parallel-size 2" in msg
     assert "\n" not in msg
@@ -119,8 +122,8 @@ def test_mismatch_message_names_the_first_and_says_what_to_run(clean):
 
 def test_manifest_offers_both_serve_lines(clean):
     m = read_manifest(clean[1])
-    assert " --load-format sharded_state " in m["serve"]
-    assert m["serve_reshard"] == m["serve"].replace("--load-format sharded_state", "--load-format reshard")
+    assert " --load-format sharded_state " in m.serve
+    assert m.serve_reshard == m.serve.replace("--load-format sharded_state", "--load-format reshard")
 
 
 # ---- the rank's files ------------------------------------------------------------------------------------
@@ -129,7 +132,7 @@ def test_manifest_offers_both_serve_lines(clean):
 def _files(folder: Path, rank: int = 1) -> list[checks.RankFile]:
     m = read_manifest(folder)
     e = replace(_engine_for(m), tp_rank=rank)
-    return checks.check_files(folder, m, checks.rank_entries(m, e), e, manifest_algorithm(m))
+    return checks.check_files(folder, m, checks.rank_entries(m, e), e)
 
 
 def _refused(folder: Path, rank: int = 1) -> str:
@@ -143,7 +146,7 @@ def _refused(folder: Path, rank: int = 1) -> str:
 def test_files_fit(clean):
     m = read_manifest(clean[1])
     files = _files(clean[1])
-    assert [f.path.name for f in files] == [e["name"] for e in m["files"] if e["tp_rank"] == 1]
+    assert [f.path.name for f in files] == [e.name for e in m.files if e.tp_rank == 1]
     for f in files:
         assert f.digest == hash_file(f.path) and f.header_bytes == f.tensors[0].offset
 
@@ -173,13 +176,6 @@ def test_header_must_hold_the_recorded_tensors(out):
     assert "its header does not hold the tensors the manifest lists" in _refused(out)
 
 
-def test_checksum_algorithm_comes_from_the_manifest():
-    assert manifest_algorithm({}) == "sha256"
-    assert manifest_algorithm({"checksum": "blake3"}) == "blake3"
-    assert entry_digest({"sha256": "ab"}, "sha256") == "ab"
-    assert entry_digest({"sha256": "ab"}, "none") is None
-
-
 # ---- verified reads into tensors ------------------------------------------------------------------------
 
 
@@ -204,7 +200,7 @@ def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_
     files = _files(clean[1])
     targets = _targets(files)
     lines: list[str] = []
-    algo = manifest_algorithm(read_manifest(clean[1]))
+    algo = read_manifest(clean[1]).checksum
     n, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=threads, log=lines.append, label="rank 1")
     assert bad == [] and n == sum(f.size for f in files)
     want = {k: v for f in files for k, v in load_file(f.path).items()}
@@ -223,10 +219,10 @@ def test_a_flipped_byte_is_caught_and_can_be_let_through(out, monkeypatch, strip
     data[-3] ^= 0x10
     (out / name).write_bytes(bytes(data))
     files = _files(out)  # size and header unchanged: only the checksum can tell
-    algo = manifest_algorithm(read_manifest(out))
+    algo = read_manifest(out).checksum
     _, _, bad = reader.read_rank(files, _targets(files), algorithm=algo, threads=4, log=print, label="rank 1")
-    assert [b.name for b in bad] == [name] and bad[0].want == entry_digest(
-        next(e for e in read_manifest(out)["files"] if e["name"] == name), algo
+    assert [b.name for b in bad] == [name] and bad[0].want == (
+        next(e for e in read_manifest(out).files if e.name == name).digest
     )
     assert bad[0].got == hash_file(out / name, algo)
     _, _, bad = reader.read_rank(files, _targets(files), algorithm=None, threads=1, log=print, label="rank 1")
@@ -240,7 +236,7 @@ def test_a_file_that_shrank_since_the_check_is_a_read_error(out, monkeypatch, st
     files = _files(out)  # checked at full size
     path = files[0].path
     os.truncate(path, path.stat().st_size // 2)
-    algo = manifest_algorithm(read_manifest(out))
+    algo = read_manifest(out).checksum
     with pytest.raises(reader.ReadError, match="ended early"):
         reader.read_rank(files, _targets(files), algorithm=algo, threads=4, log=print, label="rank 1")
     assert not [t for t in threading.enumerate() if t.name.startswith("reshard-")]  # no thread left waiting
@@ -257,7 +253,7 @@ def test_gpu_parameters_go_through_the_bounce_buffer(clean, monkeypatch):
     monkeypatch.setattr(reader, "_bounce", lambda f, dest, *a: (bounced.append(dest.numel()), real(f, dest, *a)))
     files = _files(clean[1])
     targets = _targets(files)
-    algo = manifest_algorithm(read_manifest(clean[1]))
+    algo = read_manifest(clean[1]).checksum
     _, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=4, log=print, label="rank 1")
     assert bad == [] and sum(bounced) == sum(t.nbytes for f in files for t in f.tensors)
     want = {k: v for f in files for k, v in load_file(f.path).items()}
@@ -271,7 +267,7 @@ def test_lora_padded_parameter_gets_the_leading_corner(clean):
     big = max((t for f in files for t in f.tensors if len(t.shape) == 2), key=lambda t: t.nbytes)
     padded = torch.zeros(big.shape[0] + 8, big.shape[1] + 2, dtype=targets[big.name].dtype)
     targets[big.name] = padded
-    algo = manifest_algorithm(read_manifest(clean[1]))
+    algo = read_manifest(clean[1]).checksum
     _, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=1, log=print, label="rank 1")
     assert bad == []
     want = next(load_file(f.path)[big.name] for f in files if big.name in {t.name for t in f.tensors})

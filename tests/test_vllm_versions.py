@@ -13,8 +13,8 @@ from reshard import VLLM_LAYOUT, VLLM_VERSIONS, vllm_versions
 from reshard.cli import cli
 from reshard.names import MANIFEST
 from reshard.plan import DEFAULT_MAX_PART
-from reshard.save import save
 from reshard.verify import verify
+from tests.fixtures.saving import save
 
 # ---- the range ----------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 import reshard.io.writer as wr
 from reshard.format import read_header
 from reshard.io.memory import ALIGN, aligned_buffer
-from reshard.save import save
+from tests.fixtures.saving import save
 
 
 @pytest.fixture(params=[True, False], ids=["o_direct", "buffered"])

@@ -10,7 +10,7 @@ from reshard.commands.options import json_option
 from reshard.console import emit_json, stdout
 from reshard.names import MANIFEST
 from reshard.serve import PLUGIN_NOTE
-from reshard.vllm_versions import recorded_range, serve_note
+from reshard.vllm_versions import serve_note
 
 
 @click.command("assemble")
@@ -21,20 +21,22 @@ def assemble_cmd(out_dir, as_json):
 
     Pieces copied together from several machines are checked to belong to one job (same run id).
     """
-    from reshard.manifest import assemble
+    from reshard.manifest.pieces import assemble
+    from reshard.publish import lock
 
-    manifest = assemble(out_dir)
+    with lock(out_dir):  # not while a `save --ranks` piece is moving its files in
+        manifest = assemble(out_dir)
     assert manifest is not None
-    spec = recorded_range(manifest)
+    spec = manifest.vllm_versions
     if as_json:
-        emit_json({"ok": True, "files": len(manifest["files"]), "serve": manifest["serve"],
-                   "serve_reshard": manifest.get("serve_reshard"), "vllm_versions": spec})  # fmt: skip
-    else:
-        stdout.print(f"assembled {len(manifest['files'])} files into {out_dir / MANIFEST}")
-        if spec:
-            stdout.print(f"note: {serve_note(spec)}")
-        if manifest.get("serve_reshard"):
-            stdout.print(f"note: {PLUGIN_NOTE}")
-        stdout.print(manifest["serve"])
-        if manifest.get("serve_reshard"):
-            stdout.print(manifest["serve_reshard"])
+        emit_json({"ok": True, "files": len(manifest.files), "serve": manifest.serve,
+                   "serve_reshard": manifest.serve_reshard, "vllm_versions": spec})  # fmt: skip
+        return
+    stdout.print(f"assembled {len(manifest.files)} files into {out_dir / MANIFEST}")
+    if spec:
+        stdout.print(f"note: {serve_note(spec)}")
+    if manifest.serve_reshard:
+        stdout.print(f"note: {PLUGIN_NOTE}")
+    stdout.print(manifest.serve)
+    if manifest.serve_reshard:
+        stdout.print(manifest.serve_reshard)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 
 import click
 
+from reshard.layout import DTYPES, Layout
 from reshard.plan.backends import MOE_BACKENDS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -60,7 +63,7 @@ ep_option = click.option(
     help="Expert-parallel layout (vLLM's --enable-expert-parallel): MoE experts whole, spread over the ranks.",
 )  # fmt: skip
 dtype_option = click.option(
-    "--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
+    "--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
     help="Model dtype vLLM will run with. auto: config.json's torch_dtype (float32 becomes bfloat16, as vLLM on GPUs).",
 )  # fmt: skip
 revision_option = click.option("--revision", help="Hub branch, tag or commit (repo ids only).")
@@ -75,3 +78,17 @@ moe_backend_option = click.option(
     help="vLLM's --moe-backend the folder is for. Some pad the experts (deep_gemm, flashinfer_*, marlin... with "
     "block FP8; flashinfer_trtllm, aiter with bf16); the serve line pins the backend whenever the layout depends on it.",
 )  # fmt: skip
+
+
+def layout_options(command: Callable) -> Callable:
+    """--tp, --pp, --ep, --dtype, --pp-layer-partition and --moe-backend, given to `command` as one
+    `layout: Layout` (the defaults above are the only ones)."""
+
+    @functools.wraps(command)
+    def with_layout(*args, tp, pp, ep, dtype, pp_partition, moe_backend, **kwargs):
+        partition = tuple(pp_partition) if pp_partition else None
+        return command(*args, layout=Layout(tp, pp, ep, dtype, partition, moe_backend), **kwargs)
+
+    for option in (moe_backend_option, partition_option, dtype_option, ep_option, pp_option, tp_option):
+        with_layout = option(with_layout)
+    return with_layout

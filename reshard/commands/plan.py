@@ -5,16 +5,7 @@ from __future__ import annotations
 import click
 
 from reshard import VLLM_VERSIONS
-from reshard.commands.options import (
-    dtype_option,
-    ep_option,
-    json_option,
-    moe_backend_option,
-    partition_option,
-    pp_option,
-    revision_option,
-    tp_option,
-)
+from reshard.commands.options import json_option, layout_options, revision_option
 from reshard.console import emit_json, human_bytes, stdout
 from reshard.serve import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
@@ -22,17 +13,12 @@ from reshard.vllm_versions import serve_note
 
 @click.command("plan")
 @click.argument("source")
-@tp_option
-@pp_option
-@ep_option
-@dtype_option
-@partition_option
-@moe_backend_option
+@layout_options
 @revision_option
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor of every rank.")
 @click.option("--out-dir", default="OUT_DIR", show_default=True, help="Folder name used in the serve line.")
 @json_option
-def plan_cmd(source, tp, pp, ep, dtype, pp_partition, moe_backend, revision, show_tensors, out_dir, as_json):
+def plan_cmd(source, layout, revision, show_tensors, out_dir, as_json):
     """Show what each rank will hold, without writing or downloading weights.
 
     For a Hub repo id only config.json and the safetensors headers are fetched, so a model's
@@ -42,7 +28,7 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, moe_backend, revision, sho
     from reshard.sources import open_source
 
     ckpt = open_source(source, revision, headers_only=True).checkpoint
-    plan = build_plan(ckpt, tp=tp, pp=pp, ep=ep, dtype=dtype, pp_partition=pp_partition, moe_backend=moe_backend)
+    plan = build_plan(ckpt, layout)
     summary = plan.summary()
     summary["serve"] = plan.serve_command(out_dir)
     summary["serve_reshard"] = plan.serve_command(out_dir, load_format=PLUGIN_LOAD_FORMAT)
@@ -58,7 +44,7 @@ def plan_cmd(source, tp, pp, ep, dtype, pp_partition, moe_backend, revision, sho
 
     q = summary["quantization"]
     stdout.print(
-        f"{summary['architecture']}  tp={plan.tp} pp={plan.pp} ep={'on' if plan.ep else 'off'}  "
+        f"{summary['architecture']}  {plan.layout}  "
         f"dtype={summary['dtype']}  quantization={q['method'] + (' block ' + str(q['weight_block_size']) if q['weight_block_size'] else '') if q else 'none'}"
     )
     table = Table("pp", "tp", "keys", "bytes", "files")

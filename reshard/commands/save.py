@@ -8,17 +8,8 @@ from pathlib import Path
 
 import click
 
-from reshard.commands.options import (
-    ByteSize,
-    dtype_option,
-    ep_option,
-    json_option,
-    moe_backend_option,
-    partition_option,
-    pp_option,
-    revision_option,
-    tp_option,
-)
+from reshard import VLLM_VERSIONS
+from reshard.commands.options import ByteSize, json_option, layout_options, revision_option
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
 from reshard.hashing import ALGORITHMS
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
@@ -30,12 +21,7 @@ from reshard.vllm_versions import serve_note
 @click.command("save")
 @click.argument("source")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@tp_option
-@pp_option
-@ep_option
-@dtype_option
-@partition_option
-@moe_backend_option
+@layout_options
 @click.option("--max-part-size", type=ByteSize(), default=DEFAULT_MAX_PART, show_default="5GiB",
               help="Split each rank's tensors into files of at most this size.")  # fmt: skip
 @click.option("--max-memory", type=ByteSize(), default="512MiB", show_default=True,
@@ -58,12 +44,7 @@ from reshard.vllm_versions import serve_note
 def save_cmd(
     source,
     out_dir,
-    tp,
-    pp,
-    ep,
-    dtype,
-    pp_partition,
-    moe_backend,
+    layout,
     max_part_size,
     max_memory,
     checksum,
@@ -85,48 +66,54 @@ def save_cmd(
     Under torchrun (e.g. `torchrun --nproc-per-node 4 -m reshard save ...`) the processes split the
     files between them and process 0 writes the manifest once all have finished.
     """
-    from reshard.save import save
+    from reshard.execute import WriteOptions
+    from reshard.save import PieceSaved, Saved, SaveOptions, save
 
+    write = WriteOptions(checksum=checksum, max_memory=max_memory, device=device)
+    options = SaveOptions(write, max_part_size, overwrite=overwrite, revision=revision, stream=stream, ranks=ranks)
     t0 = time.monotonic()
     with ExitStack() as stack:
 
-        def on_plan(plan, source=None):
-            meter = getattr(source, "meter", None)  # a Hub source: bytes downloaded, on the same display
+        def on_plan(plan, source):
+            meter = source.meter  # a Hub source: bytes downloaded, on the same display
             return stack.enter_context(byte_progress(plan.total_bytes, "writing", quiet=as_json, downloads=meter))
 
-        result = save(
-            source, out_dir, tp=tp, pp=pp, ep=ep, dtype=dtype, max_part_size=max_part_size,
-            revision=revision, device=device, overwrite=overwrite, ranks=ranks, max_memory=max_memory,
-            pp_partition=pp_partition, on_plan=on_plan, moe_backend=moe_backend, stream=stream,
-            checksum=checksum,
-        )  # fmt: skip
+        result = save(source, out_dir, layout, options, on_plan=on_plan)
     seconds = time.monotonic() - t0
-    m = result.manifest
-    if not m:  # a torchrun worker other than process 0: process 0 reports
-        return
-    if "ranks" in m:
-        done = len(m["files"])
-        msg = f"wrote ranks {ranks} ({done} files) of {m['all_files'].__len__()}; {MANIFEST} appears when all pieces are in"
-        if as_json:
-            emit_json({"ok": True, "complete": False, "out_dir": str(out_dir), "ranks": m["ranks"], "files": done})
-        else:
-            stdout.print(msg)
-        return
+    if isinstance(result, PieceSaved) and result.manifest is None:
+        _piece(result, ranks, as_json)
+    elif isinstance(result, (Saved, PieceSaved)):  # a piece that was the last one: the whole output
+        assert result.manifest is not None
+        _saved(result.manifest, out_dir, seconds, as_json)
+    # else a torchrun process other than 0: process 0 reports
+
+
+def _piece(result, ranks: str, as_json: bool) -> None:
+    total = len(result.plan.files)
+    if as_json:
+        emit_json({"ok": True, "complete": False, "out_dir": str(result.out_dir), "ranks": result.ranks,
+                   "files": result.files})  # fmt: skip
+    else:
+        stdout.print(f"wrote ranks {ranks} ({result.files} files) of {total}; "
+                     f"{MANIFEST} appears when all pieces are in")  # fmt: skip
+
+
+def _saved(m, out_dir: Path, seconds: float, as_json: bool) -> None:
     if as_json:
         emit_json({
             "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / MANIFEST),
-            "layout": m["layout"], "files": len(m["files"]), "bytes": m["total_bytes"],
-            "seconds": round(seconds, 3), "serve": m["serve"], "serve_reshard": m["serve_reshard"], "vllm_versions": m["vllm_versions"],
-            "run_id": m["run_id"], "notes": m.get("notes", []),
+            "layout": m.to_json()["layout"], "files": len(m.files), "bytes": m.total_bytes,
+            "seconds": round(seconds, 3), "serve": m.serve, "serve_reshard": m.serve_reshard,
+            "vllm_versions": m.vllm_versions, "run_id": m.run_id, "notes": list(m.notes),
         })  # fmt: skip
         return
     stdout.print(
-        f"wrote {len(m['files'])} files, {human_bytes(m['total_bytes'])} in {seconds:.1f} s "
-        f"({result.plan.tp * result.plan.pp} ranks) to {out_dir}"
+        f"wrote {len(m.files)} files, {human_bytes(m.total_bytes)} in {seconds:.1f} s "
+        f"({m.layout.world} ranks) to {out_dir}"
     )
-    for note in m.get("notes", []):
+    for note in m.notes:
         stdout.print(f"note: {note}")
-    stdout.print(f"note: {serve_note(m['vllm_versions'])}")
+    stdout.print(f"note: {serve_note(m.vllm_versions or VLLM_VERSIONS)}")
     stdout.print(f"note: {PLUGIN_NOTE}")
-    stdout.print(m["serve"])
-    stdout.print(m["serve_reshard"])
+    stdout.print(m.serve)
+    stdout.print(m.serve_reshard)

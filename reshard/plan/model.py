@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from reshard import VLLM_LAYOUT, __version__, names, serve
 from reshard.errors import SourceError
-from reshard.format import DTYPE_CODES, ITEMSIZE, TensorInfo
-
-
-class QuantRecord(Protocol):
-    """What the plan keeps of the checkpoint's quantization (reshard.plan.quant): its manifest entry."""
-
-    def to_json(self) -> dict: ...
+from reshard.format import ITEMSIZE, TensorInfo
+from reshard.layout import Layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,23 +99,17 @@ class Plan:
 
     source: dict
     architecture: str
-    tp: int
-    pp: int
-    ep: bool
-    dtype: str  # model dtype, safetensors code
-    quant: QuantRecord | None
+    layout: Layout  # resolved: dtype, partition, quantization and the pinned MoE backend filled in
     files: list[OutFile]
     layer_ranges: list[tuple[int, int]]  # per pipeline stage: [first, last) layer
     notes: list[str] = field(default_factory=list)
     config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
-    moe_backend: str = "auto"  # --moe-backend asked for (reshard.plan.backends)
-    moe_pin: str | None = None  # the --moe-backend the serve line must name: the layout depends on it
     serve_flags: tuple[str, ...] = ()  # other flags the layout needs (`--language-model-only`)
     trust_remote_code: bool = False  # config.json's auto_map names code shipped with the checkpoint
 
     @property
     def pattern(self) -> str:
-        return names.file_pattern(self.pp)
+        return names.file_pattern(self.layout.pp)
 
     @property
     def total_bytes(self) -> int:
@@ -129,23 +117,31 @@ class Plan:
 
     def serve_command(self, out_dir: str, load_format: str = "sharded_state") -> str:
         return serve.serve_command(
-            out_dir, tp=self.tp, pp=self.pp, ep=self.ep, dtype=DTYPE_CODES[self.dtype], moe_backend=self.moe_pin,
-            extra=self.serve_flags, load_format=load_format, trust_remote_code=self.trust_remote_code,
-        )  # fmt: skip
+            out_dir,
+            self.layout,
+            extra=self.serve_flags,
+            load_format=load_format,
+            trust_remote_code=self.trust_remote_code,
+        )
 
-    def layout(self) -> dict:
+    def engine_rank(self, f: OutFile) -> int:
+        return self.layout.engine_rank(f.pp_rank, f.tp_rank)
+
+    def layout_json(self) -> dict:
+        """The layout as `plan --json` prints it (the manifest's `layout` object)."""
+        lay = self.layout
         return {
             "vllm_layout": VLLM_LAYOUT,
             "architecture": self.architecture,
-            "tp": self.tp,
-            "pp": self.pp,
-            "ep": self.ep,
-            "dtype": DTYPE_CODES[self.dtype],
-            "quantization": self.quant.to_json() if self.quant else None,
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "ep": lay.ep,
+            "dtype": lay.dtype,
+            "quantization": lay.quantization,
             "pattern": self.pattern,
-            "pp_layer_partition": [b - a for a, b in self.layer_ranges],
-            "moe_backend": self.moe_backend,
-            "moe_backend_pinned": self.moe_pin,
+            "pp_layer_partition": list(lay.partition or ()),
+            "moe_backend": lay.moe_backend,
+            "moe_backend_pinned": lay.moe_pin,
         }
 
     def ranks(self) -> dict[tuple[int, int], list[OutFile]]:
@@ -172,7 +168,7 @@ class Plan:
         return {
             "reshard_version": __version__,
             "source": self.source,
-            **self.layout(),
+            **self.layout_json(),
             "total_bytes": self.total_bytes,
             "ranks": ranks,
             "notes": self.notes,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
-from reshard.format import DTYPE_NAMES
+from reshard.format import DTYPE_CODES, DTYPE_NAMES
+from reshard.layout import Layout
 from reshard.names import DEFAULT_MAX_PART
 from reshard.plan.backends import check_backend
 from reshard.plan.context import Context, dims_from_config
@@ -19,35 +20,25 @@ from reshard.plan.slicers import add_module, padded_vocab
 from reshard.rules import Kind, Module, get_architecture
 
 
-def build_plan(
-    ckpt: Checkpoint,
-    *,
-    tp: int,
-    pp: int = 1,
-    ep: bool = False,
-    dtype: str = "auto",
-    max_part_size: int = DEFAULT_MAX_PART,
-    pp_partition: list[int] | None = None,
-    moe_backend: str = "auto",
-) -> Plan:
+def build_plan(ckpt: Checkpoint, layout: Layout, *, max_part_size: int = DEFAULT_MAX_PART) -> Plan:
     """Plan every rank's files for vLLM's sharded_state loader.
 
     Args:
         ckpt: source metadata (config + headers).
-        tp: tensor-parallel size.
-        pp: pipeline-parallel size.
-        ep: vLLM's --enable-expert-parallel layout for MoE experts.
-        dtype: "auto" (config's torch_dtype; float32 becomes bfloat16, as vLLM on GPUs) or a name.
+        layout: the engine asked for: tp, pp, ep (vLLM's --enable-expert-parallel layout for MoE
+            experts), dtype ("auto": config's torch_dtype; float32 becomes bfloat16, as vLLM on
+            GPUs), partition (layers per stage, VLLM_PP_LAYER_PARTITION; None: as vLLM),
+            moe_backend (vLLM's --moe-backend; some make vLLM allocate padded experts: plan.backends).
         max_part_size: split a rank's tensors into parts of at most this many bytes.
-        pp_partition: layers per stage (VLLM_PP_LAYER_PARTITION); default as vLLM.
-        moe_backend: vLLM's --moe-backend; some make vLLM allocate padded experts (plan.backends).
+
+    Returns the plan, whose `layout` is `layout` resolved: dtype, partition, quantization and the
+    MoE backend the serve line must pin.
 
     Raises:
         UnsupportedError: unknown architecture or a layout vLLM would refuse.
         SourceError: a tensor the rules need is missing, or has the wrong shape.
     """
-    if tp < 1 or pp < 1:
-        raise UnsupportedError("--tp and --pp must be at least 1")
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
     arch_name, arch = get_architecture(ckpt.config)
     _refuse_opt_in_layouts(ckpt.config)
     ctx = Context(
@@ -55,8 +46,8 @@ def build_plan(
         arch,
         tp=tp,
         ep=ep,
-        dtype=model_dtype(arch.text(ckpt.config), dtype),
-        moe_backend=check_backend(moe_backend),
+        dtype=model_dtype(arch.text(ckpt.config), layout.dtype),
+        moe_backend=check_backend(layout.moe_backend),
     )
     if ep and not ctx.dims.num_experts:
         raise UnsupportedError(
@@ -64,7 +55,7 @@ def build_plan(
             "drop --ep: a dense model's layout is the same without it",
         )
     check_attention(ctx)
-    ranges = pp_ranges(ctx.dims.num_layers, pp, pp_partition)
+    ranges = pp_ranges(ctx.dims.num_layers, pp, list(layout.partition) if layout.partition else None)
     per_rank = {}
     for pp_rank in range(len(ranges)):
         for tp_rank, tensors in enumerate(plan_stage(ctx, ranges, pp_rank)):
@@ -73,17 +64,16 @@ def build_plan(
     return Plan(
         source=ckpt.ref,
         architecture=arch_name,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        dtype=ctx.dtype,
-        quant=ctx.quant,
+        layout=layout.but(
+            dtype=DTYPE_CODES[ctx.dtype],
+            partition=tuple(b - a for a, b in ranges),
+            quantization=ctx.quant.to_json() if ctx.quant else None,
+            moe_pin=ctx.moe_pin,
+        ),
         files=assign_files(per_rank, pp=pp, max_part_size=max_part_size),
         layer_ranges=ranges,
         notes=ctx.notes,
         config_patch=ctx.config_patch,
-        moe_backend=moe_backend,
-        moe_pin=ctx.moe_pin,
         serve_flags=arch.serve_flags,
         trust_remote_code=bool(ckpt.config.get("auto_map")),
     )

@@ -13,11 +13,11 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from reshard.checkpoint import Checkpoint, Reader
+from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.format import ITEMSIZE, TensorInfo, read_header
-from reshard.hashing import NONE, entry_digest, hash_file, manifest_algorithm
-from reshard.manifest import read_manifest
+from reshard.hashing import NONE, hash_file
+from reshard.manifest import FileRecord, Manifest, read_manifest
 from reshard.plan import Slice, build_plan
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import OutputReader, Region
@@ -25,7 +25,7 @@ from reshard.sources.output_reader import OutputReader, Region
 VIRTUAL = "<reshard-output>"
 
 
-class OutputSource:
+class OutputSource(Source):
     """An output folder (checked whole against its manifest first) whose tensors are read back out of
     its rank files."""
 
@@ -48,21 +48,16 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
         check_files(path, manifest)
     config = read_config(path)
     # --dtype auto on a re-shard means the dtype the output holds, not the original's
-    config = {**config, "torch_dtype": manifest["layout"]["dtype"]}
-    layout = manifest["layout"]
+    config = {**config, "torch_dtype": manifest.layout.dtype}
+    if manifest.source_tensors is None:
+        raise SourceError(
+            f"{path}: its manifest records no source tensors (written by an older reshard)",
+            "re-shard or merge from the original Hugging Face checkpoint",
+        )
     original = {
-        n: TensorInfo(n, d, tuple(s), VIRTUAL, 0, math.prod(s) * ITEMSIZE[d])
-        for n, (d, s) in manifest["source_tensors"].items()
+        n: TensorInfo(n, d, s, VIRTUAL, 0, math.prod(s) * ITEMSIZE[d]) for n, (d, s) in manifest.source_tensors.items()
     }
-    old = build_plan(
-        Checkpoint(None, config, original, [VIRTUAL], manifest["source"]),
-        tp=layout["tp"],
-        pp=layout["pp"],
-        ep=layout["ep"],
-        dtype=layout["dtype"],
-        pp_partition=layout.get("pp_layer_partition"),
-        moe_backend=layout.get("moe_backend") or "auto",
-    )
+    old = build_plan(Checkpoint(None, config, original, [VIRTUAL], manifest.source), manifest.layout)
     regions: dict[str, list[Region]] = {}
     dtypes: dict[str, str] = {}
     for f in old.files:
@@ -90,7 +85,7 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
         shape = original[name].shape
         tensors[name] = TensorInfo(name, dtypes[name], shape, VIRTUAL, 0, math.prod(shape) * ITEMSIZE[dtypes[name]])
         regions[name] = _tile(name, shape, regs)
-    ref = {"path": str(path.resolve()), "resharded_from": manifest["source"], "from_run": manifest["run_id"]}
+    ref = {"path": str(path.resolve()), "resharded_from": manifest.source, "from_run": manifest.run_id}
     ckpt = Checkpoint(path, config, tensors, [], ref, manifest=manifest, missing=sorted(set(original) - set(tensors)))
     return ckpt, regions
 
@@ -109,25 +104,25 @@ def _tile(name: str, shape: tuple[int, ...], regs: list[Region]) -> list[Region]
     return unique
 
 
-def check_files(path: Path, manifest: dict) -> None:
+def check_files(path: Path, manifest: Manifest) -> None:
     """Refuse an output as SOURCE unless every file is present, whole and unaltered."""
 
-    algorithm = manifest_algorithm(manifest)
+    algorithm = manifest.checksum
 
-    def check(entry: dict) -> str | None:
-        p = path / entry["name"]
+    def check(entry: FileRecord) -> str | None:
+        p = path / entry.name
         try:
-            if p.stat().st_size != entry["size"]:
-                return f"{entry['name']} has {p.stat().st_size} bytes, the manifest says {entry['size']}"
+            if p.stat().st_size != entry.size:
+                return f"{entry.name} has {p.stat().st_size} bytes, the manifest says {entry.size}"
             if algorithm == NONE:  # saved with --checksum none: sizes are all there is to check
                 return None
             digest = hash_file(p, algorithm)
         except OSError as e:
-            return f"{entry['name']}: {e.strerror}"
-        return None if digest == entry_digest(entry, algorithm) else f"{entry['name']} fails its {algorithm} checksum"
+            return f"{entry.name}: {e.strerror}"
+        return None if digest == entry.digest else f"{entry.name} fails its {algorithm} checksum"
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        problems = [p for p in pool.map(check, manifest["files"]) if p]
+        problems = [p for p in pool.map(check, manifest.files) if p]
     if problems:
         raise CorruptError(
             f"{path} cannot be used as SOURCE: {problems[0]}"

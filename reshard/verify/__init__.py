@@ -23,10 +23,11 @@ from pathlib import Path
 
 from reshard import vllm_versions
 from reshard.hashing import NONE
+from reshard.manifest import Manifest
 from reshard.sources import open_source
 from reshard.verify import integrity, keys, structure
 from reshard.verify.deep import compare, locate
-from reshard.verify.report import CORRUPT, CheckedFile, Finding, Progress, Report
+from reshard.verify.report import CORRUPT, CheckedFile, Finding, Progress, Report, layout_json
 
 __all__ = ["CheckedFile", "Finding", "Progress", "Report", "verify"]
 
@@ -70,7 +71,7 @@ def verify(
     folder = structure.read_folder(report, out_dir, tp=tp, pp=pp, ep=ep, against=against)
     if folder is None:
         return report
-    report.layout = folder.layout.to_json()
+    report.layout = layout_json(folder.layout)
     if folder.manifest is not None:
         _check_vllm(report, folder.manifest)
     structure.check_structure(report, folder)
@@ -104,9 +105,9 @@ def verify(
     return report
 
 
-def _check_vllm(report: Report, manifest: dict) -> None:
+def _check_vllm(report: Report, manifest: Manifest) -> None:
     """A warning when the vLLM installed here is outside the releases the folder is for."""
-    report.vllm_versions = vllm_versions.recorded_range(manifest)
+    report.vllm_versions = manifest.vllm_versions
     found = vllm_versions.installed_vllm()
     report.vllm_installed = f"{found[0]} {found[1]}" if found else None
     problem = vllm_versions.mismatch(report.vllm_versions, found)

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from reshard.checkpoint import Source
-from reshard.execute import Executor
+from reshard.execute import Executor, WriteOptions
 from reshard.format import ITEMSIZE, TensorInfo
-from reshard.hashing import new_hasher
+from reshard.hashing import NONE, new_hasher
 from reshard.io import Written
+from reshard.io.memory import DEFAULT_MAX_MEMORY
 from reshard.plan import OutFile, OutTensor, Plan, natural_key
 from reshard.verify.keys import expected_by_rank
 from reshard.verify.report import CORRUPT, CheckedFile, Progress, Report, advance_for
@@ -57,7 +58,8 @@ def compare(
     # the source's own reader: a reshard output as SOURCE is read back out of its rank files
     ckpt = source.checkpoint
     t0 = time.monotonic()
-    Executor(plan, source.open_reader(), ckpt.tensors, folder.out, metadata={}, sync=False, sink=sink,
+    options = WriteOptions(checksum=NONE, max_memory=DEFAULT_MAX_MEMORY)  # the sinks hash, not the executor
+    Executor(plan, source.open_reader(), ckpt.tensors, folder.out, options, metadata={}, sync=False, sink=sink,
              progress=advance_for(progress, "comparing", total)).run()  # fmt: skip
     report.count("compared_bytes", total)
     report.stats["deep_seconds"] = round(report.stats.get("deep_seconds", 0) + time.monotonic() - t0, 3)

@@ -6,8 +6,7 @@ import concurrent.futures as cf
 import os
 import time
 
-from reshard.hashing import NONE, entry_digest, hash_file
-from reshard.names import MANIFEST
+from reshard.hashing import NONE, hash_file
 from reshard.verify.report import CORRUPT, RERUN, CheckedFile, Progress, Report, advance_for
 from reshard.verify.structure import Folder
 
@@ -23,11 +22,11 @@ def check_sums(report: Report, folder: Folder, progress: Progress | None, agains
         report.add("checksum", "the manifest records no checksums (saved with --checksum none): file contents "
                    "not checked; sizes and headers were", code=0, warn=True)  # fmt: skip
         return []
-    whole = [f for f in folder.files if f.entry and f.size is not None and f.size == f.entry["size"]]
+    whole = [f for f in folder.files if f.entry and f.size is not None and f.size == f.entry.size]
     hashed = [f for f in whole if f.digest is not None]
     todo = [f for f in whole if f.digest is None]
     _hash(report, folder, todo, progress, algorithm)
-    damaged = [f for f in hashed + todo if f.digest is not None and f.digest != entry_digest(f.entry, algorithm)]
+    damaged = [f for f in hashed + todo if f.digest is not None and f.entry and f.digest != f.entry.digest]
     hint = "" if against else "; add --against SOURCE to find the damaged tensor"
     for f in damaged:
         report.add("checksum", f"{f.name}: {algorithm} differs from the manifest: the file changed after it was "
@@ -38,29 +37,21 @@ def check_sums(report: Report, folder: Folder, progress: Progress | None, agains
 def check_side_files(report: Report, folder: Folder) -> None:
     """Every file reshard copied (config, tokenizer, ...) is there, of its size and checksum: an
     edited config.json changes what vLLM builds as surely as a changed weight."""
-    m = folder.manifest or {}
     algorithm = folder.checksum
-    entries = m.get("copied_files") or []
+    entries = folder.manifest.copied_files if folder.manifest else ()
     for e in entries:
-        if (
-            not isinstance(e, dict)
-            or not all(isinstance(e.get(k), t) for k, t in (("name", str), ("size", int)))
-            or (algorithm != NONE and entry_digest(e, algorithm) is None)
-        ):
-            report.add("manifest", f"malformed copied_files entry {e!r}", code=CORRUPT, file=MANIFEST)
-            continue
-        path = folder.out / e["name"]
+        path = folder.out / e.name
         try:
             size = path.stat().st_size
-            digest = hash_file(path, algorithm) if size == e["size"] else ""
+            digest = hash_file(path, algorithm) if size == e.size else ""
         except OSError as err:
             if not path.exists():
                 continue  # told by the structure check (a copied file is missing)
-            report.add("checksum", f"{e['name']}: cannot read ({err.strerror})", code=CORRUPT, file=e["name"])
+            report.add("checksum", f"{e.name}: cannot read ({err.strerror})", code=CORRUPT, file=e.name)
             continue
-        if digest != entry_digest(e, algorithm):
-            report.add("checksum", f"{e['name']} (copied from the source) changed after it was written: vLLM "
-                       f"would build the model from the edited file ({RERUN})", code=CORRUPT, file=e["name"])  # fmt: skip
+        if digest != e.digest:
+            report.add("checksum", f"{e.name} (copied from the source) changed after it was written: vLLM "
+                       f"would build the model from the edited file ({RERUN})", code=CORRUPT, file=e.name)  # fmt: skip
     if entries:
         report.stats["side_files_checked"] = len(entries)
 

@@ -13,21 +13,22 @@ from dataclasses import replace
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import ITEMSIZE, TensorInfo
+from reshard.layout import Layout
 from reshard.names import MANIFEST
 from reshard.plan import OutTensor, Plan, build_plan, natural_key, num_experts
 from reshard.sources import read_config
 from reshard.verify.report import CORRUPT, LAYOUT, CheckedFile, Report, rank_label
-from reshard.verify.structure import Folder, Layout
+from reshard.verify.structure import Folder
 
 Rank = tuple[int, int]  # (pp_rank, tp_rank)
 
 
 def compare_source_tensors(report: Report, folder: Folder, ckpt: Checkpoint, against: str) -> None:
     """Warn when `against` is not the checkpoint the manifest says the folder was made from."""
-    recorded = (folder.manifest or {}).get("source_tensors")
+    recorded = folder.manifest.source_tensors if folder.manifest else None
     if not recorded:
         return
-    have = {n: [t.dtype, list(t.shape)] for n, t in ckpt.tensors.items()}
+    have = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()}
     diff = sorted(set(recorded) ^ set(have)) + sorted(n for n in recorded if n in have and recorded[n] != have[n])
     if diff:
         report.add("source", f"{against} is not the checkpoint this folder was made from: {len(diff)} tensor "
@@ -56,7 +57,7 @@ def expected_plan(
 def _recorded_source(report: Report, folder: Folder) -> Checkpoint | None:
     """The source as the folder records it: config.json and the manifest's source_tensors."""
     assert folder.manifest is not None
-    src = folder.manifest.get("source_tensors")
+    src = folder.manifest.source_tensors
     if not src:
         report.add("keys", "the manifest records no source_tensors (an older reshard): keys checked against "
                    "the manifest only; pass --against SOURCE for the full check", code=LAYOUT, warn=True)  # fmt: skip
@@ -66,22 +67,17 @@ def _recorded_source(report: Report, folder: Folder) -> Checkpoint | None:
     except SourceError as e:
         report.add("keys", f"cannot derive the expected keys: {e.message}", code=CORRUPT, warn=True)
         return None
-    try:
-        tensors = {}
-        for name, (dtype, shape) in src.items():
-            shape = tuple(int(d) for d in shape)
-            tensors[name] = TensorInfo(name, dtype, shape, MANIFEST, 0, math.prod(shape) * ITEMSIZE[dtype])
-    except (KeyError, TypeError, ValueError) as e:
-        report.add("manifest", f"malformed source_tensors in {MANIFEST} ({e})", code=CORRUPT, file=MANIFEST)
+    unknown = sorted(n for n, (dtype, _) in src.items() if dtype not in ITEMSIZE)
+    if unknown:
+        report.add("manifest", f"malformed source_tensors in {MANIFEST} ({unknown[0]}: unknown dtype)", code=CORRUPT,
+                   file=MANIFEST)  # fmt: skip
         return None
-    return Checkpoint(None, config, tensors, [], folder.manifest["source"])
+    tensors = {n: TensorInfo(n, d, s, MANIFEST, 0, math.prod(s) * ITEMSIZE[d]) for n, (d, s) in src.items()}
+    return Checkpoint(None, config, tensors, [], folder.manifest.source)
 
 
 def plan_layout(ckpt: Checkpoint, lay: Layout) -> Plan:
-    partition = list(lay.partition) if lay.partition else None
-    return build_plan(
-        ckpt, tp=lay.tp, pp=lay.pp, ep=lay.ep, dtype=lay.dtype, pp_partition=partition, moe_backend=lay.moe_backend
-    )
+    return build_plan(ckpt, lay)
 
 
 def check_asked(report: Report, folder: Folder, expected: tuple[Plan, Checkpoint] | None) -> None:
@@ -160,7 +156,7 @@ class _KeyCheck:
 
     def diff(self, rank: Rank, files: list[CheckedFile], want: dict[str, OutTensor], listed_in: dict) -> None:
         """One rank: missing and unexpected keys, shapes and dtypes."""
-        label = rank_label(rank, self.plan.pp)
+        label = rank_label(rank, self.plan.layout.pp)
         held = self.held(files, label)
         for name in sorted(set(want) | set(held), key=natural_key):
             w, h = want.get(name), held.get(name)
@@ -190,8 +186,8 @@ def check_keys(report: Report, folder: Folder, plan: Plan, *, strict: bool) -> s
         by_rank.setdefault(f.rank, []).append(f)
     listed_in: dict[tuple[Rank, str], str] = {}  # where the manifest puts a tensor
     for f in folder.files:
-        for t in (f.entry or {}).get("tensors", []):
-            listed_in[(f.rank, t["name"])] = f.name
+        for t in f.entry.tensors if f.entry else ():
+            listed_in[(f.rank, t.name)] = f.name
     for rank in sorted(by_rank):
         files = by_rank[rank]
         want = expected.get(rank)
@@ -202,7 +198,8 @@ def check_keys(report: Report, folder: Folder, plan: Plan, *, strict: bool) -> s
 
 
 def plan_dims(plan: Plan) -> str:
-    return f"tp={plan.tp}" + (f" pp={plan.pp}" if plan.pp > 1 else "") + (" ep" if plan.ep else "")
+    lay = plan.layout
+    return f"tp={lay.tp}" + (f" pp={lay.pp}" if lay.pp > 1 else "") + (" ep" if lay.ep else "")
 
 
 def _shape_effect(have: tuple[int, ...], want: tuple[int, ...]) -> str:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from reshard.errors import ExitCode
 from reshard.format import TensorInfo
+from reshard.layout import Layout
+from reshard.manifest import FileRecord
 
 ERROR, WARNING = "error", "warning"
 LAYOUT, CORRUPT = int(ExitCode.LAYOUT_MISMATCH), int(ExitCode.CORRUPT)
@@ -48,7 +50,7 @@ class CheckedFile:
     pp_rank: int
     tp_rank: int
     part: int
-    entry: dict | None = None  # the manifest's entry; None in a folder without manifest
+    entry: FileRecord | None = None  # the manifest's entry; None in a folder without manifest
     size: int | None = None  # None: absent (or not looked at yet)
     tensors: dict[str, TensorInfo] | None = None  # None: header unreadable (or file absent)
     meta: dict[str, str] = field(default_factory=dict)
@@ -157,6 +159,11 @@ class Report:
             "errors": sum(1 for f in found if f.severity == ERROR),
             "warnings": sum(1 for f in found if f.severity == WARNING),
         }
+
+
+def layout_json(layout: Layout) -> dict:
+    """A layout as verify's JSON report shows it."""
+    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "dtype": layout.dtype}
 
 
 def rank_label(rank: tuple[int, int], pp: int) -> str:

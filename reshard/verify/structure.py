@@ -9,18 +9,18 @@ is read from its file names instead.
 from __future__ import annotations
 
 import fnmatch
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from reshard.errors import CorruptError, SourceError
-from reshard.format import DTYPE_CODES, read_header
-from reshard.hashing import LEGACY, manifest_algorithm
-from reshard.manifest import read_manifest
+from reshard.format import read_header
+from reshard.hashing import LEGACY
+from reshard.layout import Layout
+from reshard.manifest import Manifest, piece_paths, read_manifest
+from reshard.manifest.pieces import read_pieces
 from reshard.names import (
     CONFIG,
     MANIFEST,
-    PIECE_MANIFEST_GLOB,
     PP_PATTERN,
     RANK_FILE_GLOBS,
     TMP_PREFIX,
@@ -28,26 +28,10 @@ from reshard.names import (
     vllm_globs,
 )
 from reshard.plan import natural_key
-from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, rank_label
+from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, layout_json, rank_label
 
 _FOREIGN = "or check a folder without manifest with --against SOURCE --tp T"
 _PP_PREFIX = PP_PATTERN[: PP_PATTERN.index("{")]  # names of the pipeline-parallel pattern start so
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    ep: bool
-    dtype: str = "auto"  # user-facing name
-    partition: tuple[int, ...] | None = None
-    moe_backend: str = "auto"  # vLLM's --moe-backend the folder was written for
-
-    def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} ep={'on' if self.ep else 'off'}"
-
-    def to_json(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "dtype": self.dtype}
 
 
 @dataclass
@@ -60,7 +44,7 @@ class Folder:
     """
 
     out: Path
-    manifest: dict | None
+    manifest: Manifest | None
     layout: Layout
     files: list[CheckedFile] = field(default_factory=list)
     rank_code: int = CORRUPT
@@ -69,7 +53,7 @@ class Folder:
     @property
     def checksum(self) -> str:
         """The algorithm of the manifest's digests (a manifest read here is valid, so it is known)."""
-        return manifest_algorithm(self.manifest) if self.manifest is not None else LEGACY
+        return self.manifest.checksum if self.manifest is not None else LEGACY
 
 
 def read_folder(
@@ -87,7 +71,7 @@ def read_folder(
     return None  # the manifest finding says what to do
 
 
-def _load_manifest(report: Report, out: Path, against: str | None) -> dict | None:
+def _load_manifest(report: Report, out: Path, against: str | None) -> Manifest | None:
     present = (out / MANIFEST).exists()
     try:
         manifest = read_manifest(out)
@@ -105,26 +89,23 @@ def _load_manifest(report: Report, out: Path, against: str | None) -> dict | Non
             hint = f"{hint or RERUN}, {_FOREIGN}"
         report.add("manifest", f"{e.message} ({hint})", code=CORRUPT, file=MANIFEST)
         return None  # with --against, what can be checked still is, as for a foreign folder
-    report.run_id = manifest["run_id"]
+    report.run_id = manifest.run_id
     report.checked.append("manifest")
     return manifest
 
 
-def _manifest_folder(report: Report, out: Path, m: dict, *, tp: int | None, pp: int | None, ep: bool | None) -> Folder:
-    lay = m["layout"]
-    dtype = str(lay.get("dtype") or "auto")
-    dtype = DTYPE_CODES.get(dtype, dtype)
-    partition = lay.get("pp_layer_partition")
-    recorded = Layout(int(lay["tp"]), int(lay["pp"]), bool(lay["ep"]), dtype,
-                      tuple(partition) if partition else None, str(lay.get("moe_backend") or "auto"))  # fmt: skip
-    report.recorded = recorded.to_json()
-    asked = Layout(tp or recorded.tp, pp or recorded.pp, recorded.ep if ep is None else ep, dtype,
+def _manifest_folder(
+    report: Report, out: Path, m: Manifest, *, tp: int | None, pp: int | None, ep: bool | None
+) -> Folder:
+    recorded = m.layout
+    report.recorded = layout_json(recorded)
+    asked = Layout(tp or recorded.tp, pp or recorded.pp, recorded.ep if ep is None else ep, recorded.dtype,
                    moe_backend=recorded.moe_backend)  # fmt: skip
     folder = Folder(out, m, recorded)
-    if (asked.tp, asked.pp, asked.ep) != (recorded.tp, recorded.pp, recorded.ep):
+    if not asked.same_ranks(recorded):
         folder.asked = asked  # told by keys.check_asked, once the expected keys are known
-    for e in m["files"]:
-        folder.files.append(CheckedFile(e["name"], int(e["pp_rank"]), int(e["tp_rank"]), int(e["part"]), entry=e))
+    for e in m.files:
+        folder.files.append(CheckedFile(e.name, e.pp_rank, e.tp_rank, e.part, entry=e))
     return folder
 
 
@@ -204,7 +185,7 @@ def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
     except OSError as e:
         report.add("missing-file", f"{f.name}: cannot stat ({e.strerror})", code=CORRUPT, file=f.name)
         return
-    want = f.entry["size"] if f.entry else None
+    want = f.entry.size if f.entry else None
     if want is not None and f.size != want:
         cut = _cut_tensors(path, f.size, want) if f.size < want else []
         what = "truncated" if f.size < want else "larger than written"
@@ -219,7 +200,7 @@ def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
             report.add("header", _strip_path(e.message, path), code=CORRUPT, file=f.name)
         return
     if folder.manifest is not None:
-        run, want_run = f.meta.get("reshard_run"), folder.manifest["run_id"]
+        run, want_run = f.meta.get("reshard_run"), folder.manifest.run_id
         if run != want_run:
             said = f"run {run[:12]}" if run else "no reshard run (not written by reshard)"
             report.add("run-mix", f"{f.name} comes from {said}, the manifest from run {want_run[:12]}: files of "
@@ -253,7 +234,7 @@ def _check_against_manifest(report: Report, folder: Folder) -> None:
             report.add("stray", f"{p.name} is not in the manifest (left by another run?): vLLM would load "
                        f"it with its rank; remove it or {RERUN}", code=CORRUPT, file=p.name)  # fmt: skip
     assert folder.manifest is not None
-    for name in folder.manifest.get("copied") or []:
+    for name in folder.manifest.copied:
         if not (out / name).exists():
             report.add("missing-file", f"{name} (copied from the source) is missing", code=CORRUPT, file=name)
 
@@ -264,7 +245,7 @@ def headers_vs_manifest(folder: Folder) -> list[Finding]:
     for f in folder.files:
         if not f.ok or not f.entry:
             continue
-        listed = {t["name"]: (t["dtype"], tuple(t["shape"])) for t in f.entry.get("tensors", [])}
+        listed = {t.name: (t.dtype, t.shape) for t in f.entry.tensors}
         held = {n: (t.dtype, t.shape) for n, t in f.tensors.items()}
         for name in sorted(set(listed) | set(held), key=natural_key):
             a, b = listed.get(name), held.get(name)
@@ -300,18 +281,17 @@ def _cut_tensors(path: Path, size: int, written: int) -> list[str]:
 
 def _pieces(out_dir: Path) -> str | None:
     """What a folder of `reshard save --ranks` pieces still lacks (its reshard.json comes last)."""
-    found = sorted(out_dir.glob(PIECE_MANIFEST_GLOB))
-    if not found:
+    if not piece_paths(out_dir):
         return None
+    try:
+        found = read_pieces(out_dir)
+    except CorruptError as e:
+        return f"{out_dir}: no {MANIFEST}, and {e.message} ({RERUN})"
     written, all_files, ranks = set(), [], []
-    for p in found:
-        try:
-            piece = json.loads(p.read_text())
-            written.update(f["name"] for f in piece["files"])
-            all_files = all_files or list(piece.get("all_files") or [])
-            ranks += list(piece.get("ranks") or [])
-        except (OSError, ValueError, KeyError, TypeError):
-            return f"{out_dir}: no {MANIFEST}, and {p.name} is unreadable ({RERUN})"
+    for piece in found:
+        written.update(f.name for f in piece.files)
+        all_files = all_files or list(piece.all_files or ())
+        ranks += list(piece.ranks or ())
     missing = [n for n in all_files if n not in written or not (out_dir / n).exists()]
     if not missing:
         return f"{out_dir}: every piece is written but not assembled: run `reshard assemble {out_dir}`"

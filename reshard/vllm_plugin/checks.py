@@ -12,9 +12,10 @@ from pathlib import Path
 
 from reshard.errors import SourceError
 from reshard.format import DTYPE_CODES, TensorInfo, read_header
-from reshard.hashing import entry_digest
+from reshard.layout import Layout
+from reshard.manifest import FileRecord, Manifest
 from reshard.names import MANIFEST, file_pattern
-from reshard.vllm_versions import in_range, recorded_range
+from reshard.vllm_versions import in_range
 
 SHOWN = 3  # differences named in a message
 
@@ -51,14 +52,11 @@ def parse_options(extra: dict | None) -> Options:
 
 @dataclass(frozen=True)
 class Engine:
-    """What the running vLLM engine is, as far as a folder's layout depends on it."""
+    """What the running vLLM engine is, as far as a folder's layout depends on it: its layout (tp, pp,
+    ep, the model dtype and --moe-backend), quantization method and release, and this rank."""
 
-    tp: int
-    pp: int
-    ep: bool
-    dtype: str  # the model dtype, torch's name (as the manifest's layout records it)
+    layout: Layout
     quantization: str | None  # vLLM's quantization method name
-    moe_backend: str  # vLLM's --moe-backend
     vllm_version: str
     tp_rank: int = 0
     pp_rank: int = 0
@@ -66,29 +64,29 @@ class Engine:
 
     @property
     def label(self) -> str:
-        return f"pp rank {self.pp_rank} tp rank {self.tp_rank}" if self.pp > 1 else f"rank {self.tp_rank}"
+        return f"pp rank {self.pp_rank} tp rank {self.tp_rank}" if self.layout.pp > 1 else f"rank {self.tp_rank}"
 
 
-def engine_problems(manifest: dict, engine: Engine) -> list[str]:
+def engine_problems(manifest: Manifest, engine: Engine) -> list[str]:
     """How the folder's recorded layout differs from the engine, one sentence each; [] when it fits."""
-    lay = manifest["layout"]
+    made, runs = manifest.layout, engine.layout
     out = []
-    made = {"tp": lay.get("tp"), "pp": lay.get("pp"), "ep": bool(lay.get("ep"))}
-    runs = {"tp": engine.tp, "pp": engine.pp, "ep": engine.ep}
     for k in ("tp", "pp", "ep"):
-        if made[k] != runs[k]:
-            out.append(f"made for {k}={_on(made[k])}, this engine runs {k}={_on(runs[k])}")
-    if lay.get("dtype") != engine.dtype:
-        out.append(f"made for dtype {lay.get('dtype')}, this engine runs {engine.dtype}")
-    quant = (lay.get("quantization") or {}).get("method")
+        if getattr(made, k) != getattr(runs, k):
+            out.append(f"made for {k}={_on(getattr(made, k))}, this engine runs {k}={_on(getattr(runs, k))}")
+    if made.dtype != runs.dtype:
+        out.append(f"made for dtype {made.dtype}, this engine runs {runs.dtype}")
+    quant = (made.quantization or {}).get("method")
     if quant != engine.quantization:
         out.append(f"made for quantization {quant}, this engine runs quantization {engine.quantization}")
     # a pinned backend against another one asked for is a difference; against "auto" the model's state
     # decides (auto picks the pinned layout on some GPUs, another on others): see backend_note
-    pinned = lay.get("moe_backend_pinned")
-    if pinned and engine.moe_backend not in (pinned, "auto"):
-        out.append(f"made for --moe-backend {pinned} (the experts' layout depends on it), this engine runs {engine.moe_backend}")  # fmt: skip
-    spec = recorded_range(manifest)
+    pinned = made.moe_pin
+    if pinned and runs.moe_backend not in (pinned, "auto"):
+        out.append(
+            f"made for --moe-backend {pinned} (the experts' layout depends on it), this engine runs {runs.moe_backend}"
+        )
+    spec = manifest.vllm_versions
     if spec is not None:
         try:
             ok = in_range(engine.vllm_version, spec)
@@ -107,15 +105,14 @@ def _dtype(code: object) -> str:
     return DTYPE_CODES.get(code, str(code)) if isinstance(code, str) else str(code)
 
 
-def rank_entries(manifest: dict, engine: Engine) -> list[dict]:
+def rank_entries(manifest: Manifest, engine: Engine) -> list[FileRecord]:
     """The manifest's file entries of the engine's rank, by part."""
-    mine = [f for f in manifest["files"] if (f["tp_rank"], f["pp_rank"]) == (engine.tp_rank, engine.pp_rank)]
-    return sorted(mine, key=lambda f: f["part"])
+    return manifest.rank_files(engine.pp_rank, engine.tp_rank)
 
 
-def expected_state(entries: list[dict]) -> dict[str, tuple[str, tuple[int, ...]]]:
+def expected_state(entries: list[FileRecord]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (safetensors dtype code, shape) of every tensor the rank's files hold."""
-    return {t["name"]: (t["dtype"], tuple(t["shape"])) for f in entries for t in f["tensors"]}
+    return {t.name: (t.dtype, t.shape) for f in entries for t in f.tensors}
 
 
 def state_problems(
@@ -158,7 +155,7 @@ class RankFile:
     digest: str | None  # what the manifest records (None: nothing to verify)
 
 
-def check_files(folder: Path, manifest: dict, entries: list[dict], engine: Engine, algorithm: str) -> list[RankFile]:
+def check_files(folder: Path, manifest: Manifest, entries: list[FileRecord], engine: Engine) -> list[RankFile]:
     """The rank's files as the manifest lists them, each checked from its size and header only:
     present, of the recorded size, a header holding exactly the recorded tensors, written by the
     manifest's run. Raises ReshardLoadError with every problem found (the first few named)."""
@@ -167,17 +164,17 @@ def check_files(folder: Path, manifest: dict, entries: list[dict], engine: Engin
     if not entries:
         problems.append(f"the manifest lists no file for {engine.label}")
     for e in entries:
-        path = folder / e["name"]
+        path = folder / e.name
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            problems.append(f"{e['name']} is missing")
+            problems.append(f"{e.name} is missing")
             continue
         except OSError as err:
-            problems.append(f"{e['name']}: cannot read ({err.strerror})")
+            problems.append(f"{e.name}: cannot read ({err.strerror})")
             continue
-        if size != e["size"]:
-            problems.append(f"{e['name']} has {size} bytes, the manifest says {e['size']}")
+        if size != e.size:
+            problems.append(f"{e.name} has {size} bytes, the manifest says {e.size}")
             continue
         try:
             infos, meta, _ = read_header(path)
@@ -185,23 +182,23 @@ def check_files(folder: Path, manifest: dict, entries: list[dict], engine: Engin
             problems.append(err.message)
             continue
         run = meta.get("reshard_run")
-        if run is not None and run != manifest["run_id"]:
+        if run is not None and run != manifest.run_id:
             problems.append(
-                f"{e['name']} was written by reshard run {run}, {MANIFEST} by run {manifest['run_id']}: "
+                f"{e.name} was written by reshard run {run}, {MANIFEST} by run {manifest.run_id}: "
                 "the manifest comes from another run"
             )
             continue
         tensors = sorted(infos.values(), key=lambda t: t.offset)
         got = [(t.name, t.dtype, list(t.shape)) for t in tensors]
-        want = [(t["name"], t["dtype"], list(t["shape"])) for t in e["tensors"]]
+        want = [(t.name, t.dtype, list(t.shape)) for t in e.tensors]
         if got != want:
             first = next((f"{g} != {w}" for g, w in zip(got, want, strict=False) if g != w), f"{len(got)} != {len(want)} tensors")  # fmt: skip
-            problems.append(f"{e['name']}: its header does not hold the tensors the manifest lists ({first})")
+            problems.append(f"{e.name}: its header does not hold the tensors the manifest lists ({first})")
             continue
         header = tensors[0].offset if tensors else size
-        out.append(RankFile(path, size, header, tensors, entry_digest(e, algorithm)))
-    listed = {e["name"] for e in entries}
-    glob = file_pattern(engine.pp).format(rank=engine.tp_rank, tp_rank=engine.tp_rank, pp_rank=engine.pp_rank, part="*")  # fmt: skip
+        out.append(RankFile(path, size, header, tensors, e.digest))
+    listed = {e.name for e in entries}
+    glob = file_pattern(engine.layout.pp).format(rank=engine.tp_rank, tp_rank=engine.tp_rank, pp_rank=engine.pp_rank, part="*")  # fmt: skip
     for p in sorted(folder.glob(glob)):
         if p.name not in listed:
             problems.append(f"{p.name} is not in the manifest (a stray file sharded_state would also load)")
@@ -213,41 +210,40 @@ def check_files(folder: Path, manifest: dict, entries: list[dict], engine: Engin
 # ---- messages ------------------------------------------------------------------------------------------
 
 
-def save_command(manifest: dict, engine: Engine) -> str:
+def save_command(manifest: Manifest, engine: Engine) -> str:
     """The `reshard save` line that makes this folder's source for the engine as it runs."""
-    src = manifest.get("source") or {}
-    orig = src.get("resharded_from") if isinstance(src.get("resharded_from"), dict) else src
-    where = orig.get("path") or orig.get("repo_id") or src.get("path") or "SOURCE"
-    parts = ["reshard save", str(where), "OUT", f"--tp {engine.tp}"]
+    orig, runs = manifest.origin, engine.layout
+    where = orig.get("path") or orig.get("repo_id") or manifest.source.get("path") or "SOURCE"
+    parts = ["reshard save", str(where), "OUT", f"--tp {runs.tp}"]
     if orig.get("repo_id") and orig.get("revision"):
         parts.append(f"--revision {orig['revision']}")
-    if engine.pp > 1:
-        parts.append(f"--pp {engine.pp}")
-    if engine.ep:
+    if runs.pp > 1:
+        parts.append(f"--pp {runs.pp}")
+    if runs.ep:
         parts.append("--ep")
-    if engine.dtype != manifest["layout"].get("dtype"):
-        parts.append(f"--dtype {engine.dtype}")
-    if engine.moe_backend != "auto":
-        parts.append(f"--moe-backend {engine.moe_backend}")
+    if runs.dtype != manifest.layout.dtype:
+        parts.append(f"--dtype {runs.dtype}")
+    if runs.moe_backend != "auto":
+        parts.append(f"--moe-backend {runs.moe_backend}")
     return " ".join(parts)
 
 
-def serve_as_made(manifest: dict) -> str | None:
-    line = manifest.get("serve_reshard") or manifest.get("serve")
-    if not isinstance(line, str):
+def serve_as_made(manifest: Manifest) -> str | None:
+    line = manifest.serve_reshard or manifest.serve
+    if not line:
         return None
     return line.replace("--load-format sharded_state", "--load-format reshard")
 
 
-def backend_note(manifest: dict, engine: Engine) -> str | None:
+def backend_note(manifest: Manifest, engine: Engine) -> str | None:
     """Why the experts may differ: the folder pins a MoE backend the engine left to "auto"."""
-    pinned = manifest["layout"].get("moe_backend_pinned")
-    if pinned and engine.moe_backend != pinned:
-        return f"the folder was made for --moe-backend {pinned}, this engine runs {engine.moe_backend}"
+    pinned = manifest.layout.moe_pin
+    if pinned and engine.layout.moe_backend != pinned:
+        return f"the folder was made for --moe-backend {pinned}, this engine runs {engine.layout.moe_backend}"
     return None
 
 
-def mismatch_message(folder: Path, manifest: dict, engine: Engine, problems: list[str]) -> str:
+def mismatch_message(folder: Path, manifest: Manifest, engine: Engine, problems: list[str]) -> str:
     """One message for a folder made for another engine or model: the first differences, then what to do."""
     head = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
     if (note := backend_note(manifest, engine)) and note not in head:

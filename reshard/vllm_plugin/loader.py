@@ -22,7 +22,7 @@ from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLo
 
 from reshard.errors import ReshardError
 from reshard.format import DTYPE_NAMES
-from reshard.hashing import manifest_algorithm
+from reshard.layout import DTYPES, Layout
 from reshard.manifest import read_manifest
 from reshard.vllm_plugin import checks
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
@@ -72,8 +72,8 @@ class ReshardModelLoader(BaseModelLoader):
         problems = checks.state_problems(checks.expected_state(entries), model_state, lora=engine.lora)
         if problems:
             raise ReshardLoadError(checks.mismatch_message(folder, manifest, engine, problems))
-        algorithm = manifest_algorithm(manifest)
-        files = checks.check_files(folder, manifest, entries, engine, algorithm)
+        algorithm = manifest.checksum
+        files = checks.check_files(folder, manifest, entries, engine)
         verify = self.options.checksums and algorithm != "none"
         logger.info(
             "reshard: %s: reading %d file(s), %s, checksums %s",
@@ -123,13 +123,17 @@ class ReshardModelLoader(BaseModelLoader):
         if cfg is None:
             raise ReshardLoadError("--load-format reshard: no vLLM config is set (load_weights outside an engine?)")
         par = cfg.parallel_config
-        return Engine(
+        dtype = str(model_config.dtype).removeprefix("torch.")
+        layout = Layout(
             tp=par.tensor_parallel_size,
             pp=par.pipeline_parallel_size,
             ep=bool(par.enable_expert_parallel),
-            dtype=str(model_config.dtype).removeprefix("torch."),
-            quantization=model_config.quantization,
+            dtype=dtype if dtype in DTYPES else "auto",  # another dtype than reshard writes: never a match
             moe_backend=str(getattr(cfg.kernel_config, "moe_backend", "auto")),
+        )
+        return Engine(
+            layout=layout,
+            quantization=model_config.quantization,
             vllm_version=vllm.__version__,
             tp_rank=get_tensor_model_parallel_rank(),
             pp_rank=get_pp_group().rank_in_group,

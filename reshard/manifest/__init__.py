@@ -1,0 +1,138 @@
+"""The manifest `reshard.json`: what a run wrote, with checksums and the layout. Written last.
+
+One home for its schema (`schema.py`: typed records, parsed and validated, written back), reading and
+writing it durably (here), and the partial manifests of `save --ranks` pieces and their assembly into
+the whole (`pieces.py`). Nothing outside this package reads a manifest's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from reshard import VLLM_LAYOUT, VLLM_VERSIONS, __version__
+from reshard.errors import CorruptError
+from reshard.format import fsync_dir
+from reshard.hashing import hash_file
+from reshard.manifest.schema import (
+    FORMAT,
+    FORMAT_VERSION,
+    FileRecord,
+    Manifest,
+    ManifestProblem,
+    SideRecord,
+    TensorRecord,
+    parse,
+)
+from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB
+from reshard.serve import PLUGIN_LOAD_FORMAT
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "FileRecord",
+    "Manifest",
+    "ManifestProblem",
+    "SideRecord",
+    "TensorRecord",
+    "build_manifest",
+    "parse",
+    "read_manifest",
+    "side_file_entries",
+    "write_manifest",
+]
+
+
+def side_file_entries(folder: Path, copied: list[str], algorithm: str) -> list[SideRecord]:
+    """Size and checksum of every regular file under the copied names (folders walked), sorted."""
+    out: list[SideRecord] = []
+    for name in copied:
+        top = folder / name
+        paths = [top] if not top.is_dir() else [p for p in sorted(top.rglob("*")) if p.is_file()]
+        for p in paths:
+            if p.is_symlink():
+                continue
+            out.append(SideRecord(p.relative_to(folder).as_posix(), p.stat().st_size, hash_file(p, algorithm)))
+    return out
+
+
+def build_manifest(
+    plan,
+    written,
+    *,
+    run_id: str,
+    created: str,
+    out_dir: str,
+    copied: list[str],
+    source_tensors: dict[str, tuple[str, tuple[int, ...]]],
+    checksum: str,
+    copied_files: list[SideRecord] | None = None,
+) -> Manifest:
+    """The manifest of `written` (name, size, digest of each file, by `checksum`) for `plan` (a
+    `reshard.plan.Plan`); a `--ranks` piece lists only the files it wrote."""
+    sums = {w.name: w for w in written}
+    files = []
+    for f in plan.files:
+        if f.name in sums:
+            tensors = tuple(TensorRecord(t.name, t.dtype, tuple(t.shape)) for t in f.tensors)
+            files.append(
+                FileRecord(f.name, f.tp_rank, f.pp_rank, f.part, sums[f.name].size, sums[f.name].digest, tensors)
+            )
+    return Manifest(
+        run_id=run_id,
+        source=plan.source,
+        architecture=plan.architecture,
+        layout=plan.layout,
+        files=tuple(files),
+        checksum=checksum,
+        reshard_version=__version__,
+        created=created,
+        vllm_layout=VLLM_LAYOUT,
+        vllm_versions=VLLM_VERSIONS,
+        total_bytes=sum(w.size for w in written),
+        copied=tuple(copied),
+        copied_files=tuple(copied_files or ()),
+        source_tensors=source_tensors,
+        serve=plan.serve_command(out_dir),
+        serve_reshard=plan.serve_command(out_dir, load_format=PLUGIN_LOAD_FORMAT),
+        notes=tuple(plan.notes),
+    )
+
+
+def write_manifest(out_dir: Path, manifest: Manifest, name: str = MANIFEST) -> Path:
+    """Write durably under a temporary name, then rename into place."""
+    path = out_dir / name
+    tmp = out_dir / f".{name}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest.to_json(), f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(out_dir)
+    return path
+
+
+def read_manifest(out_dir: Path, name: str = MANIFEST) -> Manifest:
+    """The folder's manifest, validated. Raises CorruptError saying what to do."""
+    path = out_dir / name
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CorruptError(
+            f"{out_dir}: no {MANIFEST}: not a complete reshard output",
+            "rerun `reshard save`, or check a foreign folder with --against SOURCE --tp T",
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CorruptError(f"{path}: malformed manifest ({e})", "rerun `reshard save`") from e
+    try:
+        return parse(obj)
+    except ManifestProblem as e:
+        what = "not a reshard manifest" if str(e) == "not a reshard manifest" else f"malformed manifest ({e})"
+        raise CorruptError(f"{path}: {what}", "rerun `reshard save`") from None
+
+
+def piece_paths(out_dir: Path) -> list[Path]:
+    """The partial manifests of `--ranks` pieces in `out_dir`, by name."""
+    return sorted(out_dir.glob(PIECE_MANIFEST_GLOB))

@@ -1,0 +1,142 @@
+"""The schedule: every source read of a save, in order, and which rank tensors consume it.
+
+Computed once from the plan before any I/O (reshard.execute): one `Step` per tensor name in one
+global order shared by every rank, each with its `Read`s of source rows in chunks of about
+`chunk_bytes`. The reader threads read ahead through this list and the main thread emits from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from reshard.format import ITEMSIZE, TensorInfo
+from reshard.io.writer import page_aligned_header
+from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key
+
+DEFAULT_CHUNK = 32 * 1024 * 1024
+ALL_ROWS = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """One source read: bytes [start, start + nbytes) of `info`.
+
+    rows: the source rows [r0, r1) it holds; None: the whole tensor (it is up-sampled).
+    piece: None: fed to every rank's copy of the step's tensor (one pass over the source);
+        (holder, piece): the one piece it is read for (a tensor one pass cannot serve).
+    """
+
+    info: TensorInfo
+    start: int
+    nbytes: int
+    rows: tuple[int, int] | None
+    piece: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One tensor name: every rank's copy of it (file, tensor), the reads that make them, and the
+    files whose last tensor it is."""
+
+    name: str
+    slots: tuple[tuple[OutFile, OutTensor], ...]
+    reads: tuple[Read, ...]
+    closes: tuple[str, ...]
+
+
+def schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Step]:
+    """The plan's tensors in the global write order (widest dtype first, then natural name order),
+    each with its reads: source rows in chunks of about `chunk_bytes`."""
+    slots: dict[str, list[tuple[OutFile, OutTensor]]] = {}
+    last: dict[str, str] = {}  # file -> name of its last tensor
+    for f in plan.files:
+        for t in f.tensors:
+            slots.setdefault(t.name, []).append((f, t))
+        if f.tensors:
+            last[f.name] = f.tensors[-1].name
+    order = sorted(slots, key=lambda n: (-ITEMSIZE[slots[n][0][1].dtype], natural_key(n)))
+    return [
+        Step(
+            name,
+            tuple(slots[name]),
+            tuple(_reads([t for _, t in slots[name]], tensors, chunk_bytes)),
+            tuple(f.name for f, _ in slots[name] if last[f.name] == name),
+        )
+        for name in order
+    ]
+
+
+def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterator[Read]:
+    """The reads that make one tensor name's copies (`out`): one pass over each source in row
+    chunks, or, where the pieces' order does not allow that, one read per piece."""
+    sources = _sources(out)
+    if not _streamable(out, list(sources)):
+        for h, t in enumerate(out):
+            for i, p in enumerate(t.pieces):
+                if isinstance(p, Slice):
+                    info = tensors[p.source]
+                    (a, *_), (b, *_) = bounds(p)
+                    yield _whole(info, (h, i)) if p.up else _rows(info, a, b, (h, i))
+        return
+    for s, (up, lo, hi) in sources.items():
+        info = tensors[s]
+        if up:
+            yield _whole(info)
+            continue
+        rows_per_chunk = max(1, chunk_bytes // max(_row_bytes(info), 1))
+        for c0 in range(lo, hi, rows_per_chunk):
+            yield _rows(info, c0, min(c0 + rows_per_chunk, hi))
+
+
+def _whole(info: TensorInfo, piece: tuple[int, int] | None = None) -> Read:
+    return Read(info, 0, info.nbytes, None, piece)
+
+
+def _rows(info: TensorInfo, r0: int, r1: int, piece: tuple[int, int] | None = None) -> Read:
+    row_bytes = _row_bytes(info)
+    return Read(info, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1), piece)
+
+
+def _sources(tensors: list[OutTensor]) -> dict[str, tuple[bool, int, int]]:
+    """Source tensors of these pieces in order of first use: whether a piece up-samples it, and
+    the span of its rows the pieces use."""
+    out: dict[str, tuple[bool, int, int]] = {}
+    for t in tensors:
+        for p in t.pieces:
+            if isinstance(p, Slice):
+                (a, *_), (b, *_) = bounds(p)
+                up, lo, hi = out.get(p.source, (False, a, b))
+                out[p.source] = (up or bool(p.up), min(lo, a), max(hi, b))
+    return out
+
+
+def _streamable(tensors: list[OutTensor], sources: list[str]) -> bool:
+    """Can one pass over each source, in order, emit every tensor's pieces in order?"""
+    rank = {s: i for i, s in enumerate(sources)}
+    for t in tensors:
+        prev: Slice | None = None
+        for p in (p for p in t.pieces if isinstance(p, Slice)):
+            if p.step > 1 or (prev is not None and rank[p.source] < rank[prev.source]):
+                return False  # strided rows (each piece from its own read), or sources out of order
+            back = prev is not None and p.source == prev.source and (p.up or bounds(p)[0][0] < bounds(prev)[1][0])
+            if back and not p.row_of(prev):
+                return False
+            prev = p
+    return True
+
+
+def shape_of(t: TensorInfo) -> tuple[int, ...]:
+    return t.shape if t.shape else (1,)
+
+
+def _row_bytes(t: TensorInfo) -> int:
+    return t.nbytes // shape_of(t)[0]
+
+
+def bounds(p: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return (p.start, p.stop) if p.start else ((0,), (1,))
+
+
+def file_header(f: OutFile, metadata: dict[str, str]) -> bytes:
+    return page_aligned_header([(t.name, t.dtype, t.shape) for t in f.tensors], metadata)
