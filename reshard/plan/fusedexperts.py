@@ -29,7 +29,7 @@ from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan import backends
 from reshard.plan.context import Context
-from reshard.plan.geometry import cdiv, divisors
+from reshard.plan.geometry import cdiv, divisors, ep_experts
 from reshard.plan.model import Fill, OutTensor, Piece, Slice
 from reshard.rules import Module
 
@@ -73,8 +73,7 @@ def fused_experts(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTen
     bias_dtype = "BF16" if mx else ctx.dtype
     for r in range(tp):
         if ctx.ep:
-            per = num // tp
-            experts, start, size = range(r * per, (r + 1) * per), 0, inter
+            experts, start, size = ep_experts(num, tp, r), 0, inter  # num divides by tp: E // tp each
         else:
             experts = range(num)
             start = min(r * geo.stride, inter)
@@ -106,9 +105,7 @@ def _halves(ctx: Context, m: Module, target: str, gate_up: str, down: str, per_t
     ip = geo.alloc
     for r in range(tp):
         if ctx.ep:
-            base, rem = divmod(num, tp)  # expert_map_manager.determine_expert_map: linear
-            first = r * base + min(r, rem)
-            experts, start = range(first, first + base + (r < rem)), 0
+            experts, start = ep_experts(num, tp, r), 0
         else:
             experts, start = range(num), r * ip
         w13 = tuple(
