@@ -68,7 +68,7 @@ class LinearRank:
         rows: per slot, this rank's rows [start, stop) of the slot and the shard index they are.
         in_size: the weight's global input size; cols: this rank's input columns [start, stop).
         splits_rows / splits_cols: tensor parallelism cuts the output rows (column-parallel
-            kinds) or the input columns (row-parallel), with more than one rank.
+            styles) or the input columns (row-parallel), with more than one rank.
     """
 
     target: str
