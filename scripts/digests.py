@@ -26,7 +26,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # (source, save arguments): every fixture family at TP 2, the MoE ones with EP, PP where it applies
-_DENSE = ["llama", "llama-tied", "llama-tied-lmhead", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3-fp8"]
+_DENSE = [
+    "llama",
+    "llama-tied",
+    "llama-tied-lmhead",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "phi3-fp8",
+]
 _MOE = ["qwen3-moe", "mixtral", "qwen2-moe", "qwen3-moe-fp8", "deepseek-v3", "deepseek-v3-fp8", "deepseek-v2-lite"]
 _MOE += ["qwen3-next", "qwen3-next-fp8", "qwen3.5-moe", "gpt-oss", "llama4", "llama4-text", "glm4-moe", "minimax-m2"]
 _MOE += ["minimax-m2-fp8", "kimi-k2"]
@@ -39,7 +50,7 @@ CASES: list[tuple[str, list[str]]] = (
     [(a, ["--tp", "2"]) for a in _DENSE + _MOE + _QUANT]
     + [(a, ["--tp", "4"]) for a in ["llama", "qwen3", "qwen3-moe-fp8", "phi3+fp8-tensor-static", "llama+ct-tensor"]]
     + [(a, ["--tp", "4", "--ep"]) for a in ["qwen3-moe", "qwen3-next", "glm4-moe", "deepseek-v3"]]
-    + [(a, ["--tp", "2", "--ep"]) for a in _MOE + ["qwen3-moe+ct-channel", "gpt-oss+mxfp4"]]
+    + [(a, ["--tp", "2", "--ep"]) for a in [*_MOE, "qwen3-moe+ct-channel", "gpt-oss+mxfp4"]]
     + [(a, ["--tp", "1", "--pp", "2"]) for a in ["llama-tied", "gemma2", "phi3", "deepseek-v3", "qwen3-next"]]
     + [(a, ["--tp", "2", "--pp", "2"]) for a in ["qwen3-moe", "llama4", "qwen3.5-moe"]]
     + [("qwen3", ["--tp", "2", "--pp", "2", "--pp-layer-partition", "3,1"])]

@@ -2,7 +2,7 @@
 
 planner   build_plan: walks the architecture's rule table (reshard.rules), stage by stage
 context   what the rules see while planning: source lookups, sizes, notes, the scheme
-slicers   one module -> per-rank tensors, by kind; linear and experts in their own modules
+slicers   one rule -> per-rank tensors, a slicer per style; linear and experts in their own modules
 quant     the quantization scheme: one strategy object per scheme, chosen from config.json
 kvscales  FP8 KV-cache scales: the checkpoint names vLLM 0.32 loads into attention scales
 geometry  sizes shared by the slicers and the schemes (Dims, LinearRank, MoeSplit)

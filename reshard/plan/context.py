@@ -12,7 +12,7 @@ from reshard.format import TensorInfo
 from reshard.plan.geometry import Dims, divisors
 from reshard.plan.kvscales import KV_PARAMS, kv_scale_sources
 from reshard.plan.quant import Quant, quant_from_config
-from reshard.rules import Architecture, Kind, Module
+from reshard.rules import Architecture
 
 
 class Context:
@@ -70,11 +70,12 @@ class Context:
         """A module field that is a literal or the config key that says so."""
         return bool(self.config.get(value, False)) if isinstance(value, str) else value
 
-    def quantized(self, module: Module, hf_prefixes: list[str]) -> bool:
-        if not self.quant or not module.quant:
+    def quantized(self, hf_prefixes: list[str], *, experts: bool = False) -> bool:
+        """The checkpoint's scheme applies to the modules at `hf_prefixes` (not on its ignore list)."""
+        if not self.quant:
             return False
         names = [self.arch.hf_name(p) for p in hf_prefixes]
-        return self.quant.quantizes(names, experts=module.kind in (Kind.EXPERTS, Kind.FUSED_EXPERTS))
+        return self.quant.quantizes(names, experts=experts)
 
     def kv_found(self, target: str) -> dict[str, str]:
         """The attention layer `target`'s KV-cache parameters the checkpoint holds a tensor for."""

@@ -17,13 +17,13 @@ from reshard.plan.context import Context
 from reshard.plan.geometry import MoeSplit, divisors
 from reshard.plan.model import OutTensor, padded_cols, padded_rows
 from reshard.plan.quant import Quant
-from reshard.rules import Module
+from reshard.rules import Experts
 
 
-def experts(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+def experts(ctx: Context, m: Experts, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """Append the experts module `m` of the layer at `prefix` to every rank."""
     split = _split(ctx, m, prefix)
-    scheme = ctx.quant if ctx.quantized(m, [split.base]) else None
+    scheme = ctx.quant if ctx.quantized([split.base], experts=True) else None
     split = _allocation(ctx, split, scheme)
     weights = _weights(ctx, split, scheme)
     scales = scheme.expert_scales(ctx, split) if scheme else None
@@ -79,20 +79,20 @@ def _allocation(ctx: Context, split: MoeSplit, scheme: Quant | None) -> MoeSplit
     return replace(split, alloc=alloc, blocked=True)
 
 
-def _split(ctx: Context, m: Module, prefix: str) -> MoeSplit:
+def _split(ctx: Context, m: Experts, prefix: str) -> MoeSplit:
     """How this layer's experts cut across ranks; refused where vLLM refuses the layout."""
     d, tp = ctx.dims, ctx.tp
     split = MoeSplit(
         target=prefix + m.name,
-        base=prefix + m.slots[0],
-        names=m.expert_names,
+        base=prefix + m.hf,
+        names=m.names,
         num=d.num_experts,
         inter=d.moe_intermediate,
         hidden=d.hidden,
         tp=tp,
         ep=ctx.ep,
     )
-    if ctx.arch.tp_at_most_experts and tp > split.num:
+    if m.tp_at_most_experts and tp > split.num:
         raise UnsupportedError(f"--tp {tp} is greater than the number of experts {split.num}; vLLM refuses this")
     if ctx.ep and split.num < tp:
         raise UnsupportedError(f"--ep with --tp {tp} needs at least {tp} experts, the model has {split.num}")

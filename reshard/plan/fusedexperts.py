@@ -29,18 +29,18 @@ from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan import backends
 from reshard.plan.context import Context
-from reshard.plan.geometry import cdiv, divisors
+from reshard.plan.geometry import cdiv, divisors, ep_experts
 from reshard.plan.model import Fill, OutTensor, Piece, Slice
-from reshard.rules import Module
+from reshard.rules import FusedExperts
 
 MX_BLOCK = 32  # OCP_MX_BLOCK_SIZE: values per e8m0 scale
 MX_BYTES = MX_BLOCK // 2  # two e2m1 values per byte
 
 
-def fused_experts(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
-    """Append the gpt-oss experts module `m` of the layer at `prefix` to every rank."""
+def fused_experts(ctx: Context, m: FusedExperts, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """Append the fused experts module `m` (gpt-oss, Llama-4) of the layer at `prefix` to every rank."""
     target = prefix + m.name
-    gate_up, down = (prefix + s for s in m.slots)
+    gate_up, down = prefix + m.gate_up, prefix + m.down
     d, tp = ctx.dims, ctx.tp
     num, inter, hidden = d.num_experts, d.moe_intermediate, d.hidden
     if ctx.ep and num % tp:
@@ -49,15 +49,15 @@ def fused_experts(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTen
             f"divide by --tp {tp}",
             f"use a --tp that divides {num}: {divisors(num)}",
         )
-    mx = ctx.quantized(m, [prefix + m.slots[0].rsplit(".", 1)[0]])
+    mx = ctx.quantized([gate_up.rsplit(".", 1)[0]], experts=True)
     if ctx.quant and not mx:
         raise UnsupportedError(
             f"{target}: {ctx.quant.method} experts of {ctx.arch.names[0]} are not supported (their vLLM layout is "
             "not checked)",
             "use the bf16 release",
         )
-    if m.gate_up_halves:
-        _halves(ctx, m, target, gate_up, down, per_tp)
+    if m.halves:
+        _halves(ctx, target, gate_up, down, per_tp)
         return
     bias_gu = _src(ctx, f"{gate_up}_bias", target, (num, 2 * inter))
     bias_dn = _src(ctx, f"{down}_bias", target, (num, hidden))
@@ -73,8 +73,7 @@ def fused_experts(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTen
     bias_dtype = "BF16" if mx else ctx.dtype
     for r in range(tp):
         if ctx.ep:
-            per = num // tp
-            experts, start, size = range(r * per, (r + 1) * per), 0, inter
+            experts, start, size = ep_experts(num, tp, r), 0, inter  # num divides by tp: E // tp each
         else:
             experts = range(num)
             start = min(r * geo.stride, inter)
@@ -96,7 +95,7 @@ def fused_experts(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTen
         per_tp[r].extend(out)
 
 
-def _halves(ctx: Context, m: Module, target: str, gate_up: str, down: str, per_tp: list[list[OutTensor]]) -> None:
+def _halves(ctx: Context, target: str, gate_up: str, down: str, per_tp: list[list[OutTensor]]) -> None:
     """Llama-4: gate columns [0, I), up columns [I, 2I) of `gate_up_proj`, no biases."""
     d, tp = ctx.dims, ctx.tp
     num, inter, hidden = d.num_experts, d.moe_intermediate, d.hidden
@@ -106,9 +105,7 @@ def _halves(ctx: Context, m: Module, target: str, gate_up: str, down: str, per_t
     ip = geo.alloc
     for r in range(tp):
         if ctx.ep:
-            base, rem = divmod(num, tp)  # expert_map_manager.determine_expert_map: linear
-            first = r * base + min(r, rem)
-            experts, start = range(first, first + base + (r < rem)), 0
+            experts, start = ep_experts(num, tp, r), 0
         else:
             experts, start = range(num), r * ip
         w13 = tuple(

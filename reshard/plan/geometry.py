@@ -35,6 +35,15 @@ def divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def ep_experts(num: int, ranks: int, r: int) -> range:
+    """The experts rank r of `ranks` holds under expert parallelism: vLLM's linear placement
+    (expert_map_manager.determine_expert_map), consecutive experts, the remainder one each to the
+    first ranks. gpt-oss's own loader (E // ranks each) is the same where `ranks` divides `num`."""
+    base, rem = divmod(num, ranks)
+    start = r * base + min(r, rem)
+    return range(start, start + base + (r < rem))
+
+
 @dataclass(frozen=True)
 class Dims:
     hidden: int
@@ -59,7 +68,7 @@ class LinearRank:
         rows: per slot, this rank's rows [start, stop) of the slot and the shard index they are.
         in_size: the weight's global input size; cols: this rank's input columns [start, stop).
         splits_rows / splits_cols: tensor parallelism cuts the output rows (column-parallel
-            kinds) or the input columns (row-parallel), with more than one rank.
+            styles) or the input columns (row-parallel), with more than one rank.
     """
 
     target: str
@@ -124,11 +133,5 @@ class MoeSplit:
         return 0 if self.ep else r
 
     def experts(self, r: int) -> range:
-        """Rank r's experts: all of them under TP; vLLM's linear placement under EP
-        (expert_map_manager.determine_expert_map)."""
-        if not self.ep:
-            return range(self.num)
-        base, rem = divmod(self.num, self.tp)
-        count = base + 1 if r < rem else base
-        start = r * base + min(r, rem)
-        return range(start, start + count)
+        """Rank r's experts: all of them under TP, its share under EP (`ep_experts`)."""
+        return ep_experts(self.num, self.tp, r) if self.ep else range(self.num)

@@ -73,11 +73,6 @@ def kv_scale_sources(names: Iterable[str], *, fp8_config: bool) -> dict[str, lis
     return out
 
 
-def original_kv_names(names: Iterable[str], *, fp8_config: bool) -> list[str]:
-    """The checkpoint tensors among `names` that are KV-cache scales in some naming."""
-    return [n for n in names if vllm_kv_name(n, fp8_config=fp8_config) is not None]
-
-
 def kv_cache_scheme(scheme: dict | None) -> str | None:
     """A compressed-tensors kv_cache_scheme's strategy, refused where vLLM 0.32 refuses it
     (CompressedTensorsKVCacheMethod.validate_kv_cache_scheme)."""

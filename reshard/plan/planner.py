@@ -17,7 +17,7 @@ from reshard.plan.geometry import divisors
 from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
 from reshard.plan.slicers import add_module, padded_vocab
-from reshard.rules import Kind, Module, get_architecture
+from reshard.rules import Attention, Rule, Vocab, get_architecture
 
 
 def build_plan(ckpt: Checkpoint, layout: Layout, *, max_part_size: int = DEFAULT_MAX_PART) -> Plan:
@@ -144,7 +144,7 @@ def plan_stage(ctx: Context, ranges: list[tuple[int, int]], pp_rank: int) -> lis
     for m in on_stage:
         if not m.present(config):
             continue
-        if ctx.dims.tie and any(t.tied == m.name for t in on_stage):
+        if ctx.dims.tie and any(isinstance(t, Vocab) and t.tied == m.name for t in on_stage):
             continue  # tied: vLLM's state dict keeps only the lm_head alias
         add_module(ctx, m, "", per_tp)
     first, stop = ranges[pp_rank]
@@ -156,7 +156,7 @@ def plan_stage(ctx: Context, ranges: list[tuple[int, int]], pp_rank: int) -> lis
     return per_tp
 
 
-def top_on_stage(ctx: Context, m: Module, pp_rank: int, last: int) -> bool:
+def top_on_stage(ctx: Context, m: Rule, pp_rank: int, last: int) -> bool:
     """The embedding on the first stage (and the last, when tied), other top modules on the last."""
     if ctx.arch.top_on_every_stage or m.name in ctx.arch.every_stage:
         return True
@@ -180,12 +180,6 @@ def check_attention(ctx: Context) -> None:
         raise UnsupportedError(
             f"num_key_value_heads={d.num_kv_heads} and --tp {tp} do not divide each other",
             "vLLM needs one to divide the other",
-        )
-    if ctx.arch.kv_heads_split_only and d.num_kv_heads % tp:
-        raise UnsupportedError(
-            f"num_key_value_heads={d.num_kv_heads} is not divisible by --tp {tp}: vLLM's {ctx.arch.names[0]} "
-            "gives each rank num_key_value_heads // tp heads and fails to build with fewer than one",
-            f"use a --tp that divides it: {divisors(d.num_kv_heads)}",
         )
     padded = padded_vocab(d.vocab)
     if padded % tp:
@@ -239,7 +233,7 @@ def skip_kv_scales_vllm_ignores(ctx: Context, extra: list[str]) -> set[str]:
     if not kv:
         return set()
     name, mapped = kv[0]
-    if ctx.quant and any(m.kind is Kind.ATTENTION and not m.quant for m in ctx.arch.layer):
+    if ctx.quant and any(isinstance(m, Attention) and not m.kv_cache for m in ctx.arch.layer):
         ctx.note(
             f"{len(kv)} KV-cache scale tensor(s) left out, e.g. {name}: vLLM 0.32 drops them with a warning "
             "(MLA attention has no FP8 KV-cache scale parameters; its scales stay 1.0), so the output matches it"

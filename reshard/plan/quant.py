@@ -149,7 +149,7 @@ class _BlockScales(Quant):
                     f"{lin.target}: per-rank output size {part} is not divisible by the FP8 block {bn}",
                     "vLLM refuses this split; use a smaller --tp",
                 )
-            # a fused HF tensor's rows, or those of the slots sharing this slot's tensor (Module.sizes)
+            # a fused HF tensor's rows, or those of the slots sharing this slot's tensor (the styles' `sizes`)
             rows_in = total if total is not None else sum(n for t, n in zip(scales, lin.outs, strict=True) if t == s)
             if s.shape != (cdiv(rows_in, bn), cdiv(lin.in_size, bk)):
                 raise SourceError(

@@ -1,54 +1,72 @@
-"""One module of the rule table -> its tensors on every rank, by kind.
+"""One rule of the table -> its tensors on every rank, by its style: `SLICERS` maps each style class
+of reshard.rules to its slicer.
 
-Linear kinds live in reshard.plan.linear, routed experts in reshard.plan.experts; the vocabulary
-(embedding, lm_head) and the attention buffers, which have no quantized weight, are here.
+Linear styles live in reshard.plan.linear, routed experts in reshard.plan.experts and
+reshard.plan.fusedexperts; the vocabulary (embedding, lm_head), the attention buffers and the per-head
+parameters, which have no quantized weight, are here.
 """
 
 from __future__ import annotations
 
-from reshard.errors import SourceError
+from collections.abc import Callable
+from typing import Any
+
+from reshard.errors import SourceError, UnsupportedError
 from reshard.plan.context import Context
 from reshard.plan.experts import experts
 from reshard.plan.fusedexperts import fused_experts
-from reshard.plan.geometry import cdiv
+from reshard.plan.geometry import cdiv, divisors
 from reshard.plan.kvscales import KvHeads
-from reshard.plan.linear import linear
+from reshard.plan.linear import column, merged, qkv, replicate, row
 from reshard.plan.model import Fill, OutTensor, Piece, Slice, rows
-from reshard.rules import Kind, Module
+from reshard.rules import (
+    QKV,
+    Attention,
+    Column,
+    Experts,
+    FusedExperts,
+    HeadNorm,
+    Heads,
+    Merged,
+    Replicate,
+    Row,
+    Rule,
+    Vocab,
+)
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
+
+# a slicer appends one rule, under a layer's prefix ("" for a top module), to every rank's tensors
+Slicer = Callable[[Context, Any, str, list[list[OutTensor]]], None]
 
 
 def padded_vocab(vocab: int) -> int:
     return cdiv(vocab, VOCAB_PADDING) * VOCAB_PADDING
 
 
-def add_module(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
-    """Append module `m`, under `prefix` ("" for a top module), to every rank's tensors."""
-    if m.kind is Kind.ATTENTION:
-        attention(ctx, m, prefix, per_tp)
-    elif m.kind is Kind.EXPERTS:
-        experts(ctx, m, prefix, per_tp)
-    elif m.kind is Kind.FUSED_EXPERTS:
-        fused_experts(ctx, m, prefix, per_tp)
-    elif m.kind is Kind.HEADS:
-        heads(ctx, m, prefix, per_tp)
-    elif m.kind is Kind.VOCAB:
-        vocab(ctx, m, prefix, per_tp)
-    elif m.kind is Kind.HEAD_NORM:
-        head_norm(ctx, m, prefix, per_tp)
-    else:
-        linear(ctx, m, prefix, per_tp)
+def add_module(ctx: Context, m: Rule, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """Append rule `m`, under `prefix` ("" for a top module), to every rank's tensors."""
+    slicer = SLICERS.get(type(m))
+    if slicer is None:
+        raise AssertionError(f"{prefix}{m.name}: no slicer for the style {type(m).__name__}")
+    slicer(ctx, m, prefix, per_tp)
 
 
-def attention(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+def attention(ctx: Context, m: Attention, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """The attention layer's buffers: vLLM's unit scales, plus the quantized KV-cache method's."""
     target = prefix + m.name
+    kv = ctx.dims.num_kv_heads
+    if m.kv_heads_split_only and kv % ctx.tp:
+        raise UnsupportedError(
+            f"num_key_value_heads={kv} is not divisible by --tp {ctx.tp}: vLLM's {ctx.arch.names[0]} "
+            "gives each rank num_key_value_heads // tp heads and fails to build with fewer than one",
+            f"use a --tp that divides it: {divisors(kv)}",
+        )
     buffers = [
         OutTensor(f"{target}.{s}", "F32", (), (Fill(1.0, 1),))
         for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
     ]
-    quant = ctx.quant if m.quant else None
+    quant = ctx.quant if m.kv_cache else None
     found = ctx.kv_found(target) if quant else {}
     for r in range(ctx.tp):
         per_tp[r].extend(buffers)
@@ -56,10 +74,10 @@ def attention(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]
             per_tp[r].extend(quant.kv_buffers(ctx, target, ctx.dtype, found, KvHeads(ctx.dims.num_kv_heads, ctx.tp, r)))
 
 
-def heads(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+def heads(ctx: Context, m: Heads, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """A per-head vector (gpt-oss `sinks`): rank r holds heads [r * n, (r + 1) * n), n = heads / tp."""
     target = prefix + m.name
-    t = ctx.src(f"{prefix}{m.slots[0]}.{m.param}", target)
+    t = ctx.src(f"{prefix}{m.hf}.{m.param}", target)
     if t.shape != (ctx.dims.num_heads,):
         raise SourceError(
             f"{t.name} has shape {list(t.shape)}, expected [{ctx.dims.num_heads}] (config.json num_attention_heads)"
@@ -69,10 +87,10 @@ def heads(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -
         per_tp[r].append(OutTensor(f"{target}.{m.param}", m.dtype or ctx.dtype, (n,), (rows(t, r * n, (r + 1) * n),)))
 
 
-def vocab(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+def vocab(ctx: Context, m: Vocab, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """Embedding / lm_head rows, padded to a multiple of 64 with zero rows, then split."""
     target = prefix + m.name
-    source = prefix + (m.tied if (m.tied and ctx.dims.tie) else m.slots[0])
+    source = prefix + (m.tied if (m.tied and ctx.dims.tie) else m.hf)
     t = ctx.src(f"{source}.weight", target)
     v, h = ctx.dims.vocab, ctx.dims.hidden
     if t.shape != (v, h):
@@ -91,12 +109,12 @@ def vocab(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -
         per_tp[r].append(OutTensor(f"{target}.weight", ctx.dtype, (n, h), tuple(pieces)))
 
 
-def head_norm(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+def head_norm(ctx: Context, m: HeadNorm, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """A norm weight over every head, split like the heads (vLLM minimax_rms_norm.MiniMaxText01RMSNormTP):
     query heads into tp equal parts; KV heads into tp parts, or into num_kv_heads parts when fewer,
     rank r holding part r // (tp // num_kv_heads)."""
     target = prefix + m.name
-    t = ctx.src(f"{prefix}{m.slots[0]}.weight", target)
+    t = ctx.src(f"{prefix}{m.hf}.weight", target)
     heads = ctx.dims.num_kv_heads if m.kv_heads else ctx.dims.num_heads
     if len(t.shape) != 1 or t.shape[0] % heads:
         raise SourceError(
@@ -110,3 +128,18 @@ def head_norm(ctx: Context, m: Module, prefix: str, per_tp: list[list[OutTensor]
         per_tp[r].append(
             OutTensor(f"{target}.weight", m.dtype or ctx.dtype, (n,), (Slice(t.name, (k * n,), ((k + 1) * n,)),))
         )
+
+
+SLICERS: dict[type[Rule], Slicer] = {
+    Replicate: replicate,
+    Column: column,
+    Row: row,
+    Merged: merged,
+    QKV: qkv,
+    Vocab: vocab,
+    Heads: heads,
+    HeadNorm: head_norm,
+    Attention: attention,
+    Experts: experts,
+    FusedExperts: fused_experts,
+}

@@ -13,7 +13,22 @@ from reshard.rules.minimax import MINIMAX_M2
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
 from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_NEXT
-from reshard.rules.spec import Architecture, Kind, Module
+from reshard.rules.spec import Architecture, Mixers, WeightsMapper
+from reshard.rules.styles import (
+    QKV,
+    Attention,
+    Column,
+    Experts,
+    FusedExperts,
+    HeadNorm,
+    Heads,
+    Linear,
+    Merged,
+    Replicate,
+    Row,
+    Rule,
+    Vocab,
+)
 
 ARCHITECTURES: dict[str, Architecture] = {}
 
@@ -65,4 +80,25 @@ def get_architecture(config: dict) -> tuple[str, Architecture]:
     )
 
 
-__all__ = ["ARCHITECTURES", "REFUSED", "Architecture", "Kind", "Module", "get_architecture", "register"]
+__all__ = [
+    "ARCHITECTURES",
+    "QKV",
+    "REFUSED",
+    "Architecture",
+    "Attention",
+    "Column",
+    "Experts",
+    "FusedExperts",
+    "HeadNorm",
+    "Heads",
+    "Linear",
+    "Merged",
+    "Mixers",
+    "Replicate",
+    "Row",
+    "Rule",
+    "Vocab",
+    "WeightsMapper",
+    "get_architecture",
+    "register",
+]

@@ -9,55 +9,59 @@ under `self_attn.mla_attn.`. The router and the noaux_tc bias are handed to the 
 """
 
 from reshard.rules.llama import DOWN, FROM_HIDDEN, NORMS, UP
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.spec import Architecture, WeightsMapper, stacked_params_mapping
+from reshard.rules.styles import Attention, Column, Experts, Merged, Replicate, Row, Vocab
+
+# vLLM deepseek_v2.py DeepseekV2Model.load_weights: stacked_params_mapping + mla_params_mapping
+# (the indexer's and MHA's mappings name no module of these models)
+MAPPER = WeightsMapper(
+    orig_to_new_stacked=stacked_params_mapping(
+        [
+            # (param_name, shard_name, shard_id)
+            ("gate_up_proj", "gate_proj", 0),
+            ("gate_up_proj", "up_proj", 1),
+            ("fused_qkv_a_proj", "q_a_proj", 0),
+            ("fused_qkv_a_proj", "kv_a_proj_with_mqa", 1),
+        ]
+    )
+)
 
 TOP = (
-    Module("model.embed_tokens", Kind.VOCAB, quant=False),
-    replicate("model.norm"),
-    Module("lm_head", Kind.VOCAB, quant=False),  # never tied by vLLM's DeepseekV2ForCausalLM
+    Vocab("model.embed_tokens"),
+    Replicate("model.norm"),
+    Vocab("lm_head"),  # never tied by vLLM's DeepseekV2ForCausalLM
 )
 
 MLA = "self_attn.mla_attn."
 
 MLA_ATTENTION = (
     # with q_lora_rank (V2, V3): q_a_proj and kv_a_proj_with_mqa fused, disable_tp => whole
-    Module(
-        "self_attn.fused_qkv_a_proj",
-        Kind.REPLICATE,
-        ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
-        when="q_lora_rank",
-        dims=FROM_HIDDEN,
-    ),
-    replicate(MLA + "q_a_layernorm", "self_attn.q_a_layernorm", when="q_lora_rank"),
-    Module(MLA + "q_b_proj", Kind.COLUMN, ("self_attn.q_b_proj",), when="q_lora_rank", dims=(None, "q_lora_rank")),
+    Merged("self_attn.fused_qkv_a_proj", disable_tp=True, when="q_lora_rank", dims=FROM_HIDDEN),
+    Replicate(MLA + "q_a_layernorm", "self_attn.q_a_layernorm", when="q_lora_rank"),
+    Column(MLA + "q_b_proj", "self_attn.q_b_proj", when="q_lora_rank", dims=(None, "q_lora_rank")),
     # without q_lora_rank (V2-Lite): a replicated kv_a_proj_with_mqa and a column q_proj
-    Module("self_attn.kv_a_proj_with_mqa", Kind.REPLICATE, when=lambda c: not c.get("q_lora_rank")),
-    Module(MLA + "q_proj", Kind.COLUMN, ("self_attn.q_proj",), when=lambda c: not c.get("q_lora_rank")),
-    replicate("self_attn.kv_a_layernorm"),
-    Module("self_attn.kv_b_proj", Kind.COLUMN, dims=(None, "kv_lora_rank")),  # rows per head: [k_nope; v]
-    Module(MLA + "o_proj", Kind.ROW, ("self_attn.o_proj",)),
+    Replicate("self_attn.kv_a_proj_with_mqa", quant=True, when=lambda c: not c.get("q_lora_rank")),
+    Column(MLA + "q_proj", "self_attn.q_proj", when=lambda c: not c.get("q_lora_rank")),
+    Replicate("self_attn.kv_a_layernorm"),
+    Column("self_attn.kv_b_proj", dims=(None, "kv_lora_rank")),  # rows per head: [k_nope; v]
+    Row(MLA + "o_proj", "self_attn.o_proj"),
     # MLAAttention is not an Attention: Fp8Config gives it no KV-cache method, so only buffers
-    Module(MLA + "mla_attn", Kind.ATTENTION, quant=False),
+    Attention(MLA + "mla_attn", kv_cache=False),
 )
 
 # DeepseekV2MLP: never a bias
 DENSE_MLP = (
-    Module("mlp.gate_up_proj", Kind.MERGED, ("mlp.gate_proj", "mlp.up_proj"), dims=UP),
-    Module("mlp.down_proj", Kind.ROW, dims=DOWN),
+    Merged("mlp.gate_up_proj", dims=UP),
+    Row("mlp.down_proj", dims=DOWN),
 )
 
 SHARED = "mlp.experts._shared_experts._layer."
 # the routed experts and the shared expert (merged gate/up, row down) that DeepseekV2MoE-style
 # layers hand to the fused-MoE runner (GLM-4.5 too)
 ROUTED_AND_SHARED = (
-    Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
-    Module(
-        SHARED + "gate_up_proj",
-        Kind.MERGED,
-        ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"),
-        when="n_shared_experts",
-    ),
-    Module(SHARED + "down_proj", Kind.ROW, ("mlp.shared_experts.down_proj",), when="n_shared_experts"),
+    Experts("mlp.experts.routed_experts", "mlp.experts"),
+    Merged(SHARED + "gate_up_proj", "mlp.shared_experts.gate_up_proj", when="n_shared_experts"),
+    Row(SHARED + "down_proj", "mlp.shared_experts.down_proj", when="n_shared_experts"),
 )
 
 
@@ -76,12 +80,13 @@ def moe_layer(config: dict, layer: int) -> bool:
 
 DEEPSEEK_V2 = Architecture(
     names=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+    hf_to_vllm=MAPPER,
     top=TOP,
     layer=(*NORMS, *MLA_ATTENTION),
     dense_mlp=DENSE_MLP,
     moe_mlp=(
-        replicate("mlp.experts.gate", "mlp.gate"),  # GateLinear without the quant config
-        replicate(
+        Replicate("mlp.experts.gate", "mlp.gate"),  # GateLinear without the quant config
+        Replicate(
             "mlp.experts.gate",
             "mlp.gate",
             param="e_score_correction_bias",

@@ -6,30 +6,32 @@ no lm_head module at all (the logits use the embedding), so its file keeps
 only as `lm_head.weight`. Embedding, norm and lm_head are built on every pipeline stage.
 """
 
-from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, QKV, UP
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, MAPPER, UP
+from reshard.rules.spec import Architecture
+from reshard.rules.styles import QKV, Merged, Replicate, Row, Vocab
 
 NORMS = (
-    replicate("input_layernorm"),
-    replicate("post_attention_layernorm"),
-    replicate("pre_feedforward_layernorm"),
-    replicate("post_feedforward_layernorm"),
+    Replicate("input_layernorm"),
+    Replicate("post_attention_layernorm"),
+    Replicate("pre_feedforward_layernorm"),
+    Replicate("post_feedforward_layernorm"),
 )
 
 ATTENTION = (
-    Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN),
-    Module("self_attn.o_proj", Kind.ROW, bias="attention_bias"),
+    QKV("self_attn.qkv_proj", bias="attention_bias", dims=FROM_HIDDEN),
+    Row("self_attn.o_proj", bias="attention_bias"),
 )
 
 # Gemma2MLP / Gemma3MLP: no bias
 GEMMA_MLP = (
-    Module("mlp.gate_up_proj", Kind.MERGED, ("mlp.gate_proj", "mlp.up_proj"), dims=UP),
-    Module("mlp.down_proj", Kind.ROW, dims=DOWN),
+    Merged("mlp.gate_up_proj", dims=UP),
+    Row("mlp.down_proj", dims=DOWN),
 )
 
 GEMMA2 = Architecture(
     names=("Gemma2ForCausalLM",),
-    top=(Module("model.embed_tokens", Kind.VOCAB, quant=False), replicate("model.norm")),
+    hf_to_vllm=MAPPER,  # vLLM gemma2.py Gemma2Model.hf_to_vllm_mapper: Llama's
+    top=(Vocab("model.embed_tokens"), Replicate("model.norm")),
     layer=(*NORMS, *ATTENTION, ATTN),
     dense_mlp=GEMMA_MLP,
     top_on_every_stage=True,
@@ -37,12 +39,9 @@ GEMMA2 = Architecture(
 
 GEMMA3 = Architecture(
     names=("Gemma3ForCausalLM",),
-    top=(
-        Module("model.embed_tokens", Kind.VOCAB, quant=False),
-        replicate("model.norm"),
-        Module("lm_head", Kind.VOCAB, quant=False, tied="model.embed_tokens"),
-    ),
-    layer=(*NORMS, *ATTENTION, replicate("self_attn.q_norm"), replicate("self_attn.k_norm"), ATTN),
+    hf_to_vllm=MAPPER,  # vLLM gemma3.py Gemma3Model.hf_to_vllm_mapper: Llama's
+    top=(Vocab("model.embed_tokens"), Replicate("model.norm"), Vocab("lm_head", tied="model.embed_tokens")),
+    layer=(*NORMS, *ATTENTION, Replicate("self_attn.q_norm"), Replicate("self_attn.k_norm"), ATTN),
     dense_mlp=GEMMA_MLP,
     top_on_every_stage=True,
 )

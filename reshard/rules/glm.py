@@ -10,8 +10,9 @@ e_score_correction_bias (float32) is handed to the runner, whose key
 
 from reshard.rules.deepseek import DENSE_MLP, ROUTED_AND_SHARED
 from reshard.rules.deepseek import TOP as UNTIED_TOP
-from reshard.rules.llama import ATTN, FROM_HIDDEN, NORMS, QKV
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.llama import ATTN, FROM_HIDDEN, NORMS
+from reshard.rules.spec import Architecture, WeightsMapper
+from reshard.rules.styles import QKV, Replicate, Row
 
 
 def moe_layer(config: dict, layer: int) -> bool:
@@ -21,20 +22,33 @@ def moe_layer(config: dict, layer: int) -> bool:
 
 GLM4_MOE = Architecture(
     names=("Glm4MoeForCausalLM",),
+    # vLLM glm4_moe.py Glm4MoeModel.hf_to_vllm_mapper
+    hf_to_vllm=WeightsMapper(
+        orig_to_new_stacked={
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
+            # .experts.gate_up_proj must be handled by MoERunner.load_weights for EP
+            ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+            ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+            ".shared_experts.gate_proj": (".shared_experts.gate_up_proj", 0),
+            ".shared_experts.up_proj": (".shared_experts.gate_up_proj", 1),
+        }
+    ),
     top=UNTIED_TOP,  # Glm4MoeForCausalLM never ties its ParallelLMHead
     layer=(
         *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN),
-        Module("self_attn.o_proj", Kind.ROW),
-        replicate("self_attn.q_norm", when="use_qk_norm"),
-        replicate("self_attn.k_norm", when="use_qk_norm"),
+        QKV("self_attn.qkv_proj", bias="attention_bias", dims=FROM_HIDDEN),
+        Row("self_attn.o_proj"),
+        Replicate("self_attn.q_norm", when="use_qk_norm"),
+        Replicate("self_attn.k_norm", when="use_qk_norm"),
         ATTN,
     ),
     dense_mlp=DENSE_MLP,
     moe_mlp=(
-        replicate("mlp.gate", dtype="F32"),
+        Replicate("mlp.gate", dtype="F32"),
         # the bias handed to the runner too: its smallest key is the runner's
-        replicate("mlp.experts.routed_experts", "mlp.gate", param="e_score_correction_bias", dtype="F32"),
+        Replicate("mlp.experts.routed_experts", "mlp.gate", param="e_score_correction_bias", dtype="F32"),
         *ROUTED_AND_SHARED,
     ),
     is_moe_layer=moe_layer,

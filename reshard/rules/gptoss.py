@@ -7,36 +7,43 @@ with a bias, not handed to the fused-MoE runner. Sliding-window attention on eve
 no parameter. Embedding, final norm and lm_head are built on every pipeline stage.
 """
 
-from reshard.rules.llama import FROM_HIDDEN, NORMS, QKV
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.llama import FROM_HIDDEN, NORMS
+from reshard.rules.spec import Architecture, WeightsMapper, stacked_params_mapping
+from reshard.rules.styles import QKV, Attention, FusedExperts, Heads, Replicate, Row, Vocab
 
 GPT_OSS = Architecture(
     names=("GptOssForCausalLM",),
+    # vLLM gpt_oss.py GptOssModel.load_weights (after hf_to_vllm_mapper's `.self_attn.` -> `.attn.`)
+    hf_to_vllm=WeightsMapper(
+        orig_to_new_stacked=stacked_params_mapping(
+            [
+                # (param_name, shard_name, shard_id)
+                (".qkv_proj", ".q_proj", "q"),
+                (".qkv_proj", ".k_proj", "k"),
+                (".qkv_proj", ".v_proj", "v"),
+            ]
+        )
+    ),
     top=(
-        Module("model.embedding", Kind.VOCAB, ("model.embed_tokens",), quant=False),
-        replicate("model.norm"),
-        Module("lm_head", Kind.VOCAB, quant=False),  # vLLM's ParallelLMHead is never tied here
+        Vocab("model.embedding", "model.embed_tokens"),
+        Replicate("model.norm"),
+        Vocab("lm_head"),  # vLLM's ParallelLMHead is never tied here
     ),
     layer=(
         *NORMS,
-        Module("attn.qkv_proj", Kind.QKV, QKV, bias=True, dims=FROM_HIDDEN),
-        Module("attn.o_proj", Kind.ROW, ("self_attn.o_proj",), bias=True),
-        Module("attn", Kind.HEADS, ("self_attn",), param="sinks", quant=False),
-        Module("attn.attn", Kind.ATTENTION),
+        QKV("attn.qkv_proj", "self_attn.qkv_proj", bias=True, dims=FROM_HIDDEN),
+        Row("attn.o_proj", "self_attn.o_proj", bias=True),
+        Heads("attn", "self_attn", param="sinks"),
+        Attention("attn.attn", kv_heads_split_only=True),  # OAIAttention: num_key_value_heads // tp_size
     ),
     moe_mlp=(
-        replicate("mlp.router", param="weight"),
-        replicate("mlp.router", param="bias"),
-        Module(
-            "mlp.experts.routed_experts",
-            Kind.FUSED_EXPERTS,
-            ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-        ),
+        Replicate("mlp.router", param="weight"),
+        Replicate("mlp.router", param="bias"),
+        FusedExperts("mlp.experts.routed_experts", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     ),
     is_moe_layer=lambda config, layer: True,
     experts_key=("num_local_experts",),
     moe_intermediate_key="intermediate_size",
     top_on_every_stage=True,
-    kv_heads_split_only=True,  # OAIAttention: num_key_value_heads // tp_size
     embedding="model.embedding",
 )

@@ -1,16 +1,27 @@
 """Dense decoder families: Llama, Mistral, Qwen2, Qwen3 (vLLM llama.py, qwen2.py, qwen3.py)."""
 
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.spec import Architecture, WeightsMapper
+from reshard.rules.styles import QKV, Attention, Merged, Replicate, Row, Vocab
 
-TOP = (
-    Module("model.embed_tokens", Kind.VOCAB, quant=False),
-    replicate("model.norm"),
-    Module("lm_head", Kind.VOCAB, quant=False, tied="model.embed_tokens"),
+# vLLM llama.py LlamaModel.hf_to_vllm_mapper (qwen2.py's Qwen2Model, gemma2/3.py's alike)
+MAPPER = WeightsMapper(
+    orig_to_new_stacked={
+        # weight_name: (param_name, shard_id)
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".gate_proj": (".gate_up_proj", 0),
+        ".up_proj": (".gate_up_proj", 1),
+    }
 )
 
-NORMS = (replicate("input_layernorm"), replicate("post_attention_layernorm"))
+TOP = (
+    Vocab("model.embed_tokens"),
+    Replicate("model.norm"),
+    Vocab("lm_head", tied="model.embed_tokens"),
+)
 
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+NORMS = (Replicate("input_layernorm"), Replicate("post_attention_layernorm"))
 
 # (rows, columns) of each HF weight, as config.json names them
 FROM_HIDDEN = (None, "hidden_size")
@@ -18,19 +29,20 @@ UP = ("intermediate_size", "hidden_size")
 DOWN = ("hidden_size", "intermediate_size")
 
 MLP = (
-    Module("mlp.gate_up_proj", Kind.MERGED, ("mlp.gate_proj", "mlp.up_proj"), bias="mlp_bias", dims=UP),
-    Module("mlp.down_proj", Kind.ROW, bias="mlp_bias", dims=DOWN),
+    Merged("mlp.gate_up_proj", bias="mlp_bias", dims=UP),
+    Row("mlp.down_proj", bias="mlp_bias", dims=DOWN),
 )
 
-ATTN = Module("self_attn.attn", Kind.ATTENTION)
+ATTN = Attention("self_attn.attn")
 
 LLAMA = Architecture(
     names=("LlamaForCausalLM", "MistralForCausalLM"),
+    hf_to_vllm=MAPPER,
     top=TOP,
     layer=(
         *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN),
-        Module("self_attn.o_proj", Kind.ROW, bias="attention_bias"),
+        QKV("self_attn.qkv_proj", bias="attention_bias", dims=FROM_HIDDEN),
+        Row("self_attn.o_proj", bias="attention_bias"),
         ATTN,
     ),
     dense_mlp=MLP,
@@ -39,21 +51,21 @@ LLAMA = Architecture(
 # Qwen2 attention: qkv always has a bias, o_proj none (Qwen2-MoE shares it)
 QWEN2_ATTENTION = (
     *NORMS,
-    Module("self_attn.qkv_proj", Kind.QKV, QKV, bias=True, dims=FROM_HIDDEN),
-    Module("self_attn.o_proj", Kind.ROW),
+    QKV("self_attn.qkv_proj", bias=True, dims=FROM_HIDDEN),
+    Row("self_attn.o_proj"),
     ATTN,
 )
 
-QWEN2 = Architecture(names=("Qwen2ForCausalLM",), top=TOP, layer=QWEN2_ATTENTION, dense_mlp=MLP)
+QWEN2 = Architecture(names=("Qwen2ForCausalLM",), hf_to_vllm=MAPPER, top=TOP, layer=QWEN2_ATTENTION, dense_mlp=MLP)
 
 # Qwen3 attention: qkv bias only with attention_bias, plus per-head q/k RMSNorm.
 QWEN3_ATTENTION = (
     *NORMS,
-    Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN),
-    Module("self_attn.o_proj", Kind.ROW),
-    replicate("self_attn.q_norm"),
-    replicate("self_attn.k_norm"),
+    QKV("self_attn.qkv_proj", bias="attention_bias", dims=FROM_HIDDEN),
+    Row("self_attn.o_proj"),
+    Replicate("self_attn.q_norm"),
+    Replicate("self_attn.k_norm"),
     ATTN,
 )
 
-QWEN3 = Architecture(names=("Qwen3ForCausalLM",), top=TOP, layer=QWEN3_ATTENTION, dense_mlp=MLP)
+QWEN3 = Architecture(names=("Qwen3ForCausalLM",), hf_to_vllm=MAPPER, top=TOP, layer=QWEN3_ATTENTION, dense_mlp=MLP)

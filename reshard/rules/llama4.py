@@ -13,8 +13,9 @@ weight, chunked local attention no parameter.
 
 from dataclasses import replace
 
-from reshard.rules.llama import FROM_HIDDEN, NORMS, QKV
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.llama import FROM_HIDDEN, NORMS
+from reshard.rules.spec import Architecture, WeightsMapper, stacked_params_mapping
+from reshard.rules.styles import QKV, Attention, FusedExperts, Merged, Replicate, Row, Vocab
 
 SHARED = "feed_forward.experts._shared_experts._layer."
 DENSE_UP = ("intermediate_size_mlp", "hidden_size")
@@ -29,44 +30,46 @@ def moe_layer(config: dict, layer: int) -> bool:
 
 LLAMA4_TEXT = Architecture(
     names=("Llama4ForCausalLM",),
+    # vLLM llama4.py Llama4Model.load_weights (mllama4.py's names the same slots under .self_attn.,
+    # .shared_expert. and .feed_forward.)
+    hf_to_vllm=WeightsMapper(
+        orig_to_new_stacked=stacked_params_mapping(
+            [
+                # (param_name, shard_name, shard_id)
+                (".qkv_proj", ".q_proj", "q"),
+                (".qkv_proj", ".k_proj", "k"),
+                (".qkv_proj", ".v_proj", "v"),
+                (".gate_up_proj", ".gate_proj", 0),
+                (".gate_up_proj", ".up_proj", 1),
+            ]
+        )
+    ),
     top=(
-        Module("model.embed_tokens", Kind.VOCAB, quant=False),
-        replicate("model.norm"),
-        Module("lm_head", Kind.VOCAB, quant=False, tied="model.embed_tokens"),
+        Vocab("model.embed_tokens"),
+        Replicate("model.norm"),
+        Vocab("lm_head", tied="model.embed_tokens"),
     ),
     layer=(
         *NORMS,
         # q and k rows reordered per head for vLLM's rotary (permute_qk_weight_for_rotary, every layer)
-        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN, deinterleave=(0, 1)),
-        Module("self_attn.o_proj", Kind.ROW, bias="attention_bias"),
-        Module("self_attn.attn", Kind.ATTENTION),
+        QKV("self_attn.qkv_proj", bias="attention_bias", dims=FROM_HIDDEN, deinterleave=(0, 1)),
+        Row("self_attn.o_proj", bias="attention_bias"),
+        Attention("self_attn.attn"),
     ),
     dense_mlp=(
-        Module(
-            "feed_forward.gate_up_proj", Kind.MERGED, ("feed_forward.gate_proj", "feed_forward.up_proj"), dims=DENSE_UP
-        ),
-        Module("feed_forward.down_proj", Kind.ROW, dims=("hidden_size", "intermediate_size_mlp")),
+        Merged("feed_forward.gate_up_proj", dims=DENSE_UP),
+        Row("feed_forward.down_proj", dims=("hidden_size", "intermediate_size_mlp")),
     ),
     moe_mlp=(
-        replicate("feed_forward.router"),
-        Module(
+        Replicate("feed_forward.router"),
+        FusedExperts(
             "feed_forward.experts.routed_experts",
-            Kind.FUSED_EXPERTS,
-            ("feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"),
-            gate_up_halves=True,
+            "feed_forward.experts.gate_up_proj",
+            "feed_forward.experts.down_proj",
+            halves=True,
         ),
-        Module(
-            SHARED + "gate_up_proj",
-            Kind.MERGED,
-            ("feed_forward.shared_expert.gate_proj", "feed_forward.shared_expert.up_proj"),
-            dims=MOE_UP,
-        ),
-        Module(
-            SHARED + "down_proj",
-            Kind.ROW,
-            ("feed_forward.shared_expert.down_proj",),
-            dims=("hidden_size", "intermediate_size"),
-        ),
+        Merged(SHARED + "gate_up_proj", "feed_forward.shared_expert.gate_up_proj", dims=MOE_UP),
+        Row(SHARED + "down_proj", "feed_forward.shared_expert.down_proj", dims=("hidden_size", "intermediate_size")),
     ),
     is_moe_layer=moe_layer,
     experts_key=("num_local_experts",),
@@ -79,9 +82,9 @@ LLAMA4 = replace(
     LLAMA4_TEXT,
     names=("Llama4ForConditionalGeneration",),
     top=(
-        Module(LM + "model.embed_tokens", Kind.VOCAB, quant=False),
-        replicate(LM + "model.norm"),
-        Module(LM + "lm_head", Kind.VOCAB, quant=False, tied=LM + "model.embed_tokens"),
+        Vocab(LM + "model.embed_tokens"),
+        Replicate(LM + "model.norm"),
+        Vocab(LM + "lm_head", tied=LM + "model.embed_tokens"),
     ),
     layer_prefix=LM + "model.layers.{layer}.",
     embedding=LM + "model.embed_tokens",

@@ -8,30 +8,45 @@ experts are named w1 (gate), w3 (up), w2 (down) and are as wide as `intermediate
 """
 
 from reshard.rules.deepseek import TOP as UNTIED_TOP
-from reshard.rules.llama import ATTN, FROM_HIDDEN, NORMS, QKV
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.llama import ATTN, FROM_HIDDEN, NORMS
+from reshard.rules.spec import Architecture, WeightsMapper
+from reshard.rules.styles import QKV, Experts, HeadNorm, Replicate, Row
 
 MOE = "block_sparse_moe."
 
 MINIMAX_M2 = Architecture(
     names=("MiniMaxM2ForCausalLM",),
+    # vLLM minimax_m2.py MiniMaxM2Model.hf_to_vllm_mapper
+    hf_to_vllm=WeightsMapper(
+        orig_to_new_stacked={
+            # weight_name: (param_name, shard_id)
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
+        }
+    ),
     top=UNTIED_TOP,  # MiniMaxM2ForCausalLM never ties its ParallelLMHead
     layer=(
         *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="attention_bias", dims=FROM_HIDDEN),
-        Module("self_attn.o_proj", Kind.ROW),
-        Module("self_attn.q_norm", Kind.HEAD_NORM, quant=False),
-        Module("self_attn.k_norm", Kind.HEAD_NORM, quant=False, kv_heads=True),
+        QKV("self_attn.qkv_proj", bias="attention_bias", dims=FROM_HIDDEN),
+        Row("self_attn.o_proj"),
+        HeadNorm("self_attn.q_norm"),
+        HeadNorm("self_attn.k_norm", kv_heads=True),
         ATTN,
     ),
     moe_mlp=(
-        replicate(MOE + "gate", dtype="F32"),
-        replicate("block_sparse_moe", param="e_score_correction_bias", dtype="F32", when="use_routing_bias"),
-        Module(MOE + "experts.routed_experts", Kind.EXPERTS, (MOE + "experts",), expert_names=("w1", "w3", "w2")),
+        Replicate(MOE + "gate", dtype="F32"),
+        Replicate("block_sparse_moe", param="e_score_correction_bias", dtype="F32", when="use_routing_bias"),
+        Experts(
+            MOE + "experts.routed_experts",
+            MOE + "experts",
+            names=("w1", "w3", "w2"),
+            # MiniMaxM2MoE: "Tensor parallel size ... is greater than the number of experts"
+            tp_at_most_experts=True,
+        ),
     ),
     is_moe_layer=lambda config, layer: True,
     experts_key=("num_local_experts",),
     moe_intermediate_key="intermediate_size",
-    tp_at_most_experts=True,  # MiniMaxM2MoE: "Tensor parallel size ... is greater than the number of experts"
     spec_layers_key=("num_mtp_modules",),
 )

@@ -4,8 +4,24 @@ vLLM keeps each alias under its smallest state-dict key, so the router handed to
 runner is `mlp.experts.gate` and shared experts live under `mlp.experts._shared_experts._layer`.
 """
 
-from reshard.rules.llama import ATTN, FROM_HIDDEN, MLP, NORMS, QKV, QWEN2_ATTENTION, QWEN3_ATTENTION, TOP
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.llama import ATTN, FROM_HIDDEN, MLP, NORMS, QWEN2_ATTENTION, QWEN3_ATTENTION, TOP
+from reshard.rules.spec import Architecture, WeightsMapper
+from reshard.rules.styles import QKV, Experts, Merged, Replicate, Row
+
+# vLLM qwen3_moe.py Qwen3MoeModel.hf_to_vllm_mapper (qwen2_moe.py's Qwen2MoeForCausalLM alike)
+QWEN_MOE_MAPPER = WeightsMapper(
+    orig_to_new_stacked={
+        # weight_name: (param_name, shard_id)
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        # .experts.gate_up_proj must be handled by MoERunner.load_weights for EP
+        ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+        ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+    }
+)
 
 
 def sparse_layer(config: dict, layer: int) -> bool:
@@ -20,64 +36,64 @@ def sparse_layer(config: dict, layer: int) -> bool:
 
 QWEN3_MOE = Architecture(
     names=("Qwen3MoeForCausalLM",),
+    hf_to_vllm=QWEN_MOE_MAPPER,
     top=TOP,
     layer=QWEN3_ATTENTION,
     dense_mlp=MLP,
     moe_mlp=(
-        replicate("mlp.experts.gate", "mlp.gate", quant=True),  # built with the quant config
-        Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
+        Replicate("mlp.experts.gate", "mlp.gate", quant=True),  # built with the quant config
+        Experts("mlp.experts.routed_experts", "mlp.experts", tp_at_most_experts=True),
     ),
     is_moe_layer=sparse_layer,
     top_on_every_stage=True,
-    tp_at_most_experts=True,
 )
 
 SHARED = "mlp.experts._shared_experts._layer."
 
 QWEN2_MOE = Architecture(
     names=("Qwen2MoeForCausalLM",),
+    hf_to_vllm=QWEN_MOE_MAPPER,
     top=TOP,
     layer=QWEN2_ATTENTION,
     dense_mlp=MLP,
     moe_mlp=(
-        replicate("mlp.gate"),  # not handed to the runner: no alias, never quantized
-        Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
-        Module(
+        Replicate("mlp.gate"),  # not handed to the runner: no alias, never quantized
+        Experts("mlp.experts.routed_experts", "mlp.experts", tp_at_most_experts=True),
+        Merged(
             SHARED + "gate_up_proj",
-            Kind.MERGED,
-            ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+            "mlp.shared_expert.gate_up_proj",
             dims=("shared_expert_intermediate_size", "hidden_size"),
         ),
-        Module(
-            SHARED + "down_proj",
-            Kind.ROW,
-            ("mlp.shared_expert.down_proj",),
-            dims=("hidden_size", "shared_expert_intermediate_size"),
+        Row(
+            SHARED + "down_proj", "mlp.shared_expert.down_proj", dims=("hidden_size", "shared_expert_intermediate_size")
         ),
-        replicate(SHARED + "expert_gate", "mlp.shared_expert_gate"),
+        Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate"),
     ),
     is_moe_layer=sparse_layer,
-    tp_at_most_experts=True,
     top_on_every_stage=True,  # checked with vLLM 0.32 (the reference doc's table omits Qwen2-MoE)
 )
 
 MIXTRAL = Architecture(
     names=("MixtralForCausalLM",),
+    # vLLM mixtral.py MixtralModel.hf_to_vllm_mapper
+    hf_to_vllm=WeightsMapper(
+        orig_to_new_stacked={
+            # weight_name: (param_name, shard_id)
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
+        },
+    ),
     top=TOP,
     layer=(
         *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, QKV, dims=FROM_HIDDEN),
-        Module("self_attn.o_proj", Kind.ROW),
+        QKV("self_attn.qkv_proj", dims=FROM_HIDDEN),
+        Row("self_attn.o_proj"),
         ATTN,
     ),
     moe_mlp=(
-        replicate("block_sparse_moe.gate"),
-        Module(
-            "block_sparse_moe.experts.routed_experts",
-            Kind.EXPERTS,
-            ("block_sparse_moe.experts",),
-            expert_names=("w1", "w3", "w2"),
-        ),
+        Replicate("block_sparse_moe.gate"),
+        Experts("block_sparse_moe.experts.routed_experts", "block_sparse_moe.experts", names=("w1", "w3", "w2")),
     ),
     is_moe_layer=lambda config, layer: True,
     experts_key=("num_local_experts",),

@@ -6,19 +6,20 @@ fuses the rank's parts again; a per-tensor FP8 scale of a fused tensor fills eve
 """
 
 from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, NORMS, TOP, UP
-from reshard.rules.spec import Architecture, Kind, Module
+from reshard.rules.spec import Architecture
+from reshard.rules.styles import QKV, Merged, Row
 
 PHI3 = Architecture(
     names=("Phi3ForCausalLM",),
     top=TOP,
     layer=(
         *NORMS,
-        Module("self_attn.qkv_proj", Kind.QKV, bias="attention_bias", fused=("q", "k", "v"), dims=FROM_HIDDEN),
-        Module("self_attn.o_proj", Kind.ROW, bias="attention_bias"),
+        QKV("self_attn.qkv_proj", bias="attention_bias", fused=("q", "k", "v"), dims=FROM_HIDDEN),
+        Row("self_attn.o_proj", bias="attention_bias"),
         ATTN,
     ),
     dense_mlp=(
-        Module("mlp.gate_up_proj", Kind.MERGED, bias="mlp_bias", fused=("gate", "up"), dims=UP),
-        Module("mlp.down_proj", Kind.ROW, bias="mlp_bias", dims=DOWN),
+        Merged("mlp.gate_up_proj", bias="mlp_bias", fused=("gate", "up"), dims=UP),
+        Row("mlp.down_proj", bias="mlp_bias", dims=DOWN),
     ),
 )

@@ -23,12 +23,47 @@ the serve line names; the tower's weights (`model.visual.*`) are not written. MT
 belong to vLLM's draft model and are skipped by the main model, as here.
 """
 
-from reshard.rules.llama import ATTN, FROM_HIDDEN, MLP, NORMS, QKV, TOP
+from reshard.rules.llama import ATTN, FROM_HIDDEN, MLP, NORMS, TOP
 from reshard.rules.moe import sparse_layer
-from reshard.rules.spec import Architecture, Kind, Module, replicate
+from reshard.rules.spec import Architecture, Mixers, WeightsMapper
+from reshard.rules.styles import QKV, Column, Experts, Merged, Replicate, Row, Vocab
 
 KEY = ("linear_num_key_heads", "linear_key_head_dim")  # key_dim
 VALUE = ("linear_num_value_heads", "linear_value_head_dim")  # value_dim
+
+# vLLM qwen3_next.py Qwen3NextModel.hf_to_vllm_mapper
+NEXT_MAPPER = WeightsMapper(
+    orig_to_new_stacked={
+        # weight_name: (param_name, shard_id)
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+        ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+    }
+)
+
+# vLLM qwen3_5.py Qwen3_5Model.hf_to_vllm_mapper, with Qwen3VLForConditionalGeneration's prefixes
+QWEN35_MAPPER = (
+    NEXT_MAPPER
+    | WeightsMapper(
+        orig_to_new_stacked={
+            ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
+            ".in_proj_z": (".in_proj_qkvz", 3),
+            ".in_proj_b": (".in_proj_ba", 0),
+            ".in_proj_a": (".in_proj_ba", 1),
+        }
+    )
+    | WeightsMapper(
+        orig_to_new_prefix={
+            "model.visual.": "visual.",
+            "lm_head.": "language_model.lm_head.",
+            "model.language_model.": "language_model.model.",
+        }
+    )
+)
 
 
 def layer_type(config: dict, layer: int) -> str:
@@ -42,10 +77,10 @@ def layer_type(config: dict, layer: int) -> str:
 
 # Qwen3NextAttention: gated q (2 x heads), qkv bias only with config.qkv_bias, GemmaRMSNorm q/k norms
 FULL_ATTENTION = (
-    Module("self_attn.qkv_proj", Kind.QKV, QKV, bias="qkv_bias", dims=FROM_HIDDEN),
-    Module("self_attn.o_proj", Kind.ROW),
-    replicate("self_attn.q_norm"),
-    replicate("self_attn.k_norm"),
+    QKV("self_attn.qkv_proj", bias="qkv_bias", dims=FROM_HIDDEN),
+    Row("self_attn.o_proj"),
+    Replicate("self_attn.q_norm"),
+    Replicate("self_attn.k_norm"),
     ATTN,
 )
 
@@ -53,30 +88,25 @@ LA = "linear_attn."
 
 # what both families' gated delta nets share: conv1d, per-head A_log / dt_bias, gated norm, out_proj
 DELTA_NET = (
-    Module(LA + "conv1d", Kind.MERGED, (LA + "conv1d",) * 3, quant=False, sizes=(KEY, KEY, VALUE)),
+    # conv1d [conv_dim, 1, kernel]: its q, k and v pieces each split across ranks
+    Column(LA + "conv1d", quant=False, sizes=(KEY, KEY, VALUE)),
     # parameters of the linear_attn module itself: `linear_attn.A_log` (torch.float32 whatever the
-    # model dtype) and `linear_attn.dt_bias`
-    Module(LA[:-1], Kind.COLUMN, quant=False, param="A_log", dtype="F32", sizes=(("linear_num_value_heads",),)),
-    Module(LA[:-1], Kind.COLUMN, quant=False, param="dt_bias", sizes=(("linear_num_value_heads",),)),
-    replicate(LA + "norm"),
-    Module(LA + "out_proj", Kind.ROW),
+    # model dtype) and `linear_attn.dt_bias`, one value per value head
+    Column(LA[:-1], quant=False, param="A_log", dtype="F32", sizes=(("linear_num_value_heads",),)),
+    Column(LA[:-1], quant=False, param="dt_bias", sizes=(("linear_num_value_heads",),)),
+    Replicate(LA + "norm"),
+    Row(LA + "out_proj"),
 )
 
 NEXT_LINEAR = (
-    Module(LA + "in_proj_qkvz", Kind.COLUMN, dims=FROM_HIDDEN),  # one output size: a plain split
-    Module(LA + "in_proj_ba", Kind.COLUMN, dims=FROM_HIDDEN),
+    Column(LA + "in_proj_qkvz", dims=FROM_HIDDEN),  # one output size: a plain split
+    Column(LA + "in_proj_ba", dims=FROM_HIDDEN),
     *DELTA_NET,
 )
 
 QWEN35_LINEAR = (
-    Module(
-        LA + "in_proj_qkvz",
-        Kind.MERGED,
-        (LA + "in_proj_qkv",) * 3 + (LA + "in_proj_z",),
-        sizes=(KEY, KEY, VALUE, VALUE),
-        dims=FROM_HIDDEN,
-    ),
-    Module(LA + "in_proj_ba", Kind.MERGED, (LA + "in_proj_b", LA + "in_proj_a"), dims=FROM_HIDDEN),
+    Merged(LA + "in_proj_qkvz", sizes=(KEY, KEY, VALUE, VALUE), dims=FROM_HIDDEN),
+    Merged(LA + "in_proj_ba", dims=FROM_HIDDEN),
     *DELTA_NET,
 )
 
@@ -90,37 +120,34 @@ def _has_shared_expert(config: dict) -> bool:
 # Qwen3NextSparseMoeBlock: the router (GateLinear, no quant config) and the shared expert are handed
 # to the fused-MoE runner, whose aliases (mlp.experts.*) are the smallest state-dict keys
 SPARSE_MOE = (
-    replicate("mlp.experts.gate", "mlp.gate"),
-    Module("mlp.experts.routed_experts", Kind.EXPERTS, ("mlp.experts",)),
-    Module(
+    Replicate("mlp.experts.gate", "mlp.gate"),
+    Experts("mlp.experts.routed_experts", "mlp.experts", tp_at_most_experts=True),
+    Merged(
         SHARED + "gate_up_proj",
-        Kind.MERGED,
-        ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+        "mlp.shared_expert.gate_up_proj",
         when=_has_shared_expert,
         dims=("shared_expert_intermediate_size", "hidden_size"),
     ),
-    Module(
+    Row(
         SHARED + "down_proj",
-        Kind.ROW,
-        ("mlp.shared_expert.down_proj",),
+        "mlp.shared_expert.down_proj",
         when=_has_shared_expert,
         dims=("hidden_size", "shared_expert_intermediate_size"),
     ),
     # ReplicatedLinear(hidden, 1, quant_config=None), also the shared expert's expert_gate
-    replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", when=_has_shared_expert),
+    Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", when=_has_shared_expert),
 )
 
 QWEN3_NEXT = Architecture(
     names=("Qwen3NextForCausalLM",),
-    top=(TOP[0], TOP[1], Module("lm_head", Kind.VOCAB, quant=False)),  # vLLM never ties its lm_head
+    hf_to_vllm=NEXT_MAPPER,
+    top=(TOP[0], TOP[1], Vocab("lm_head")),  # vLLM never ties its lm_head
     layer=NORMS,
-    mixers=(("full_attention", FULL_ATTENTION), ("linear_attention", NEXT_LINEAR)),
-    layer_type=layer_type,
+    mixers=Mixers(layer_type, {"full_attention": FULL_ATTENTION, "linear_attention": NEXT_LINEAR}),
     dense_mlp=MLP,
     moe_mlp=SPARSE_MOE,
     is_moe_layer=sparse_layer,
     experts_key=("num_experts",),
-    tp_at_most_experts=True,
     every_stage=("model.embed_tokens", "lm_head"),  # built unconditionally; the norm on the last stage only
     skip_prefixes=("mtp.",),
 )
@@ -129,24 +156,22 @@ LM = "language_model.model."
 
 QWEN3_5_MOE = Architecture(
     names=("Qwen3_5MoeForConditionalGeneration",),
+    hf_to_vllm=QWEN35_MAPPER,
     top=(
-        Module(LM + "embed_tokens", Kind.VOCAB, quant=False),
-        replicate(LM + "norm"),
-        Module("language_model.lm_head", Kind.VOCAB, quant=False, tied=LM + "embed_tokens"),
+        Vocab(LM + "embed_tokens"),
+        Replicate(LM + "norm"),
+        Vocab("language_model.lm_head", tied=LM + "embed_tokens"),
     ),
     layer=NORMS,
-    mixers=(("full_attention", FULL_ATTENTION), ("linear_attention", QWEN35_LINEAR)),
-    layer_type=layer_type,
+    mixers=Mixers(layer_type, {"full_attention": FULL_ATTENTION, "linear_attention": QWEN35_LINEAR}),
     moe_mlp=SPARSE_MOE,
     is_moe_layer=lambda config, layer: True,  # model_type qwen3_5_moe_text: every layer
     experts_key=("num_experts",),
-    tp_at_most_experts=True,
     layer_prefix=LM + "layers.{layer}.",
     embedding=LM + "embed_tokens",
     lm_head="language_model.lm_head",
     every_stage=(LM + "embed_tokens",),  # built unconditionally; the norm and lm_head on the last stage
     skip_prefixes=("mtp.", "model.visual."),
-    hf_prefixes=((LM, "model.language_model."), ("language_model.lm_head", "lm_head")),
     text_config="text_config",
     serve_flags=("--language-model-only",),
 )

@@ -1,107 +1,85 @@
-"""The vocabulary of split rules: what kind of layer a vLLM module is, and where its HF tensors live.
+"""An architecture's split rules as data: its table of styles (reshard.rules.styles) and the names
+vLLM gives its checkpoint's tensors (vLLM's `WeightsMapper`, in its own terms).
 
-An architecture is a table of `Module`s; the planner turns each kind into per-rank tensors. Nothing
-here knows about bytes or torch.
+Nothing here knows about bytes or torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from reshard.rules.styles import Rule
+
+ShardId = int | str | tuple[int, ...]
+_QKV_IDS = {"q": 0, "k": 1, "v": 2}
 
 
-class Kind(str, Enum):
-    REPLICATE = "replicate"  # whole tensor on every rank (norms, router gates, replicated linears)
-    COLUMN = "column"  # output rows split across ranks; bias split the same way
-    ROW = "row"  # input columns split across ranks; bias whole on every rank
-    VOCAB = "vocab"  # embedding / lm_head rows, padded to a multiple of 64, then split
-    QKV = "qkv"  # fused [q; k; v] rows; KV heads replicated when tp > num_kv_heads
-    MERGED = "merged"  # fused column slots, e.g. [gate; up]
-    EXPERTS = "experts"  # routed MoE experts -> w13 [gate; up] and w2 (down), by TP or EP
-    ATTENTION = "attention"  # attention layer buffers; no source tensor
-    HEADS = "heads"  # a 1-D per-attention-head parameter, split by heads (gpt-oss attention sinks)
-    # routed experts stacked per layer in one HF tensor per projection (gpt-oss): `sources` are the
-    # (gate_up, down) prefixes; bf16 `{p}` [E, in, out] or MXFP4 `{p}_blocks`/`{p}_scales`, `{p}_bias`
-    FUSED_EXPERTS = "fused_experts"
-    # a 1-D parameter over every head (MiniMax-M2's q_norm / k_norm over all heads): split like the
-    # heads, q by TP, k by KV heads (one KV head's slice on tp / num_kv_heads ranks when fewer)
-    HEAD_NORM = "head_norm"
-
-
-@dataclass(frozen=True)
-class Module:
-    """One vLLM module and where its weights come from in the HF checkpoint.
+@dataclass(frozen=True, eq=False)
+class WeightsMapper:
+    """The part of vLLM's `WeightsMapper` (model_executor/models/utils.py) that reshard needs, with its
+    field names, so that a table holds the very dicts of the model's `hf_to_vllm_mapper`.
 
     Attributes:
-        name: vLLM path, relative to the decoder layer (`self_attn.qkv_proj`) or the model root.
-        kind: how the module is split.
-        sources: HF paths of its slots, in order (q, k, v / gate, up); empty means `(name,)`.
-            For EXPERTS: the HF prefix of the experts list (`mlp.experts`).
-        bias: whether the module has a bias: a literal, or the config key that says so.
-        quant: whether the checkpoint's weight quantization can apply (a Linear that vLLM builds
-            with the quant config). False for embeddings, norms and routers built without it.
-            For ATTENTION, False means the quant config gives the layer no KV-cache
-            method (MLA), so no FP8 k/v/q/prob_scale parameters.
-        expert_names: EXPERTS only: the HF names of (gate, up, down) under each expert.
-        tied: VOCAB only: when config.tie_word_embeddings, the module whose weight it shares.
-        when: the module exists only if this config key is truthy, or this predicate of the
-            config holds (DeepSeek's q_lora_rank, shared experts, noaux_tc bias).
-        param: the parameter's name under both the vLLM and the HF module (REPLICATE, not
-            quantized), e.g. `e_score_correction_bias`.
-        dtype: the parameter's dtype (safetensors code) when vLLM fixes it, e.g. "F32";
-            None is the model dtype.
-        fused: the HF checkpoint stores all slots stacked along the rows of one tensor
-            (`sources[0]`, Phi-3's qkv_proj / gate_up_proj); these name the slots. vLLM
-            splits it with the global sizes (QKV: by the head counts; otherwise equal parts),
-            then slices each slot per rank as if it had been separate.
-        dims: the config keys of each slot's HF weight shape (rows, columns), checked before
-            anything is written; None leaves that side unchecked (sizes config.json does not
-            name directly). ROW modules always produce `hidden_size` rows (the residual stream).
-        gate_up_halves: FUSED_EXPERTS only: `gate_up_proj`'s output columns are all gate then all up
-            (Llama-4), not interleaved gate/up pairs (gpt-oss).
-        deinterleave: QKV slots (0 q, 1 k) whose rows vLLM reorders within every head, even rows then
-            odd rows, for its rotary embedding (Llama-4's `permute_qk_weight_for_rotary`).
-        sizes: per slot, the config keys whose product is its row count; consecutive slots
-            naming the same HF tensor are consecutive row ranges of it (vLLM's tuple shard ids,
-            e.g. Qwen3.5's in_proj_qkv -> the q, k, v pieces of in_proj_qkvz; the gated delta
-            net's conv1d pieces, mamba_v2_sharded_weight_loader). Each piece is split across ranks
-            on its own; a rank's pieces are concatenated. Tensors of any rank (conv1d's
-            [conv_dim, 1, kernel]) when the module is not quantized.
-        kv_heads: HEAD_NORM only: the parameter spans the KV heads (else the query heads).
+        orig_to_new_stacked: checkpoint weight name -> (vLLM parameter name, shard id): the slots of
+            fused modules (`".q_proj": (".qkv_proj", "q")`). A tuple shard id says one checkpoint
+            tensor holds consecutive slots (Qwen3.5's `".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2))`).
+        orig_to_new_prefix: checkpoint prefix -> vLLM prefix, where the two differ
+            (`"model.language_model.": "language_model.model."`).
     """
 
-    name: str
-    kind: Kind
-    sources: tuple[str, ...] = ()
-    bias: bool | str = False
-    quant: bool = True
-    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    tied: str | None = None
-    when: str | Callable[[dict], bool] | None = None
-    param: str = "weight"
-    dtype: str | None = None
-    fused: tuple[str, ...] = ()
-    dims: tuple[str | None, str | None] = (None, None)
-    gate_up_halves: bool = False
-    deinterleave: tuple[int, ...] = ()
-    sizes: tuple[tuple[str, ...], ...] = ()
-    kv_heads: bool = False
+    orig_to_new_stacked: Mapping[str, tuple[str, ShardId]] = field(default_factory=dict)
+    orig_to_new_prefix: Mapping[str, str] = field(default_factory=dict)
 
-    @property
-    def slots(self) -> tuple[str, ...]:
-        return self.sources or (self.name,)
+    def __or__(self, other: WeightsMapper) -> WeightsMapper:
+        """Both mappings, `other` winning (as vLLM's `WeightsMapper.__or__`)."""
+        return WeightsMapper(
+            {**self.orig_to_new_stacked, **other.orig_to_new_stacked},
+            {**self.orig_to_new_prefix, **other.orig_to_new_prefix},
+        )
 
-    def present(self, config: dict) -> bool:
-        if self.when is None:
-            return True
-        if isinstance(self.when, str):
-            return bool(config.get(self.when))
-        return bool(self.when(config))
+    def shards(self, fused: str) -> tuple[str, ...]:
+        """The checkpoint names of fused module `fused`'s slots, in shard order (a tuple shard id
+        repeats its tensor once per slot); () when none is stacked into it."""
+        full = "." + fused
+        found: list[tuple[int, str]] = []
+        for weight, (param, shard_id) in self.orig_to_new_stacked.items():
+            param = param if param.startswith(".") else "." + param
+            if not full.endswith(param):
+                continue
+            name = (full[: -len(param)] + (weight if weight.startswith(".") else "." + weight))[1:]
+            ids = shard_id if isinstance(shard_id, tuple) else (shard_id,)
+            found += [(_QKV_IDS[i] if isinstance(i, str) else i, name) for i in ids]
+        found.sort()
+        if [i for i, _ in found] != list(range(len(found))):
+            raise AssertionError(f"{fused}: stacked shard ids {[i for i, _ in found]} are not 0..n-1")
+        return tuple(name for _, name in found)
+
+    def hf_name(self, name: str) -> str:
+        """The checkpoint's name of a tensor named after vLLM's module path (the prefixes inverted)."""
+        for orig, new in self.orig_to_new_prefix.items():
+            if name.startswith(new):
+                return orig + name[len(new) :]
+        return name
 
 
-def replicate(name: str, source: str | None = None, *, quant: bool = False, **kw) -> Module:
-    return Module(name, Kind.REPLICATE, (source,) if source else (), quant=quant, **kw)
+def stacked_params_mapping(rows: Iterable[tuple[str, str, ShardId]]) -> dict[str, tuple[str, ShardId]]:
+    """A model's `stacked_params_mapping` list in its `load_weights` ((param_name, shard_name, shard_id),
+    the older spelling) as `orig_to_new_stacked`."""
+    return {shard: (param, shard_id) for param, shard, shard_id in rows}
+
+
+@dataclass(frozen=True, eq=False)
+class Mixers:
+    """Hybrid models' token mixers (Qwen3-Next's `linear_attention` / `full_attention`): per layer type,
+    the modules that follow the table's `layer` ones in a decoder layer, chosen by
+    `layer_type(config, layer)`."""
+
+    layer_type: Callable[[dict, int], str]
+    by_type: Mapping[str, tuple[Rule, ...]]
+
+    def of(self, config: dict, layer: int) -> tuple[Rule, ...]:
+        return self.by_type[self.layer_type(config, layer)]
 
 
 @dataclass(frozen=True)
@@ -112,6 +90,8 @@ class Architecture:
         names: the `architectures` values of config.json it covers.
         top: modules outside the decoder layers (embedding, final norm, lm_head).
         layer: modules of every decoder layer, under `layer_prefix`.
+        hf_to_vllm: vLLM's `hf_to_vllm_mapper` (or `stacked_params_mapping`) of the model: the
+            checkpoint names of fused modules' slots, and prefixes that differ from vLLM's.
         layer_prefix: where decoder layer L's modules live, in vLLM and in the checkpoint
             (`{layer}` is replaced by L).
         embedding: the top module that is the input embedding: with pipeline parallelism it is
@@ -125,23 +105,16 @@ class Architecture:
         ignore: HF tensor-name suffixes that vLLM skips (e.g. rotary inv_freq).
         experts_key / moe_intermediate_key: config keys of the expert count (first found) and
             of the expert width.
-        tp_at_most_experts: vLLM refuses a tensor-parallel size above the number of experts.
         top_on_every_stage: with pipeline parallelism, every top module on every stage.
-        kv_heads_split_only: vLLM splits the KV heads and never replicates them (gpt-oss:
-            `num_key_value_heads // tp`), so --tp must divide num_key_value_heads.
         spec_layers_key: config keys (first found) of the number of speculative (MTP) layers
             stored after the decoder layers, `model.layers.{num_hidden_layers + i}.*`, which
             vLLM's main model skips (DeepSeek-V3's num_nextn_predict_layers).
-        mixers: per layer type, the layer's token mixer modules (hybrid models: Qwen3-Next's
-            `linear_attention` / `full_attention`), chosen by `layer_type(config, layer)`, after
-            `layer` and before the MLP.
+        mixers: hybrid models' token mixers by layer type, after `layer` and before the MLP.
         every_stage: top modules vLLM builds on every pipeline stage (unconditionally), whatever
             `embedding`/`top_on_every_stage` say of the others.
         skip_prefixes: checkpoint tensor-name prefixes vLLM's model does not load (`mtp.`: the
             draft model's; `model.visual.`: a vision tower not built under --language-model-only,
             which `serve_flags` then carries).
-        hf_prefixes: (vLLM prefix, checkpoint prefix) pairs where the two differ: the inverse
-            of vLLM's hf_to_vllm_mapper (Qwen3.5: `language_model.model.` <- `model.language_model.`).
         text_config: the config.json key whose dict holds the language model's settings (vLLM's
             hf_text_config, e.g. Llama-4's and Qwen3.5's `text_config`); its keys override the top
             level's (quantization_config stays top-level).
@@ -149,26 +122,23 @@ class Architecture:
     """
 
     names: tuple[str, ...]
-    top: tuple[Module, ...]
-    layer: tuple[Module, ...]
-    dense_mlp: tuple[Module, ...] = ()
-    moe_mlp: tuple[Module, ...] = ()
+    top: tuple[Rule, ...]
+    layer: tuple[Rule, ...]
+    hf_to_vllm: WeightsMapper = WeightsMapper()
+    dense_mlp: tuple[Rule, ...] = ()
+    moe_mlp: tuple[Rule, ...] = ()
     is_moe_layer: Callable[[dict, int], bool] | None = None
     ignore: tuple[str, ...] = ("rotary_emb.inv_freq",)
     experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
     moe_intermediate_key: str = "moe_intermediate_size"
-    tp_at_most_experts: bool = False
     top_on_every_stage: bool = False
     spec_layers_key: tuple[str, ...] = ()
-    kv_heads_split_only: bool = False
     layer_prefix: str = "model.layers.{layer}."
     embedding: str = "model.embed_tokens"
     lm_head: str = "lm_head"
-    mixers: tuple[tuple[str, tuple[Module, ...]], ...] = ()
-    layer_type: Callable[[dict, int], str] | None = None
+    mixers: Mixers | None = None
     every_stage: tuple[str, ...] = ()
     skip_prefixes: tuple[str, ...] = ()
-    hf_prefixes: tuple[tuple[str, str], ...] = ()
     text_config: str | None = None
     serve_flags: tuple[str, ...] = ()
 
@@ -177,18 +147,17 @@ class Architecture:
         inner = config.get(self.text_config) if self.text_config else None
         return {**config, **inner} if isinstance(inner, dict) else config
 
-    def layer_modules(self, config: dict, layer: int) -> tuple[Module, ...]:
+    def layer_modules(self, config: dict, layer: int) -> tuple[Rule, ...]:
         """Decoder layer `layer`'s modules before its MLP: the common ones, then its mixer's."""
-        if not self.mixers or self.layer_type is None:
-            return self.layer
-        return self.layer + dict(self.mixers)[self.layer_type(config, layer)]
+        return self.layer + self.mixers.of(config, layer) if self.mixers else self.layer
 
     def hf_name(self, name: str) -> str:
         """The checkpoint's name of a tensor named after vLLM's module path."""
-        for vllm_prefix, hf_prefix in self.hf_prefixes:
-            if name.startswith(vllm_prefix):
-                return hf_prefix + name[len(vllm_prefix) :]
-        return name
+        return self.hf_to_vllm.hf_name(name)
+
+    def shards(self, fused: str) -> tuple[str, ...]:
+        """The checkpoint names of fused module `fused`'s slots (WeightsMapper.shards)."""
+        return self.hf_to_vllm.shards(fused)
 
     def prefix(self, layer: int) -> str:
         """Decoder layer `layer`'s prefix (speculative layers after the last included)."""
