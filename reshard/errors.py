@@ -43,9 +43,5 @@ class OutputError(ReshardError):
     exit_code = ExitCode.BAD_OUTPUT
 
 
-class LayoutMismatchError(ReshardError):
-    exit_code = ExitCode.LAYOUT_MISMATCH
-
-
 class CorruptError(ReshardError):
     exit_code = ExitCode.CORRUPT
