@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -11,12 +10,14 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
+from reshard import settings
+
 stderr = Console(stderr=True, highlight=False)
 stdout = Console(highlight=False, soft_wrap=True)
 
 
 def progress_disabled() -> bool:
-    return os.environ.get("RESHARD_DISABLE_PROGRESS", "").lower() in ("1", "true", "yes")
+    return settings.DISABLE_PROGRESS.get()
 
 
 def emit_json(obj: object) -> None:

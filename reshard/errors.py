@@ -8,7 +8,7 @@ from enum import IntEnum
 class ExitCode(IntEnum):
     OK = 0
     INTERNAL = 1  # a bug in reshard: rerun with RESHARD_DEBUG=1 and report it
-    USAGE = 2  # bad command line (click's own code)
+    USAGE = 2  # bad command line (click's own code) or a bad RESHARD_* value
     UNSUPPORTED = 3  # architecture, quantization or layout reshard/vLLM cannot produce
     BAD_SOURCE = 4  # source missing, incomplete or corrupt
     BAD_OUTPUT = 5  # output folder refused (not empty, inside source, disk full, permissions)
@@ -29,6 +29,12 @@ class ReshardError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class SettingError(ReshardError):
+    """A RESHARD_* environment variable holds a value it does not accept: a usage error."""
+
+    exit_code = ExitCode.USAGE
 
 
 class UnsupportedError(ReshardError):

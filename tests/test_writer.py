@@ -19,7 +19,7 @@ from reshard.save import save
 @pytest.fixture(params=[True, False], ids=["o_direct", "buffered"])
 def small_through(request, monkeypatch):
     """Through-writes from 8 KiB in segments of 12 KiB, a 16 KiB stage; counts the through-writes."""
-    monkeypatch.setattr(wr, "USE_O_DIRECT", request.param)
+    monkeypatch.setenv("RESHARD_O_DIRECT", "1" if request.param else "0")
     monkeypatch.setattr(wr, "THROUGH_MIN", 2 * ALIGN)
     monkeypatch.setattr(wr, "THROUGH_SEGMENT", 3 * ALIGN)
     monkeypatch.setattr(wr, "STAGE_BYTES", 4 * ALIGN)
@@ -117,7 +117,7 @@ class _Lease:
 def small_held(monkeypatch):
     """Pieces of 1 to 7 blocks held, at most 3 at once or 16 blocks; a 4-block stage; counts the
     pieces held."""
-    monkeypatch.setattr(wr, "USE_O_DIRECT", True)
+    monkeypatch.setenv("RESHARD_O_DIRECT", "1")
     monkeypatch.setattr(wr, "HELD_MIN", ALIGN)
     monkeypatch.setattr(wr, "THROUGH_MIN", 8 * ALIGN)
     monkeypatch.setattr(wr, "THROUGH_SEGMENT", 16 * ALIGN)
@@ -200,7 +200,7 @@ def test_held_pieces_go_out_in_order_with_the_stage(tmp_path, small_held):
 
 
 def test_held_writes_fall_back_to_staging_when_buffered(tmp_path, small_held, monkeypatch):
-    monkeypatch.setattr(wr, "USE_O_DIRECT", False)
+    monkeypatch.setenv("RESHARD_O_DIRECT", "0")
     arr = np.frombuffer(aligned_buffer(4 * ALIGN), np.uint8)
     arr[:] = 7
     w = wr.FileWriter(tmp_path / "f", b"h" * ALIGN)

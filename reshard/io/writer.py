@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from reshard import settings
 from reshard.errors import OutputError
 from reshard.format import ITEMSIZE, encode_header
 from reshard.hashing import DEFAULT, new_hasher
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 STAGE_BYTES = 4 * 1024 * 1024  # per output file (x2): staged, hashed and written this many bytes at a time
 WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every this many bytes
-USE_O_DIRECT = os.environ.get("RESHARD_O_DIRECT", "1") != "0"
 THROUGH_MIN = 1024 * 1024  # contiguous writes from this size may skip the stage (see FileWriter.write)
 THROUGH_SEGMENT = 8 * 1024 * 1024  # ... hashed and written this many bytes at a time
 HELD_MIN = 64 * 1024  # smaller aligned contiguous writes may be held (see FileWriter.write_held) ...
@@ -131,7 +131,7 @@ class FileWriter(GatheringSink):
         self.direct = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         try:
-            if USE_O_DIRECT and hasattr(os, "O_DIRECT"):
+            if settings.O_DIRECT.get() and hasattr(os, "O_DIRECT"):
                 with contextlib.suppress(OSError):
                     self.fd = os.open(path, flags | os.O_DIRECT, 0o666)
                     self.direct = True
