@@ -55,7 +55,8 @@ class Reader(Protocol):
 
 
 class Source(Protocol):
-    """A checkpoint to read: its metadata, and a way to read its bytes."""
+    """A checkpoint to read: its metadata, and a way to read its bytes. Sources subclass `Source`;
+    `finish` is optional, its default here does nothing."""
 
     @property
     def checkpoint(self) -> Checkpoint: ...
@@ -64,5 +65,6 @@ class Source(Protocol):
         """A new reader; the caller closes it."""
         ...
 
-    # Optional: `finish()`, called once a save has read everything it needed; a source that keeps a
-    # copy of what it reads (a Hub repo in the cache) completes that copy there.
+    def finish(self) -> None:
+        """Called once a save has read everything it needed: a source that keeps a copy of what it
+        reads (a Hub repo in the cache, `HubSource`) completes that copy here. Default: nothing."""

@@ -281,9 +281,7 @@ def run_executor(
     executor = Executor(plan, source.open_reader(), ckpt.tensors, out, metadata=metadata, device=device,
                         progress=progress, **kwargs)  # fmt: skip
     written = executor.run()
-    finish = getattr(source, "finish", None)  # a source that stored what it read completes its copy
-    if finish is not None:
-        finish()
+    source.finish()  # a source that stored what it read completes its copy (Source.finish)
     return written
 
 

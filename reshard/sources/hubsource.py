@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from reshard import settings
-from reshard.checkpoint import Checkpoint, Reader
+from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, Prepared
@@ -61,7 +61,7 @@ def weight_names(repo: HubRepo, root: Path) -> list[str]:
     return found
 
 
-class HubSource:
+class HubSource(Source):
     """A repo's metadata from the Hub (side files cached, headers by range), its bytes by `HubReader`."""
 
     def __init__(self, repo: HubRepo, root: Path, files: list[str], *, stream: bool) -> None:

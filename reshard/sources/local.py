@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reshard.checkpoint import Checkpoint, Reader
+from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.format import TensorInfo, read_header
 from reshard.names import CONFIG, INDEX, SINGLE
 from reshard.sources.validate import check_config, check_index
 
 
-class LocalSource:
+class LocalSource(Source):
     """A checkpoint folder; its metadata is read once, here (headers only)."""
 
     def __init__(self, root: Path, ref: dict) -> None:

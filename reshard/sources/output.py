@@ -13,7 +13,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from reshard.checkpoint import Checkpoint, Reader
+from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.format import ITEMSIZE, TensorInfo, read_header
 from reshard.hashing import NONE, entry_digest, hash_file, manifest_algorithm
@@ -25,7 +25,7 @@ from reshard.sources.output_reader import OutputReader, Region
 VIRTUAL = "<reshard-output>"
 
 
-class OutputSource:
+class OutputSource(Source):
     """An output folder (checked whole against its manifest first) whose tensors are read back out of
     its rank files."""
 
