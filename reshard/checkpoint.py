@@ -44,6 +44,13 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+class Downloads(Protocol):
+    """Bytes downloaded so far (`done`) of `total`, updated while a save runs (a Hub source)."""
+
+    done: int
+    total: int
+
+
 class Reader(Protocol):
     """Bytes of source tensors. `read` may be called from several threads at once."""
 
@@ -56,7 +63,7 @@ class Reader(Protocol):
 
 class Source(Protocol):
     """A checkpoint to read: its metadata, and a way to read its bytes. Sources subclass `Source`;
-    `finish` is optional, its default here does nothing."""
+    `downloads` and `finish` are optional, with their defaults here."""
 
     @property
     def checkpoint(self) -> Checkpoint: ...
@@ -64,6 +71,11 @@ class Source(Protocol):
     def open_reader(self) -> Reader:
         """A new reader; the caller closes it."""
         ...
+
+    @property
+    def downloads(self) -> Downloads | None:
+        """What the source downloads during a save, for the progress display. Default: nothing."""
+        return None
 
     def finish(self) -> None:
         """Called once a save has read everything it needed: a source that keeps a copy of what it

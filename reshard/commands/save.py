@@ -91,7 +91,7 @@ def save_cmd(
     with ExitStack() as stack:
 
         def on_plan(plan, source=None):
-            meter = getattr(source, "meter", None)  # a Hub source: bytes downloaded, on the same display
+            meter = source.downloads if source is not None else None  # a Hub source's, on the same display
             return stack.enter_context(byte_progress(plan.total_bytes, "writing", quiet=as_json, downloads=meter))
 
         result = save(

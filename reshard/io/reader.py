@@ -72,6 +72,8 @@ class AlignedReader(abc.ABC):
     """A `Reader` whose reads can be prepared: sized first, then made into a region the caller
     allocates (page-aligned). Readers declare it by subclassing."""
 
+    threads: int | None = None  # reads in flight it wants (a Hub reader: its connections); None: the prefetcher's
+
     @abc.abstractmethod
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         """Bytes [start, start + nbytes) of tensor `t`, into `buf` if given (see `Reader.read`)."""

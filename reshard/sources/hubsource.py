@@ -35,7 +35,7 @@ from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, Prepared
 from reshard.names import INDEX, SINGLE
 from reshard.sources.hubgroups import Groups
-from reshard.sources.hubhttp import HubRepo
+from reshard.sources.hubhttp import HubRepo, Meter
 from reshard.sources.local import read_config
 from reshard.sources.validate import check_index
 
@@ -87,6 +87,10 @@ class HubSource(Source):
     @property
     def checkpoint(self) -> Checkpoint:
         return self._checkpoint
+
+    @property
+    def downloads(self) -> Meter:
+        return self.meter
 
     def _header(self, name: str) -> tuple[dict[str, TensorInfo], int, str | None]:
         head = bytearray(8)
