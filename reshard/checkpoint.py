@@ -47,6 +47,13 @@ class Checkpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
 
+class Downloads(Protocol):
+    """Bytes downloaded so far (`done`) of `total`, updated while a save runs (a Hub source)."""
+
+    done: int
+    total: int
+
+
 class Reader(Protocol):
     """Bytes of source tensors. `read` may be called from several threads at once."""
 
@@ -58,11 +65,8 @@ class Reader(Protocol):
 
 
 class Source(Protocol):
-    """A checkpoint to read: its metadata, and a way to read its bytes. Sources subclass it and
-    keep its defaults where they have nothing to add."""
-
-    # what a source that downloads counts (reshard.sources.hubhttp.Meter), shown beside the writes
-    meter: object | None = None
+    """A checkpoint to read: its metadata, and a way to read its bytes. Sources subclass `Source`;
+    `downloads` and `finish` are optional, with their defaults here."""
 
     @property
     def checkpoint(self) -> Checkpoint: ...
@@ -71,6 +75,11 @@ class Source(Protocol):
         """A new reader; the caller closes it."""
         ...
 
+    @property
+    def downloads(self) -> Downloads | None:
+        """What the source downloads during a save, for the progress display. Default: nothing."""
+        return None
+
     def finish(self) -> None:
         """Called once a save has read everything it needed: a source that keeps a copy of what it
-        reads (a Hub repo in the cache) completes that copy there. Nothing by default."""
+        reads (a Hub repo in the cache, `HubSource`) completes that copy here. Default: nothing."""

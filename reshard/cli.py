@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 
 import click
 
-from reshard import __version__
+from reshard import __version__, settings
 from reshard.errors import ExitCode, ReshardError
 
 
@@ -33,11 +32,16 @@ def cli() -> None:
     on stdout.
 
     \b
-    Environment:
+    Environment (a value not accepted is a usage error, exit 2):
       RESHARD_DEBUG=1             show the traceback of an error
       RESHARD_DISABLE_PROGRESS=1  no progress output on stderr (also: --json, NO_COLOR only colours)
       RESHARD_O_DIRECT=0          buffered writes instead of O_DIRECT (for filesystems that mis-handle it)
       RESHARD_DIRECT_READS=auto   O_DIRECT reads of source files not in the page cache (1: all, 0: none)
+      RESHARD_HUB_CONNECTIONS=8   repo ids: HTTP connections at once
+      RESHARD_HUB_RETRIES=8       repo ids: retries of a failing request without progress
+      RESHARD_HUB_BACKOFF=0.5     repo ids: first wait before a retry, seconds (doubled each time)
+      RESHARD_HUB_TIMEOUT=60      repo ids: seconds without a byte before a request fails
+      RESHARD_HUB_SMALL=1048576   repo ids: smaller neighbouring tensors fetched together (0: never)
       HF_HOME, HF_HUB_OFFLINE, HF_TOKEN, HF_ENDPOINT   as for huggingface_hub (Hub repo ids)
     """
 
@@ -59,12 +63,18 @@ def _register() -> None:
 _register()
 
 
+_HELP = frozenset(("-h", "--help", "--version"))
+
+
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
     args = sys.argv[1:] if argv is None else list(argv)
-    debug = os.environ.get("RESHARD_DEBUG", "").lower() in ("1", "true", "yes")
     as_json = "--json" in args
+    debug = False
     try:
+        debug = settings.DEBUG.get()
+        if not _HELP.intersection(args):  # help and --version work whatever the environment holds
+            settings.check_all()  # a bad RESHARD_* value fails here, before the command starts
         rc = cli.main(args=args, prog_name="reshard", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
         _fail(

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+
+from reshard import settings
+
+if TYPE_CHECKING:
+    from reshard.checkpoint import Downloads
 
 stderr = Console(stderr=True, highlight=False)
 stdout = Console(highlight=False, soft_wrap=True)
 
 
 def progress_disabled() -> bool:
-    return os.environ.get("RESHARD_DISABLE_PROGRESS", "").lower() in ("1", "true", "yes")
+    return settings.DISABLE_PROGRESS.get()
 
 
 def emit_json(obj: object) -> None:
@@ -34,7 +39,7 @@ def human_bytes(n: float) -> str:
 
 @contextmanager
 def byte_progress(
-    total: int, label: str, *, quiet: bool, downloads: object | None = None
+    total: int, label: str, *, quiet: bool, downloads: Downloads | None = None
 ) -> Iterator[Callable[[int], None]]:
     """A callback advancing a bytes progress bar on stderr (rich on a terminal, plain lines else).
 
@@ -62,17 +67,17 @@ def byte_progress(
             TimeRemainingColumn(),
         )
         with Progress(*cols, console=stderr, transient=False) as bar:
-            got = bar.add_task("downloading", total=getattr(downloads, "total", 0) or None) if downloads else None
+            got = bar.add_task("downloading", total=downloads.total or None) if downloads else None
             task = bar.add_task(label, total=total)
 
             def advance(n: int) -> None:
                 bar.advance(task, n)
-                if got is not None:
-                    bar.update(got, completed=downloads.done, total=downloads.total or None)  # type: ignore[attr-defined]
+                if got is not None and downloads is not None:
+                    bar.update(got, completed=downloads.done, total=downloads.total or None)
 
             yield advance
-            if got is not None:
-                bar.update(got, completed=downloads.done, total=downloads.done)  # type: ignore[attr-defined]
+            if got is not None and downloads is not None:
+                bar.update(got, completed=downloads.done, total=downloads.done)
         return
     state = {"done": 0, "shown": time.monotonic(), "start": time.monotonic()}
 
@@ -86,7 +91,7 @@ def byte_progress(
             pct = 100 * state["done"] / total
             line = f"{label}: {human_bytes(state['done'])} / {human_bytes(total)} ({pct:.0f}%, {human_bytes(rate)}/s)"
             if downloads is not None:
-                got = downloads.done  # type: ignore[attr-defined]
+                got = downloads.done
                 line += f"; downloaded: {human_bytes(got)} ({human_bytes(got / secs)}/s)"
             print(line, file=sys.stderr, flush=True)
 

@@ -8,7 +8,7 @@ from enum import IntEnum
 class ExitCode(IntEnum):
     OK = 0
     INTERNAL = 1  # a bug in reshard: rerun with RESHARD_DEBUG=1 and report it
-    USAGE = 2  # bad command line (click's own code)
+    USAGE = 2  # bad command line (click's own code) or a bad RESHARD_* value
     UNSUPPORTED = 3  # architecture, quantization or layout reshard/vLLM cannot produce
     BAD_SOURCE = 4  # source missing, incomplete or corrupt
     BAD_OUTPUT = 5  # output folder refused (not empty, inside source, disk full, permissions)
@@ -31,6 +31,12 @@ class ReshardError(Exception):
         return self.message if not self.hint else f"{self.message} ({self.hint})"
 
 
+class SettingError(ReshardError):
+    """A RESHARD_* environment variable holds a value it does not accept: a usage error."""
+
+    exit_code = ExitCode.USAGE
+
+
 class UnsupportedError(ReshardError):
     exit_code = ExitCode.UNSUPPORTED
 
@@ -41,10 +47,6 @@ class SourceError(ReshardError):
 
 class OutputError(ReshardError):
     exit_code = ExitCode.BAD_OUTPUT
-
-
-class LayoutMismatchError(ReshardError):
-    exit_code = ExitCode.LAYOUT_MISMATCH
 
 
 class CorruptError(ReshardError):

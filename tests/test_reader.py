@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from reshard import settings
 from reshard.format import TensorInfo
 from reshard.io.memory import ALIGN, aligned_buffer
-from reshard.io.reader import FileReader, cached_share, direct_reads_mode
+from reshard.io.reader import FileReader, cached_share
 
 
 def _fs_type(path: Path) -> str:
@@ -58,7 +59,7 @@ def test_mode_from_environment(monkeypatch, value, mode):
         monkeypatch.delenv("RESHARD_DIRECT_READS", raising=False)
     else:
         monkeypatch.setenv("RESHARD_DIRECT_READS", value)
-    assert direct_reads_mode() == mode
+    assert settings.DIRECT_READS.get() == mode
 
 
 @pytest.mark.parametrize("mode", ["1", "0"])

@@ -4,6 +4,7 @@ stay small, and every file name comes from one place."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "reshard"
@@ -73,6 +74,7 @@ def test_lower_layers_do_not_import_upper_ones():
         "reshard.errors",
         "reshard.hashing",
         "reshard.checkpoint",
+        "reshard.settings",
     )
     high = ("reshard.cli", "reshard.commands", "reshard.save", "reshard.merge", "reshard.verify", "reshard.sources")
     high += ("reshard.vllm_plugin",)  # the vLLM loader plugin: a top layer beside the commands
@@ -138,3 +140,65 @@ def test_vllm_imported_only_by_the_plugin_loader():
         assert "vllm" not in _top_level_imports(path), f"{rel} imports vllm at module level"
     checks = _top_level_imports(PACKAGE / "vllm_plugin" / "checks.py")
     assert not checks & {"vllm", "torch"}, checks
+
+
+def _env_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) of every environment access whose variable is RESHARD_* or not a literal, and of
+    every string literal that is a RESHARD_* name (however it reaches the environment)."""
+
+    def is_environ(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "environ") or (
+            isinstance(node, ast.Attribute) and node.attr == "environ"
+        )
+
+    def key_ok(key: ast.AST | None) -> bool:
+        return isinstance(key, ast.Constant) and isinstance(key.value, str) and not key.value.startswith("RESHARD_")
+
+    found = []
+    for node in ast.walk(tree):
+        key: ast.AST | None = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"RESHARD_\w+", node.value):
+            found.append((node.lineno, f"the name {node.value!r}"))
+            continue
+        if isinstance(node, ast.Call):
+            f = node.func
+            getenv = (isinstance(f, ast.Name) and f.id == "getenv") or (
+                isinstance(f, ast.Attribute) and f.attr == "getenv"
+            )
+            on_environ = isinstance(f, ast.Attribute) and is_environ(f.value) and f.attr in ("get", "setdefault", "pop")
+            if not (getenv or on_environ):
+                continue
+            key = node.args[0] if node.args else None
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            key = node.left
+        else:
+            continue
+        if not key_ok(key):
+            found.append((node.lineno, f"an environment read of {ast.unparse(key) if key else '?'}"))
+    return found
+
+
+def test_reshard_environment_is_read_only_in_settings():
+    """Every RESHARD_* variable is declared, validated and read in reshard/settings.py (issue 23);
+    elsewhere the environment is read only by literal names that are not reshard's."""
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "settings.py":
+            continue
+        bad += [
+            f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+            for line, what in _env_reads(ast.parse(path.read_text()))
+        ]
+    assert not bad, bad
+
+
+def test_env_read_finder_finds_them():
+    code = (
+        "import os\nfrom os import environ, getenv\n"
+        "a = os.environ.get('RESHARD_X', '1')\nb = os.getenv('RESHARD_Y')\nc = environ['RESHARD_Z']\n"
+        "d = 'RESHARD_W' in os.environ\nk = 'HOME'\ne = os.environ[k]\nf = getenv(k)\n"
+        "ok = os.environ.get('WORLD_SIZE', '1')\ntext = 'set RESHARD_DEBUG=1 to see it'\n"
+    )
+    assert sorted({line for line, _ in _env_reads(ast.parse(code))}) == [3, 4, 5, 6, 8, 9]

@@ -19,7 +19,7 @@ from tests.fixtures.saving import save
 @pytest.fixture(params=[True, False], ids=["o_direct", "buffered"])
 def small_through(request, monkeypatch):
     """Through-writes from 8 KiB in segments of 12 KiB, a 16 KiB stage; counts the through-writes."""
-    monkeypatch.setattr(wr, "USE_O_DIRECT", request.param)
+    monkeypatch.setenv("RESHARD_O_DIRECT", "1" if request.param else "0")
     monkeypatch.setattr(wr, "THROUGH_MIN", 2 * ALIGN)
     monkeypatch.setattr(wr, "THROUGH_SEGMENT", 3 * ALIGN)
     monkeypatch.setattr(wr, "STAGE_BYTES", 4 * ALIGN)
@@ -117,7 +117,7 @@ class _Lease:
 def small_held(monkeypatch):
     """Pieces of 1 to 7 blocks held, at most 3 at once or 16 blocks; a 4-block stage; counts the
     pieces held."""
-    monkeypatch.setattr(wr, "USE_O_DIRECT", True)
+    monkeypatch.setenv("RESHARD_O_DIRECT", "1")
     monkeypatch.setattr(wr, "HELD_MIN", ALIGN)
     monkeypatch.setattr(wr, "THROUGH_MIN", 8 * ALIGN)
     monkeypatch.setattr(wr, "THROUGH_SEGMENT", 16 * ALIGN)
@@ -200,7 +200,7 @@ def test_held_pieces_go_out_in_order_with_the_stage(tmp_path, small_held):
 
 
 def test_held_writes_fall_back_to_staging_when_buffered(tmp_path, small_held, monkeypatch):
-    monkeypatch.setattr(wr, "USE_O_DIRECT", False)
+    monkeypatch.setenv("RESHARD_O_DIRECT", "0")
     arr = np.frombuffer(aligned_buffer(4 * ALIGN), np.uint8)
     arr[:] = 7
     w = wr.FileWriter(tmp_path / "f", b"h" * ALIGN)
@@ -243,3 +243,61 @@ def test_save_with_held_pieces_writes_the_same_bytes(tiny, tmp_path, monkeypatch
     for f in held.plan.files:
         a, b = ((tmp_path / d / f.name).read_bytes() for d in "ab")
         assert a[8 + int.from_bytes(a[:8], "little") :] == b[8 + int.from_bytes(b[:8], "little") :], f.name
+
+
+class _BytesSink(wr.Sink):
+    """A sink with the required methods only: the optional ones are `Sink`'s defaults."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def begin(self, tensor) -> None:
+        pass
+
+    def write(self, data) -> None:
+        self.chunks.append(bytes(data))
+
+    def close(self, sync: bool) -> wr.Written:
+        data = b"".join(self.chunks)
+        return wr.Written("f", len(data), None)
+
+    def abort(self) -> None:
+        pass
+
+
+def test_a_sink_without_the_optional_methods_gets_every_byte(monkeypatch):
+    """The worker calls write_held and write_array on every sink: the defaults write (strided arrays
+    a block of rows at a time) and hold nothing."""
+    from types import SimpleNamespace
+
+    from reshard.io.worker import Worker
+
+    monkeypatch.setattr(wr, "STAGE_BYTES", 3 * 10)  # row blocks of 3 rows of 10 bytes
+    arr = np.arange(20 * 30, dtype=np.uint8).reshape(20, 30)
+    strided, contiguous = arr[:, 5:15], arr[3:5]
+    sink = _BytesSink()
+    worker = Worker(sink)
+    worker.begin(SimpleNamespace(name="t", nbytes=strided.nbytes + contiguous.nbytes + 2))
+    leases = [_Lease() for _ in range(3)]
+    for data, lease in zip([strided, contiguous, b"ab"], leases, strict=True):
+        lease.refs = 1
+        worker.write(data, lease)
+    worker.flush_held()
+    worker.close(sync=False)
+    done = worker.join()
+    assert b"".join(sink.chunks) == strided.tobytes() + contiguous.tobytes() + b"ab"
+    assert [len(c) for c in sink.chunks[:7]] == [30] * 6 + [20]
+    assert done.size == strided.nbytes + contiguous.nbytes + 2 and [x.refs for x in leases] == [0, 0, 0]
+
+
+def test_sinks_and_sources_declare_their_protocol():
+    from reshard.checkpoint import Source
+    from reshard.sources.hubsource import HubSource
+    from reshard.sources.local import LocalSource
+    from reshard.sources.output import OutputSource
+    from reshard.verify.deep import _CompareSink
+
+    # subclassed, not matched by shape: the optional methods' defaults come from the protocol
+    assert wr.Sink in wr.FileWriter.__mro__ and wr.Sink in _CompareSink.__mro__
+    assert all(Source in s.__mro__ for s in (LocalSource, OutputSource, HubSource))
+    assert LocalSource.finish is Source.finish and HubSource.finish is not Source.finish

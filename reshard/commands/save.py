@@ -75,7 +75,7 @@ def save_cmd(
     with ExitStack() as stack:
 
         def on_plan(plan, source):
-            meter = source.meter  # a Hub source: bytes downloaded, on the same display
+            meter = source.downloads  # a Hub source's, on the same display
             return stack.enter_context(byte_progress(plan.total_bytes, "writing", quiet=as_json, downloads=meter))
 
         result = save(source, out_dir, layout, options, on_plan=on_plan)

@@ -45,7 +45,8 @@ class Prefetcher:
         self.want = 0
         self.done: dict[int, tuple[memoryview, Lease] | BaseException] = {}
         self.stopped = False
-        threads = getattr(reader, "threads", threads)  # a reader may want more (HTTP connections)
+        if self.aligned is not None and self.aligned.threads:  # a reader may want more (HTTP connections)
+            threads = self.aligned.threads
         n = max(1, min(threads if self.aligned is not None else 1, len(reads)))
         self.threads = [threading.Thread(target=self._run, name="reshard-reader", daemon=True) for _ in range(n)]
         for t in self.threads:

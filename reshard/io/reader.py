@@ -22,17 +22,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from reshard import settings
 from reshard.errors import SourceError
 from reshard.format import TensorInfo
 from reshard.io.memory import ALIGN
 
 PROBES = 16  # pages sampled per file to tell whether it is in the page cache
-
-
-def direct_reads_mode() -> str:
-    """RESHARD_DIRECT_READS: `auto` (default), `1` (always O_DIRECT) or `0` (never)."""
-    mode = os.environ.get("RESHARD_DIRECT_READS", "auto").strip().lower()
-    return {"1": "1", "true": "1", "yes": "1", "0": "0", "false": "0", "no": "0"}.get(mode, "auto")
 
 
 def cached_share(path: Path) -> float | None:
@@ -77,6 +72,8 @@ class AlignedReader(abc.ABC):
     """A `Reader` whose reads can be prepared: sized first, then made into a region the caller
     allocates (page-aligned). Readers declare it by subclassing."""
 
+    threads: int | None = None  # reads in flight it wants (a Hub reader: its connections); None: the prefetcher's
+
     @abc.abstractmethod
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         """Bytes [start, start + nbytes) of tensor `t`, into `buf` if given (see `Reader.read`)."""
@@ -105,7 +102,7 @@ class FileReader(AlignedReader):
         self.direct_fds: dict[str, int | None] = {}
         self.stale: list[int] = []
         self.lock = threading.Lock()
-        self.mode = direct_reads_mode()
+        self.mode = settings.DIRECT_READS.get()  # "auto", "1" or "0"
 
     def fd(self, name: str) -> int:
         if name not in self.fds:

@@ -16,7 +16,7 @@ import numpy as np
 
 from reshard.errors import SourceError
 from reshard.io.memory import Lease
-from reshard.io.writer import STAGE_BYTES, GatheringSink, Sink, Written
+from reshard.io.writer import Sink, Written
 
 if TYPE_CHECKING:
     from reshard.plan import OutTensor
@@ -29,13 +29,10 @@ class Worker:
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
-        self.gather = sink.write_array if isinstance(sink, GatheringSink) else None
-        self.hold = getattr(sink, "write_held", None)  # a FileWriter: may hold aligned pieces (no copy)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.aborting = False
         self.result: Written | None = None
-        self.stage: np.ndarray | None = None
         self.tensor: OutTensor | None = None  # the tensor being written, and the bytes it got so far
         self.got = 0
         self.thread = threading.Thread(target=self._run, name="reshard-writer", daemon=True)
@@ -55,8 +52,7 @@ class Worker:
 
     def flush_held(self) -> None:
         """From any thread: have the sink write what it holds (memory is short: free it soon)."""
-        if self.hold is not None:
-            self.q.put((_FLUSH, None, None))
+        self.q.put((_FLUSH, None, None))
 
     def close(self, sync: bool) -> None:
         self._check()
@@ -79,7 +75,7 @@ class Worker:
     # writer thread
     def _run(self) -> None:
         while True:
-            if self.hold is not None and self.q.empty():
+            if self.q.empty():
                 self._flush_held(if_short=True)  # idle next: what it holds must not keep a thread waiting
             op, arg, lease = self.q.get()
             if op == _WRITE:
@@ -120,7 +116,7 @@ class Worker:
     def _flush_held(self, if_short: bool) -> None:
         if self.error is None and not self.aborting:
             try:
-                self.sink.flush_held(if_short=if_short)  # type: ignore[attr-defined]
+                self.sink.flush_held(if_short=if_short)
             except BaseException as e:
                 self.error = e
 
@@ -139,20 +135,7 @@ class Worker:
         self.got += len(data) if isinstance(data, bytes) else data.nbytes
         if isinstance(data, bytes):
             self.sink.write(data)
-        elif data.flags.c_contiguous:
-            if self.hold is not None:  # the sink may keep the lease's memory instead of copying it
-                self.hold(memoryview(data).cast("B"), lease)
-            else:
-                self.sink.write(memoryview(data).cast("B"))
-        elif self.gather is not None:
-            self.gather(data)
-        else:  # a strided slice for a sink that takes bytes only: gather row blocks here
-            row = data[0].nbytes
-            step = max(1, STAGE_BYTES // row)
-            if self.stage is None or self.stage.nbytes < min(step, data.shape[0]) * row:
-                self.stage = np.empty(max(STAGE_BYTES, row), np.uint8)
-            for r0 in range(0, data.shape[0], step):
-                part = data[r0 : r0 + step]
-                dst = self.stage[: part.nbytes].reshape(part.shape)
-                np.copyto(dst, part)
-                self.sink.write(memoryview(dst).cast("B"))
+        elif data.flags.c_contiguous:  # the sink may keep the lease's memory instead of copying it
+            self.sink.write_held(memoryview(data).cast("B"), lease)
+        else:  # a strided slice: the sink gathers it (FileWriter into its stage; others by row blocks)
+            self.sink.write_array(data)

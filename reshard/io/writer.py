@@ -12,7 +12,6 @@ vectored write, again without a copy.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import ctypes
 import ctypes.util
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from reshard import settings
 from reshard.errors import OutputError
 from reshard.format import ITEMSIZE, encode_header
 from reshard.hashing import DEFAULT, new_hasher
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 STAGE_BYTES = 4 * 1024 * 1024  # per output file (x2): staged, hashed and written this many bytes at a time
 WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every this many bytes
-USE_O_DIRECT = os.environ.get("RESHARD_O_DIRECT", "1") != "0"
 THROUGH_MIN = 1024 * 1024  # contiguous writes from this size may skip the stage (see FileWriter.write)
 THROUGH_SEGMENT = 8 * 1024 * 1024  # ... hashed and written this many bytes at a time
 HELD_MIN = 64 * 1024  # smaller aligned contiguous writes may be held (see FileWriter.write_held) ...
@@ -59,7 +58,8 @@ class Sink(Protocol):
 
     A sink's methods are called in order from one writer thread (not the caller's thread; the sinks
     of different files run at the same time). `write` gets contiguous bytes that stay valid only
-    until it returns.
+    until it returns. Sinks subclass `Sink`: the last three methods are optional capabilities, and
+    their defaults here are what a sink that lacks them does.
     """
 
     def begin(self, tensor: OutTensor) -> None: ...
@@ -67,26 +67,29 @@ class Sink(Protocol):
     def close(self, sync: bool) -> Written: ...
     def abort(self) -> None: ...
 
-
-class GatheringSink(abc.ABC):
-    """A `Sink` that also takes strided arrays and gathers them itself (saves the writer thread a
-    copy). Sinks declare it by subclassing; the writer threads check with isinstance."""
-
-    @abc.abstractmethod
-    def begin(self, tensor: OutTensor) -> None: ...
-
-    @abc.abstractmethod
-    def write(self, data: memoryview | bytes) -> None: ...
-
-    @abc.abstractmethod
     def write_array(self, arr: np.ndarray) -> None:
-        """Write a strided uint8 array's bytes in C order."""
+        """Write a strided uint8 array's bytes in C order. Default: copied out a block of rows at a
+        time (STAGE_BYTES, or one row) and each block given to `write`; a sink that gathers straight
+        into its own buffer (FileWriter) saves that copy."""
+        if not arr.nbytes:
+            return
+        row = arr[0].nbytes
+        step = max(1, STAGE_BYTES // row)
+        stage = np.empty(min(step, arr.shape[0]) * row, np.uint8)
+        for r0 in range(0, arr.shape[0], step):
+            part = arr[r0 : r0 + step]
+            dst = stage[: part.nbytes].reshape(part.shape)
+            np.copyto(dst, part)
+            self.write(memoryview(dst).cast("B"))
 
-    @abc.abstractmethod
-    def close(self, sync: bool) -> Written: ...
+    def write_held(self, view: memoryview, lease: Lease) -> None:
+        """`write` for contiguous bytes whose memory `lease` keeps: the sink may hold the piece (with
+        a reference on `lease`) rather than copy it, until `flush_held` or `close`. Default: `write`."""
+        self.write(view)
 
-    @abc.abstractmethod
-    def abort(self) -> None: ...
+    def flush_held(self, if_short: bool = False) -> None:
+        """Write what is held now (memory is short); `if_short`: only if a thread waits for memory
+        now. Default: nothing is ever held."""
 
 
 def _sync_file_range() -> Callable[[int, int, int], None] | None:
@@ -114,7 +117,7 @@ def _no_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
 
-class FileWriter(GatheringSink):
+class FileWriter(Sink):
     """An output file written in order and hashed on the fly, through two aligned staging buffers.
 
     The writer thread gathers into one stage and hashes it, while this file's I/O thread writes the
@@ -131,7 +134,7 @@ class FileWriter(GatheringSink):
         self.direct = False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         try:
-            if USE_O_DIRECT and hasattr(os, "O_DIRECT"):
+            if settings.O_DIRECT.get() and hasattr(os, "O_DIRECT"):
                 with contextlib.suppress(OSError):
                     self.fd = os.open(path, flags | os.O_DIRECT, 0o666)
                     self.direct = True

@@ -3,21 +3,20 @@
 An MoE checkpoint has tens of thousands of tensors of a few KB (FP8 block scales: Qwen3-235B-A22B-FP8
 has ~36k of 1.5 KB); one request each would make the download latency-bound. safetensors files keep
 tensors of one dtype together, so the small ones lie side by side: runs of tensors smaller than
-SMALL, contiguous in their file, are cut into groups of at most GROUP bytes, and the first read of
-a group's tensor fetches the whole group. Fetched groups stay in memory (at most KEEP bytes, least
+RESHARD_HUB_SMALL (1 MiB), contiguous in their file, are cut into groups of at most GROUP bytes, and
+the first read of a group's tensor fetches the whole group. Fetched groups stay in memory (at most KEEP bytes, least
 recently used dropped first, on top of --max-memory) for the reads of the other tensors in them.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from reshard import settings
 from reshard.format import TensorInfo
 
-SMALL = int(os.environ.get("RESHARD_HUB_SMALL", str(1 << 20)))  # 0: every read its own request
 GROUP = 4 << 20
 KEEP = 64 << 20
 
@@ -27,13 +26,14 @@ Key = tuple[str, int, int]  # file, start, end
 class Groups:
     def __init__(self, tensors: dict[str, TensorInfo]) -> None:
         self.of: dict[str, Key] = {}
+        small_below = settings.HUB_SMALL.get()  # 0: every read its own request
         by_file: dict[str, list[TensorInfo]] = {}
         for t in tensors.values():
             by_file.setdefault(t.file, []).append(t)
         for file, ts in by_file.items():
             run: list[TensorInfo] = []
             for t in [*sorted(ts, key=lambda t: t.offset), None]:
-                small = t is not None and t.nbytes < SMALL
+                small = t is not None and t.nbytes < small_below
                 fits = small and run and t.offset == run[-1].offset + run[-1].nbytes
                 if fits and t.offset + t.nbytes - run[0].offset <= GROUP:  # type: ignore[union-attr]
                     run.append(t)  # type: ignore[arg-type]

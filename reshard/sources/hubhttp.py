@@ -13,7 +13,6 @@ and raise SourceError once RESHARD_HUB_RETRIES attempts in a row made no progres
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -22,11 +21,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import quote, urlparse
 
+from reshard import settings
 from reshard.errors import SourceError
 
-RETRIES = int(os.environ.get("RESHARD_HUB_RETRIES", "8"))
-BACKOFF = float(os.environ.get("RESHARD_HUB_BACKOFF", "0.5"))  # first wait, doubled each time, at most 30 s
-TIMEOUT = float(os.environ.get("RESHARD_HUB_TIMEOUT", "60"))  # seconds without a byte
 _RECV: int | None = None
 T = TypeVar("T")
 
@@ -104,13 +101,13 @@ def with_retries(call: Callable[[], T], what: str, *, progress: Callable[[], int
         now = progress() if progress else 0
         failures = 1 if now > seen else failures + 1
         seen = now
-        if failures > RETRIES:
+        if failures > settings.HUB_RETRIES.get():
             msg = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
             raise Unreachable(
                 f"{what}: the download failed {failures} times in a row ({type(err).__name__}: {msg})",
                 "check the network or HF_ENDPOINT and run again (a cached save resumes where it stopped)",
             ) from err
-        time.sleep(min(30.0, BACKOFF * 2 ** (failures - 1)))
+        time.sleep(min(30.0, settings.HUB_BACKOFF.get() * 2 ** (failures - 1)))
 
 
 class HubRepo:
@@ -186,7 +183,9 @@ class HubRepo:
             headers["user-agent"] = self.headers.get("user-agent", "reshard")
         assert url is not None
         try:
-            with self.session.stream("GET", url, headers=headers, follow_redirects=True, timeout=TIMEOUT) as r:
+            with self.session.stream(
+                "GET", url, headers=headers, follow_redirects=True, timeout=settings.HUB_TIMEOUT.get()
+            ) as r:
                 if r.status_code in (401, 403, 404, 410) and direct:  # a signed URL expired: resolve again
                     with self.lock:
                         self.urls.pop(name, None)

@@ -3,7 +3,7 @@
 Planning needs config.json and the safetensors headers only: config, tokenizer and the other small
 files come through huggingface_hub's cache, and each weight file's header through two range requests
 (its 8-byte length, then the JSON), before any weight byte. `HubReader` then fetches exactly the byte
-ranges the executor's schedule asks for, on `CONNECTIONS` connections at once, straight into the
+ranges the executor's schedule asks for, on RESHARD_HUB_CONNECTIONS connections at once, straight into the
 executor's bounded read-ahead buffers (`reshard.io.memory`): download and re-sharding overlap.
 
 Two modes:
@@ -28,17 +28,17 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from reshard import settings
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, Prepared
 from reshard.names import INDEX, SINGLE
 from reshard.sources.hubgroups import Groups
-from reshard.sources.hubhttp import HubRepo
+from reshard.sources.hubhttp import HubRepo, Meter
 from reshard.sources.local import read_config
 from reshard.sources.validate import check_index
 
-CONNECTIONS = int(os.environ.get("RESHARD_HUB_CONNECTIONS", "8"))
 _FILL = 64 * 1024 * 1024  # bytes per request when completing a cached blob
 
 
@@ -73,7 +73,7 @@ class HubSource(Source):
         self.heads: dict[str, bytes] = {}  # each file's first bytes (length and header), kept for the cache
         tensors: dict[str, TensorInfo] = {}
         sizes: dict[str, int] = {}
-        with ThreadPoolExecutor(min(CONNECTIONS, len(files))) as pool:
+        with ThreadPoolExecutor(min(settings.HUB_CONNECTIONS.get(), len(files))) as pool:
             for name, (found, size, etag) in zip(files, pool.map(self._header, files), strict=True):
                 sizes[name] = size
                 self.etags[name] = etag
@@ -87,6 +87,10 @@ class HubSource(Source):
     @property
     def checkpoint(self) -> Checkpoint:
         return self._checkpoint
+
+    @property
+    def downloads(self) -> Meter:
+        return self.meter
 
     def _header(self, name: str) -> tuple[dict[str, TensorInfo], int, str | None]:
         head = bytearray(8)
@@ -261,9 +265,8 @@ class Blob:
 class HubReader(AlignedReader):
     """Ranges of a repo's weight files from the Hub (or from the cached blob, where it has them)."""
 
-    threads = CONNECTIONS  # the prefetcher's reads in flight: HTTP connections
-
     def __init__(self, repo: HubRepo, blobs: dict[str, Blob], groups: Groups) -> None:
+        self.threads = settings.HUB_CONNECTIONS.get()  # the prefetcher's reads in flight: HTTP connections
         self.repo = repo
         self.blobs = blobs
         self.groups = groups

@@ -34,7 +34,6 @@ class OutputReader:
         self.root = root
         self.regions = regions
         self.fds: dict[str, int] = {}
-        self.bytes_read = 0
 
     def _pread(self, file: str, offset: int, nbytes: int) -> bytes:
         if file not in self.fds:
@@ -42,7 +41,6 @@ class OutputReader:
         data = os.pread(self.fds[file], nbytes, offset)
         if len(data) != nbytes:
             raise CorruptError(f"{self.root / file}: truncated", "the output is damaged")
-        self.bytes_read += nbytes
         return data
 
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:

@@ -19,7 +19,7 @@ from reshard.checkpoint import Source
 from reshard.execute import Executor, WriteOptions
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.hashing import NONE, new_hasher
-from reshard.io import Written
+from reshard.io import Sink, Written
 from reshard.io.memory import DEFAULT_MAX_MEMORY
 from reshard.plan import OutFile, OutTensor, Plan, natural_key
 from reshard.verify.keys import expected_by_rank
@@ -123,7 +123,7 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a[k:].tobytes() == b[k:].tobytes()
 
 
-class _CompareSink:
+class _CompareSink(Sink):
     """A Sink for the executor: compares each regenerated tensor with the file's bytes.
 
     The file is read where its own header puts each tensor, so the header's metadata (run id, ...)
