@@ -19,9 +19,9 @@ from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.rules import REFUSED
 from reshard.save import save
 from reshard.sources import open_source
+from tests.fixtures.cli import run
 from tests.fixtures.reference import assert_files_equal_plan, load_source
 from tests.fixtures.tiny import KIMI_SIDE_FILES
-from tests.test_cli import run
 
 
 def shapes(plan, tp_rank, pp_rank=0):

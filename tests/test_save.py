@@ -121,7 +121,7 @@ def test_padded_moe_backend_verifies_and_reshards(tiny, tmp_path, arch, backend)
 
     from safetensors.torch import load_file
 
-    from tests.test_cli import run
+    from tests.fixtures.cli import run
 
     src = tiny(arch)
     out, again, direct = tmp_path / "out", tmp_path / "again", tmp_path / "direct"
