@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.bench import ROOT, fmt_b, run_measured, scrub
+from scripts.benchlib import ROOT, fmt_b, run_measured, scrub
 from scripts.make_synthetic import parse_size
 
 REPO = "bench/llama-synthetic"

@@ -29,10 +29,8 @@ import time
 from pathlib import Path
 
 from reshard.names import parse_rank_file, rank_files_in
-from scripts.bench import scrub
+from scripts.benchlib import ROOT, scrub
 from scripts.make_synthetic import make_config, parse_size, write_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import json, sys, time

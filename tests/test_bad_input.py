@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import run
+from tests.fixtures.cli import run
 
 
 def corrupt(tiny, tmp_path: Path, arch: str = "llama", shards: int = 1) -> Path:

@@ -11,22 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.cli import main
-
-
-def run(*args: str) -> tuple[int, str, str]:
-    """Run `reshard ARGS` in-process; returns (exit code, stdout, stderr)."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as e:
-            code = int(e.code or 0)
-    return code, out.getvalue(), err.getvalue()
+from tests.fixtures.cli import run
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:

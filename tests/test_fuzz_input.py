@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_cli import run
+from tests.fixtures.cli import run
 
 json_scalars = st.one_of(
     st.none(),

@@ -19,10 +19,9 @@ from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.rules import REFUSED
 from reshard.sources import open_source
-from tests.fixtures.reference import assert_files_equal_plan, load_source
-from tests.fixtures.saving import save
+from tests.fixtures.cli import run
+from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
 from tests.fixtures.tiny import KIMI_SIDE_FILES
-from tests.test_cli import run
 
 
 def shapes(plan, tp_rank, pp_rank=0):
@@ -154,9 +153,7 @@ def test_minimax_m2_fp8_tiny(tiny, tp, ep):
      ("kimi-k2", 2, True)],
 )  # fmt: skip
 def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
-    src = tiny(arch, shards=2)
-    result = save(str(src), tmp_path / "out", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
-    assert_files_equal_plan(src, tmp_path / "out", result.plan)
+    assert_streamed_files_equal_plan(tiny(arch, shards=2), tmp_path / "out", tp=tp, ep=ep)
 
 
 def test_minimax_norms_equal_vllm_weight_loader_reading(tiny, tmp_path):

@@ -23,8 +23,7 @@ from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.sources import open_source
 from tests.fixtures.oss_release import RELEASES, write_release
 from tests.fixtures.quant import convert
-from tests.fixtures.reference import assert_files_equal_plan, load_source
-from tests.fixtures.saving import save
+from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
 
 EXPERTS = "model.layers.{L}.mlp.experts.routed_experts."
 
@@ -50,10 +49,7 @@ def rank_file(out: Path, r: int) -> dict[str, torch.Tensor]:
      ("mxfp4", 2, False, "marlin"), ("mxfp4", 2, True, "auto")],
 )  # fmt: skip
 def test_streamed_files_equal_plan(sources, tmp_path, fmt, tp, ep, backend):
-    src = sources[fmt]
-    result = save(str(src), tmp_path / "out", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000,
-                  moe_backend=backend)  # fmt: skip
-    assert_files_equal_plan(src, tmp_path / "out", result.plan)
+    assert_streamed_files_equal_plan(sources[fmt], tmp_path / "out", tp=tp, ep=ep, moe_backend=backend)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

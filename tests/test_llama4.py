@@ -14,17 +14,14 @@ from safetensors import safe_open
 from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.sources import open_source
-from tests.fixtures.reference import assert_files_equal_plan, load_source
-from tests.fixtures.saving import save
+from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
 
 LM = "language_model.model.layers."
 
 
 @pytest.mark.parametrize("arch, tp, ep", [("llama4", 2, False), ("llama4", 4, True), ("llama4-text", 4, False)])
 def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
-    src = tiny(arch)
-    result = save(str(src), tmp_path / "out", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
-    assert_files_equal_plan(src, tmp_path / "out", result.plan)
+    assert_streamed_files_equal_plan(tiny(arch), tmp_path / "out", tp=tp, ep=ep)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -186,7 +186,7 @@ def _plan_cli(monkeypatch, ckpt, *args: str) -> str:
     import types
 
     import reshard.sources
-    from tests.test_cli import run
+    from tests.fixtures.cli import run
 
     monkeypatch.setattr(reshard.sources, "open_source", lambda *a, **k: types.SimpleNamespace(checkpoint=ckpt))
     monkeypatch.setenv("COLUMNS", "400")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from reshard import publish
-from tests.test_cli import run
+from tests.fixtures.cli import run
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

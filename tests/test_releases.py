@@ -22,8 +22,8 @@ from reshard.format import DTYPE_CODES, DTYPE_NAMES, ITEMSIZE
 from reshard.layout import Layout
 from reshard.plan import build_plan
 from reshard.sources import open_source
+from tests.fixtures.cli import run
 from tests.fixtures.releases import CUT_LAYERS, RELEASES, cut, vllm_shapes, write_header_only
-from tests.test_cli import run
 
 LAYOUTS = {"tp8": False, "tp8-ep": True}
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")

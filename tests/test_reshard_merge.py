@@ -106,7 +106,7 @@ def test_merge_of_a_float32_output_is_exact(tiny, tmp_path):
 
 
 def test_merge_of_deepseek_says_once_what_it_skipped_and_fixes_the_config(tiny, tmp_path):
-    from tests.test_cli import run
+    from tests.fixtures.cli import run
 
     save(str(tiny("deepseek-v3")), tmp_path / "out", tp=2, max_part_size=MAX)
     code, out, err = run("merge", str(tmp_path / "out"), str(tmp_path / "hf"))

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "reshard"
+SCRIPTS = PACKAGE.parent / "scripts"  # scripts/: benchmarks and tools, importing reshard and each other
 MAX_LINES = 400
 
 
@@ -16,9 +17,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports() -> dict[str, set[str]]:
-    """Module -> the reshard modules it imports anywhere in its body (function-level too)."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _imports(*roots: Path) -> dict[str, set[str]]:
+    """Module -> the modules under `roots` (default: reshard/) it imports anywhere in its body
+    (function-level too)."""
+    modules = {_module_name(p): p for root in roots or (PACKAGE,) for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps: set[str] = set()
@@ -89,6 +91,25 @@ def test_lower_layers_do_not_import_upper_ones():
 
 def test_modules_stay_small():
     big = {_module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, big
+
+
+def test_no_import_cycle_with_scripts():
+    """scripts/ import reshard and each other (a benchmark's sections, its shared helpers): no cycle
+    among them either, nor through reshard."""
+    graph = _imports(PACKAGE, SCRIPTS)
+    script_deps = {d for m, deps in graph.items() if m.startswith("scripts.") for d in deps}
+    assert {d.split(".")[0] for d in script_deps} == {"reshard", "scripts"}, "the graph misses scripts' imports"
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph) or [])}"
+
+
+def test_reshard_and_scripts_stay_small():
+    big = {
+        _module_name(p): n
+        for root in (PACKAGE, SCRIPTS)
+        for p in root.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not big, big
 
 

