@@ -1,4 +1,5 @@
 """Section 5 of `python -m scripts.bench`: `build_plan`'s time from headers alone, in this process."""
+
 from __future__ import annotations
 
 import time

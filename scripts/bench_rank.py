@@ -1,6 +1,7 @@
 """Section 3 of `python -m scripts.bench`: one rank's load (time and bytes read) from reshard's rank files
 against narrowing its tensors out of the original checkpoint. `_load` (one variant, run in its own process
 by `python -m scripts.bench _load`) lives here too."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Sections 1 and 2 of `python -m scripts.bench`: `reshard save` against `cp -r` (and the naive script)
 with the page cache dropped and warm, and the peak RSS of `reshard save` by checkpoint size. `_naive`
 (the naive script, run in its own process by `python -m scripts.bench _naive`) lives here too."""
+
 from __future__ import annotations
 
 import shutil

@@ -21,6 +21,7 @@ from reshard.rules import REFUSED
 from reshard.sources import open_source
 from tests.fixtures.cli import run
 from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
+from tests.fixtures.saving import save
 from tests.fixtures.tiny import KIMI_SIDE_FILES
 
 

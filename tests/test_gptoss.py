@@ -24,6 +24,7 @@ from reshard.sources import open_source
 from tests.fixtures.oss_release import RELEASES, write_release
 from tests.fixtures.quant import convert
 from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
+from tests.fixtures.saving import save
 
 EXPERTS = "model.layers.{L}.mlp.experts.routed_experts."
 

@@ -15,6 +15,7 @@ from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.sources import open_source
 from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
+from tests.fixtures.saving import save
 
 LM = "language_model.model.layers."
 

@@ -21,6 +21,7 @@ from reshard.plan import DEFAULT_MAX_PART, Fill, Slice, build_plan
 from reshard.rules import ARCHITECTURES
 from reshard.sources import open_source
 from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
+from tests.fixtures.saving import save
 
 NEW = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")

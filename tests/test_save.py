@@ -12,6 +12,7 @@ from safetensors import safe_open
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.sources import open_source
 from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
+from tests.fixtures.saving import save
 
 CASES = [
     ("llama", 1, False),
@@ -53,7 +54,7 @@ def test_streamed_files_equal_plan(tiny, tmp_path, monkeypatch, arch, tp, ep, re
     plan = assert_streamed_files_equal_plan(src, out, tp=tp, ep=ep).plan
     for f in plan.files:
         with safe_open(str(out / f.name), "pt") as h:
-            assert h.metadata()["reshard_layout"].startswith(f"tp={plan.tp},")
+            assert h.metadata()["reshard_layout"].startswith(f"tp={plan.layout.tp},")
     # the manifest's checksums are the files' checksums
     manifest = json.loads((out / "reshard.json").read_text())
     for entry in manifest["files"]:
