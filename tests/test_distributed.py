@@ -96,3 +96,20 @@ def test_torchrun_into_a_locked_folder_fails_on_every_process(tiny, tmp_path):
         assert not out.exists()
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("damage", ["not json {", '{"format": "reshard-sharded-state", "format_version": 1}', "[]"])
+def test_a_damaged_piece_manifest_is_exit_7_naming_it(tiny, tmp_path, damage):
+    """A piece manifest that does not parse or validate (a disk error, a hand edit) stops assemble, the
+    next --ranks piece and verify with exit 7 and one line naming the file, never a traceback (exit 1)."""
+    from tests.fixtures.cli import run
+
+    src, out = tiny("llama"), tmp_path / "pieces"
+    assert run("save", str(src), str(out), "--tp", "2", "--ranks", "0")[0] == 0
+    piece = next(out.glob("reshard.ranks-*.json"))
+    piece.write_text(damage)
+    for args in (["assemble", str(out)], ["save", str(src), str(out), "--tp", "2", "--ranks", "1"]):
+        code, _, err = run(*args)
+        assert code == 7 and f"{piece.name}: damaged piece manifest" in err and len(err.strip().splitlines()) == 1
+    code, out_text, _ = run("verify", str(out))
+    assert code == 7 and piece.name in out_text

@@ -223,3 +223,46 @@ def test_env_read_finder_finds_them():
         "ok = os.environ.get('WORLD_SIZE', '1')\ntext = 'set RESHARD_DEBUG=1 to see it'\n"
     )
     assert sorted({line for line, _ in _env_reads(ast.parse(code))}) == [3, 4, 5, 6, 8, 9]
+
+
+# every top-level key of reshard.json (reshard.manifest.schema) and of its layout object
+MANIFEST_KEYS = {"format", "format_version", "reshard_version", "checksum", "run_id", "created", "source", "layout",
+                 "vllm_versions", "total_bytes", "files", "copied", "copied_files", "source_tensors", "serve",
+                 "serve_reshard", "notes", "ranks", "all_files", "vllm_layout", "architecture",
+                 "pp_layer_partition", "moe_backend_pinned"}  # fmt: skip
+
+
+def _raw_manifest_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """`manifest["layout"]`, `m.get("files")`, `lay["tp"]`...: a key read by name off a variable that
+    holds a manifest or its layout (named manifest, m, lay or layout, or `x.manifest`)."""
+
+    def holder(node: ast.AST) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return "manifest" in name.lower() or name in ("m", "lay", "layout")
+
+    found = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and holder(node.value) and isinstance(node.slice, ast.Constant):
+            key = node.slice.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and holder(node.func.value) and node.args and isinstance(node.args[0], ast.Constant)):  # fmt: skip
+            key = node.args[0].value
+        if isinstance(key, str) and (key in MANIFEST_KEYS or key in ("tp", "pp", "ep", "dtype")):
+            found.append((node.lineno, key))
+    return found
+
+
+def test_manifest_keys_are_read_only_in_the_manifest_package():
+    """The manifest is parsed (and validated) into typed records in one place, reshard/manifest/; the
+    rest of reshard reads their attributes, never a key of the JSON."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "manifest" and path.parent.parent == PACKAGE:
+            continue
+        reads = _raw_manifest_reads(ast.parse(path.read_text()))
+        assert not reads, f"{path.relative_to(PACKAGE.parent)} reads manifest keys at lines {reads}"
+
+
+def test_raw_manifest_read_finder_finds_them():
+    code = 'a = manifest["layout"]\nb = m.get("files")\nc = folder.manifest["run_id"]\nd = lay["tp"]\ne = cfg["tp"]\n'
+    assert [k for _, k in _raw_manifest_reads(ast.parse(code))] == ["layout", "files", "run_id", "tp"]

@@ -102,9 +102,10 @@ def _render(report: Report, seconds: float) -> None:
 
 def _title(report: Report) -> str:
     lay = report.layout
-    title = f"{report.out_dir}: tp={lay['tp']} pp={lay['pp']} ep={'on' if lay['ep'] else 'off'}"
-    if lay.get("dtype") and lay["dtype"] != "auto":
-        title += f" dtype={lay['dtype']}"
+    assert lay is not None
+    title = f"{report.out_dir}: {lay}"
+    if lay.dtype != "auto":
+        title += f" dtype={lay.dtype}"
     if report.vllm_versions:
         title += f"  for vLLM {report.vllm_versions}"
     if report.run_id:

@@ -27,7 +27,7 @@ from reshard.manifest import Manifest
 from reshard.sources import open_source
 from reshard.verify import integrity, keys, structure
 from reshard.verify.deep import compare, locate
-from reshard.verify.report import CORRUPT, CheckedFile, Finding, Progress, Report, layout_json
+from reshard.verify.report import CORRUPT, CheckedFile, Finding, Progress, Report
 
 __all__ = ["CheckedFile", "Finding", "Progress", "Report", "verify"]
 
@@ -71,7 +71,7 @@ def verify(
     folder = structure.read_folder(report, out_dir, tp=tp, pp=pp, ep=ep, against=against)
     if folder is None:
         return report
-    report.layout = layout_json(folder.layout)
+    report.layout = folder.layout
     if folder.manifest is not None:
         _check_vllm(report, folder.manifest)
     structure.check_structure(report, folder)

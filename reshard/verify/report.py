@@ -74,8 +74,8 @@ class Report:
     out_dir: Path
     findings: list[Finding] = field(default_factory=list)
     files: list[CheckedFile] = field(default_factory=list)
-    layout: dict | None = None  # the layout the folder was checked as
-    recorded: dict | None = None  # the manifest's layout, when there is one
+    layout: Layout | None = None  # the layout the folder was checked as
+    recorded: Layout | None = None  # the manifest's layout, when there is one
     run_id: str | None = None
     source: str | None = None  # --against
     checked: list[str] = field(default_factory=list)  # what was checked: structure, keys, ...
@@ -130,8 +130,8 @@ class Report:
             "ok": self.ok,
             "exit_code": self.exit_code,
             "out_dir": str(self.out_dir),
-            "layout": self.layout,
-            "recorded_layout": self.recorded,
+            "layout": layout_json(self.layout) if self.layout else None,
+            "recorded_layout": layout_json(self.recorded) if self.recorded else None,
             "run_id": self.run_id,
             "vllm_versions": self.vllm_versions,
             "vllm_installed": self.vllm_installed,

@@ -28,7 +28,7 @@ from reshard.names import (
     vllm_globs,
 )
 from reshard.plan import natural_key
-from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, layout_json, rank_label
+from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, rank_label
 
 _FOREIGN = "or check a folder without manifest with --against SOURCE --tp T"
 _PP_PREFIX = PP_PATTERN[: PP_PATTERN.index("{")]  # names of the pipeline-parallel pattern start so
@@ -98,7 +98,7 @@ def _manifest_folder(
     report: Report, out: Path, m: Manifest, *, tp: int | None, pp: int | None, ep: bool | None
 ) -> Folder:
     recorded = m.layout
-    report.recorded = layout_json(recorded)
+    report.recorded = recorded
     asked = Layout(tp or recorded.tp, pp or recorded.pp, recorded.ep if ep is None else ep, recorded.dtype,
                    moe_backend=recorded.moe_backend)  # fmt: skip
     folder = Folder(out, m, recorded)
