@@ -54,9 +54,10 @@ def _online(repo, *, headers_only: bool, stream: bool):
             f"{repo.repo_id}@{repo.commit[:12]}: no {CONFIG} in the repo", "is it a transformers model repo?"
         )
     small = [
-        f for f in repo.files
+        f
+        for f in repo.files
         if "/" not in f and not f.endswith(".safetensors") and any(fnmatch(f, p) for p in HUB_PATTERNS)
-    ]  # fmt: skip
+    ]
     root = None
     for name in [CONFIG, *[f for f in small if f != CONFIG]]:
         path = Path(repo.download(name))
