@@ -196,29 +196,32 @@ def doc_section(text: str, r: dict) -> str:
     ratio = {v: statistics.median(xs) / seq for v, xs in by.items()}
     out = max(run["output"] for run in r["runs"])
     disk = max(run["disk_peak"] for run in r["runs"] if run["variant"] == "stream")
-    return "\n".join(
-        [
-            MARK,
-            "## 5. `reshard save --tp 8 REPO` from a Hub server (issue 16)",
-            "",
-            "A synthetic Llama checkpoint served by tests/fixtures/hubserver.py on 127.0.0.1 (the Hub's HTTP "
-            "interface: model info, resolve with a 302 to a CDN origin, Range), each response throttled to "
-            "--rate. sequential = huggingface_hub's `snapshot_download` (8 files at a time) then `reshard save` "
-            "on the snapshot; cached = the repo id (download and re-sharding overlapped, the source kept once in "
-            "the HF cache); stream = the repo id with `--stream` (nothing stored); baseline = the repo-id save "
-            "before this change (snapshot_download inside reshard, then the save). Every time includes a final "
-            "`sync`; disk peak = allocated blocks of HF_HOME + OUT_DIR + staging, polled every 0.1 s. The machine "
-            "is shared (load average in the title): read the ratios, not the seconds.",
-            "",
-            text.replace("### hub bench", "####"),
-            "",
-            "| target | measured | met |",
-            "|---|---|---|",
-            f"| cached repo-id save <= 0.7 x sequential | {ratio['cached']:.2f} | {'yes' if ratio['cached'] <= 0.7 else 'no'} |",
-            f"| --stream repo-id save <= 0.7 x sequential | {ratio['stream']:.2f} | {'yes' if ratio['stream'] <= 0.7 else 'no'} |",
-            f"| --stream disk peak <= output + 1 GB | {fmt_b(disk)} vs {fmt_b(out)} + 1 GB | {'yes' if disk <= out + 1e9 else 'no'} |",
-        ]
-    )
+
+    def met(ok: bool) -> str:
+        return "yes" if ok else "no"
+
+    lines = [
+        MARK,
+        "## 5. `reshard save --tp 8 REPO` from a Hub server (issue 16)",
+        "",
+        "A synthetic Llama checkpoint served by tests/fixtures/hubserver.py on 127.0.0.1 (the Hub's HTTP "
+        "interface: model info, resolve with a 302 to a CDN origin, Range), each response throttled to "
+        "--rate. sequential = huggingface_hub's `snapshot_download` (8 files at a time) then `reshard save` "
+        "on the snapshot; cached = the repo id (download and re-sharding overlapped, the source kept once in "
+        "the HF cache); stream = the repo id with `--stream` (nothing stored); baseline = the repo-id save "
+        "before this change (snapshot_download inside reshard, then the save). Every time includes a final "
+        "`sync`; disk peak = allocated blocks of HF_HOME + OUT_DIR + staging, polled every 0.1 s. The machine "
+        "is shared (load average in the title): read the ratios, not the seconds.",
+        "",
+        text.replace("### hub bench", "####"),
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+        f"| cached repo-id save <= 0.7 x sequential | {ratio['cached']:.2f} | {met(ratio['cached'] <= 0.7)} |",
+        f"| --stream repo-id save <= 0.7 x sequential | {ratio['stream']:.2f} | {met(ratio['stream'] <= 0.7)} |",
+        f"| --stream disk peak <= output + 1 GB | {fmt_b(disk)} vs {fmt_b(out)} + 1 GB | {met(disk <= out + 1e9)} |",
+    ]
+    return "\n".join(lines)
 
 
 def summary(r: dict, a: argparse.Namespace) -> str:

@@ -205,9 +205,8 @@ def report(r: dict, command: str) -> str:
             continue
         name, cache = key.split("|")
         w = [x["weights"] for x in rs]
-        lines.append(
-            f"| {name} | {cache} | {med(w):.3f} | {' '.join(f'{x:.3f}' for x in w)} | {med([x['ready'] for x in rs]):.1f} |"
-        )
+        each, ready = " ".join(f"{x:.3f}" for x in w), med([x["ready"] for x in rs])
+        lines.append(f"| {name} | {cache} | {med(w):.3f} | {each} | {ready:.1f} |")
     lines += ["", f"Load average at the end: {r['load_end'][0]:.1f} (other jobs share this 2-core machine).", ""]
     return scrub("\n".join(lines))
 

@@ -324,9 +324,9 @@ def write(m: Matrix, path: Path, argv: list[str]) -> None:
         "`python -m reshard` on checkpoints it makes (tiny Llama, 2-shard Llama, a synthetic 0.5 GB one for the "
         "interrupts). Source untouched: the source folder's bytes before and after are equal. Previous output "
         "kept: a verifying output is in OUT_DIR afterwards (the earlier one, byte-identical, unless the run "
-        "completed). Exit codes are README's. In the interrupt rows, `moment:exit/output` lists each try; a signal in the "
-        "first ~0.1 s lands while the Python interpreter itself starts, before any reshard code runs: Python "
-        "answers it (exit 1 or -2, killed by the signal), and nothing has been touched yet.",
+        "completed). Exit codes are README's. In the interrupt rows, `moment:exit/output` lists each try; "
+        "a signal in the first ~0.1 s lands while the Python interpreter itself starts, before any reshard code "
+        "runs: Python answers it (exit 1 or -2, killed by the signal), and nothing has been touched yet.",
         "",
         "| case | exit | message (last line of stderr) | source untouched | previous output kept |",
         "| --- | --- | --- | --- | --- |",

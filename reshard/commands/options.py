@@ -97,7 +97,8 @@ moe_backend_option = click.option(
     metavar="NAME",
     type=click.Choice(MOE_BACKENDS),
     help="vLLM's --moe-backend the folder is for. Some pad the experts (deep_gemm, flashinfer_*, marlin... with "
-    "block FP8; flashinfer_trtllm, aiter with bf16); the serve line pins the backend whenever the layout depends on it.",
+    "block FP8; flashinfer_trtllm, aiter with bf16); the serve line pins the backend whenever the layout "
+    "depends on it.",
 )
 
 

@@ -79,8 +79,9 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
             repo_id, revision=revision, allow_patterns=list(HUB_PATTERNS), local_files_only=True
         )
     except hub_errors.LocalEntryNotFoundError as e:
+        at = f"{repo_id}@{revision}" if revision else repo_id
         raise SourceError(
-            f"{repo_id}{'@' + revision if revision else ''} is not in the Hugging Face cache and the Hub is unreachable or HF_HUB_OFFLINE is set",
+            f"{at} is not in the Hugging Face cache and the Hub is unreachable or HF_HUB_OFFLINE is set",
             "download it first (`hf download REPO`), unset HF_HUB_OFFLINE, or point HF_HOME at the cache",
         ) from e
     return LocalSource(Path(folder), {"repo_id": repo_id, "revision": revision or "main", "commit": Path(folder).name})

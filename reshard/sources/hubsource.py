@@ -131,7 +131,8 @@ class HubSource(Source):
             free = shutil.disk_usage(storage / "blobs").free
             if need > free:
                 raise SourceError(
-                    f"the Hugging Face cache ({storage}) has {free / 1e9:.1f} GB free; the source needs {need / 1e9:.1f} GB more",
+                    f"the Hugging Face cache ({storage}) has {free / 1e9:.1f} GB free; "
+                    f"the source needs {need / 1e9:.1f} GB more",
                     "use `save --stream` (stores nothing) or point HF_HOME at a larger disk",
                 )
             self.meter.total = need

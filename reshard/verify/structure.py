@@ -336,8 +336,9 @@ def _pieces(out_dir: Path) -> str | None:
     missing = [n for n in all_files if n not in written or not (out_dir / n).exists()]
     if not missing:
         return f"{out_dir}: every piece is written but not assembled: run `reshard assemble {out_dir}`"
+    in_ranks = ", ".join(map(str, sorted(ranks)))
     return (
-        f"{out_dir}: incomplete --ranks save: {len(found)} piece(s) in (engine ranks {', '.join(map(str, sorted(ranks)))}), "
+        f"{out_dir}: incomplete --ranks save: {len(found)} piece(s) in (engine ranks {in_ranks}), "
         f"{len(missing)} of {len(all_files)} files not written yet, e.g. {missing[0]}: run the missing "
         "`reshard save --ranks ...` pieces"
     )
