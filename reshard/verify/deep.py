@@ -98,12 +98,8 @@ def _tell_diffs(report: Report, f: CheckedFile, found: list[tuple[str, str]]) ->
     for msg, tensor in found[:MAX_PER_FILE]:
         report.add("data", msg, code=CORRUPT, file=f.name, tensor=tensor)
     if len(found) > MAX_PER_FILE:
-        report.add(
-            "data",
-            f"{f.name}: {len(found) - MAX_PER_FILE} more tensors differ from the source",
-            code=CORRUPT,
-            file=f.name,
-        )
+        more = f"{f.name}: {len(found) - MAX_PER_FILE} more tensors differ from the source"
+        report.add("data", more, code=CORRUPT, file=f.name)
 
 
 def locate(
@@ -122,13 +118,8 @@ def locate(
     compare(report, folder, expected, source, [f for f in damaged if f.ok], progress, hash_too=False)
     for f in damaged:
         if f.ok and not any(x.kind == "data" for x in report.file_findings(f.name)):
-            report.add(
-                "checksum",
-                f"{f.name}: every tensor equals what {against} produces: the change is in the header or its metadata",
-                code=CORRUPT,
-                file=f.name,
-                warn=True,
-            )
+            msg = f"{f.name}: every tensor equals what {against} produces: the change is in the header or its metadata"
+            report.add("checksum", msg, code=CORRUPT, file=f.name, warn=True)
 
 
 # ---- the compare sink ------------------------------------------------------------------------------
