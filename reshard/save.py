@@ -97,14 +97,9 @@ def save(
 
             def stage() -> Path:
                 overwrite = options.overwrite or target.joins(out_dir, run_id)
+                tag, need = target.tag(run_id), sum(f.data_bytes for f in files)
                 folder = held.enter_context(
-                    staged(
-                        out_dir,
-                        target.tag(run_id),
-                        source=src.checkpoint.root,
-                        overwrite=overwrite,
-                        need=sum(f.data_bytes for f in files),
-                    )
+                    staged(out_dir, tag, source=src.checkpoint.root, overwrite=overwrite, need=need)
                 )
                 if options.write.device != "cpu":
                     _check_device(options.write.device)

@@ -60,16 +60,9 @@ def compare(
     ckpt = source.checkpoint
     t0 = time.monotonic()
     options = WriteOptions(checksum=NONE, max_memory=DEFAULT_MAX_MEMORY)  # the sinks hash, not the executor
+    reader, advance = source.open_reader(), advance_for(progress, "comparing", total)
     Executor(
-        plan,
-        source.open_reader(),
-        ckpt.tensors,
-        folder.out,
-        options,
-        metadata={},
-        sync=False,
-        sink=sink,
-        progress=advance_for(progress, "comparing", total),
+        plan, reader, ckpt.tensors, folder.out, options, metadata={}, sync=False, sink=sink, progress=advance
     ).run()
     report.count("compared_bytes", total)
     report.stats["deep_seconds"] = round(report.stats.get("deep_seconds", 0) + time.monotonic() - t0, 3)
