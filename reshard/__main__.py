@@ -17,8 +17,11 @@ def run() -> None:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
         from reshard.cli import main
     except KeyboardInterrupt:
-        print("reshard: error: interrupted; nothing was published and a previous output is unchanged",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            "reshard: error: interrupted; nothing was published and a previous output is unchanged",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(130)
     try:
         main()

@@ -86,8 +86,9 @@ def run_executor(
 ) -> list[Written]:
     """Write `plan`'s files into `out`, reading through the source's own reader; then let the source
     finish what it keeps of what it read (a Hub source completes its cache copy)."""
-    written = Executor(plan, source.open_reader(), source.checkpoint.tensors, out, options, metadata=metadata,
-                       progress=progress).run()  # fmt: skip
+    written = Executor(
+        plan, source.open_reader(), source.checkpoint.tensors, out, options, metadata=metadata, progress=progress
+    ).run()
     source.finish()
     return written
 

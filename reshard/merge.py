@@ -106,8 +106,12 @@ def merge(
         copy_files(out_dir, side_files(out_dir), folder)
         if config_patch and (folder / CONFIG).is_file():
             write_config(folder, json.loads((folder / CONFIG).read_text()), config_patch)
-        swap_in(folder, hf_dir, ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"),
-                synced=[f.name for f in plan.files])  # fmt: skip
+        swap_in(
+            folder,
+            hf_dir,
+            ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"),
+            synced=[f.name for f in plan.files],
+        )
     return {
         "ok": True,
         "hf_dir": str(hf_dir),

@@ -97,8 +97,10 @@ def save(
 
             def stage() -> Path:
                 overwrite = options.overwrite or target.joins(out_dir, run_id)
-                folder = held.enter_context(staged(out_dir, target.tag(run_id), source=src.checkpoint.root,
-                                                   overwrite=overwrite, need=sum(f.data_bytes for f in files)))  # fmt: skip
+                tag, need = target.tag(run_id), sum(f.data_bytes for f in files)
+                folder = held.enter_context(
+                    staged(out_dir, tag, source=src.checkpoint.root, overwrite=overwrite, need=need)
+                )
                 if options.write.device != "cpu":
                     _check_device(options.write.device)
                 return folder
@@ -108,12 +110,14 @@ def save(
             progress = on_plan(replace(plan, files=mine), src) if on_plan else None
             meta = {"format": "pt", "reshard_run": run_id, "reshard_layout": plan.layout.tag()}
             try:
-                written = procs.collect(lambda: run_executor(replace(plan, files=mine), src, folder, options.write,
-                                                             meta, progress))  # fmt: skip
+                written = procs.collect(
+                    lambda: run_executor(replace(plan, files=mine), src, folder, options.write, meta, progress)
+                )
                 if not procs.leader:
                     return Helped(plan)
-                manifest = _manifest(src.checkpoint, plan, written, run_id, tensors, folder, out_dir,
-                                     options.write.checksum)  # fmt: skip
+                manifest = _manifest(
+                    src.checkpoint, plan, written, run_id, tensors, folder, out_dir, options.write.checksum
+                )
                 return target.publish(plan, manifest, folder, out_dir)
             except OSError as e:
                 raise write_error(out_dir, e) from e
@@ -129,9 +133,15 @@ def _source_tensors(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def _manifest(
-    ckpt: Checkpoint, plan: Plan, written: list[Written], run_id: str, tensors: dict, folder: Path, out_dir: Path,
+    ckpt: Checkpoint,
+    plan: Plan,
+    written: list[Written],
+    run_id: str,
+    tensors: dict,
+    folder: Path,
+    out_dir: Path,
     checksum: str,
-) -> Manifest:  # fmt: skip
+) -> Manifest:
     """Copy the side files into the staging folder; the manifest of what was written."""
     assert ckpt.root is not None
     copied = side_files(ckpt.root)
@@ -140,9 +150,17 @@ def _manifest(
     if len(plain) < len(copied):
         write_config(folder, ckpt.config, plan.config_patch)
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    return build_manifest(plan, written, run_id=run_id, created=created, out_dir=str(out_dir), copied=copied,
-                          source_tensors=tensors, checksum=checksum,
-                          copied_files=side_file_entries(folder, copied, checksum))  # fmt: skip
+    return build_manifest(
+        plan,
+        written,
+        run_id=run_id,
+        created=created,
+        out_dir=str(out_dir),
+        copied=copied,
+        source_tensors=tensors,
+        checksum=checksum,
+        copied_files=side_file_entries(folder, copied, checksum),
+    )
 
 
 # ---- who writes -------------------------------------------------------------------------------------

@@ -98,8 +98,11 @@ def main(argv: list[str]) -> int:
     py = sys.executable
     if not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
-        subprocess.run([py, "-m", "scripts.make_synthetic", str(src), "--arch", "llama", "--size", str(a.size)],
-                       cwd=ROOT, check=True)  # fmt: skip
+        subprocess.run(
+            [py, "-m", "scripts.make_synthetic", str(src), "--arch", "llama", "--size", str(a.size)],
+            cwd=ROOT,
+            check=True,
+        )
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     server, endpoint = start_server(src, a.rate, work / "server.log")
     lock = open(a.lock, "a")  # noqa: SIM115
@@ -136,8 +139,15 @@ def one_run(v: str, rep: int, a: argparse.Namespace, work: Path, src: Path, endp
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir()
     home, out = run / "hf", run / "out"
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "RESHARD_DISABLE_PROGRESS": "1",
-           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": endpoint,
+        "HF_HOME": str(home),
+        "RESHARD_DISABLE_PROGRESS": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
     env.pop("HF_TOKEN", None)
     subprocess.run(["cat", *map(str, sorted(src.glob("*.safetensors")))], stdout=subprocess.DEVNULL)  # warm "CDN"
     save = [sys.executable, "-m", "reshard", "save"]
@@ -186,7 +196,11 @@ def doc_section(text: str, r: dict) -> str:
     ratio = {v: statistics.median(xs) / seq for v, xs in by.items()}
     out = max(run["output"] for run in r["runs"])
     disk = max(run["disk_peak"] for run in r["runs"] if run["variant"] == "stream")
-    return "\n".join([
+
+    def met(ok: bool) -> str:
+        return "yes" if ok else "no"
+
+    lines = [
         MARK,
         "## 5. `reshard save --tp 8 REPO` from a Hub server (issue 16)",
         "",
@@ -203,10 +217,11 @@ def doc_section(text: str, r: dict) -> str:
         "",
         "| target | measured | met |",
         "|---|---|---|",
-        f"| cached repo-id save <= 0.7 x sequential | {ratio['cached']:.2f} | {'yes' if ratio['cached'] <= 0.7 else 'no'} |",
-        f"| --stream repo-id save <= 0.7 x sequential | {ratio['stream']:.2f} | {'yes' if ratio['stream'] <= 0.7 else 'no'} |",
-        f"| --stream disk peak <= output + 1 GB | {fmt_b(disk)} vs {fmt_b(out)} + 1 GB | {'yes' if disk <= out + 1e9 else 'no'} |",
-    ])  # fmt: skip
+        f"| cached repo-id save <= 0.7 x sequential | {ratio['cached']:.2f} | {met(ratio['cached'] <= 0.7)} |",
+        f"| --stream repo-id save <= 0.7 x sequential | {ratio['stream']:.2f} | {met(ratio['stream'] <= 0.7)} |",
+        f"| --stream disk peak <= output + 1 GB | {fmt_b(disk)} vs {fmt_b(out)} + 1 GB | {met(disk <= out + 1e9)} |",
+    ]
+    return "\n".join(lines)
 
 
 def summary(r: dict, a: argparse.Namespace) -> str:
@@ -234,5 +249,7 @@ def summary(r: dict, a: argparse.Namespace) -> str:
         lines.append(
             f"- sequential, {k} step (s): " + ", ".join(f"{x['steps'][k]['seconds']:.1f}" for x in by["sequential"])
         )
-    lines += ["", "commands:"] + [f"- {v}: `{' ; '.join(s['cmd'] for s in runs[0]['steps'].values())}`" for v, runs in by.items()]  # fmt: skip
+    lines += ["", "commands:"] + [
+        f"- {v}: `{' ; '.join(s['cmd'] for s in runs[0]['steps'].values())}`" for v, runs in by.items()
+    ]
     return scrub("\n".join(lines))

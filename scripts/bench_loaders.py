@@ -97,11 +97,22 @@ def warm(folder: Path) -> None:
 
 
 def run_one(vpy: str, script: Path, path: Path, fmt: str, tp: int, extra: dict, log: Path) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     t0 = time.perf_counter()
-    p = subprocess.run([vpy, str(script), str(path), fmt, str(tp), json.dumps(extra)], capture_output=True, text=True,
-                       env=env, timeout=900)  # fmt: skip
+    p = subprocess.run(
+        [vpy, str(script), str(path), fmt, str(tp), json.dumps(extra)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     wall = time.perf_counter() - t0
     text = p.stdout + p.stderr
     with open(log, "a") as fh:
@@ -113,8 +124,12 @@ def run_one(vpy: str, script: Path, path: Path, fmt: str, tp: int, extra: dict, 
     lines = [ln for ln in lines if "TP0 " in ln] or lines
     took = [float(x) for ln in lines for x in re.findall(r"Loading weights took ([0-9.]+) seconds", ln)]
     ready = re.findall(r"BENCH_ENGINE_READY ([0-9.]+)", text)
-    return {"weights": max(took) if took else float("nan"), "ready": float(ready[-1]) if ready else float("nan"),
-            "wall": wall, "load": os.getloadavg()[0]}  # fmt: skip
+    return {
+        "weights": max(took) if took else float("nan"),
+        "ready": float(ready[-1]) if ready else float("nan"),
+        "wall": wall,
+        "load": os.getloadavg()[0],
+    }
 
 
 def bench(a: argparse.Namespace) -> dict:
@@ -123,8 +138,12 @@ def bench(a: argparse.Namespace) -> dict:
     work.mkdir(parents=True)
     src, out, log = work / "src", work / "out", work / "vllm.log"
     info = write_checkpoint(src, make_config("llama", a.size, fp8=False))
-    subprocess.run([sys.executable, "-m", "reshard", "save", str(src), str(out), "--tp", str(a.tp)], check=True,
-                   env={**os.environ, "RESHARD_DISABLE_PROGRESS": "1"}, stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "reshard", "save", str(src), str(out), "--tp", str(a.tp)],
+        check=True,
+        env={**os.environ, "RESHARD_DISABLE_PROGRESS": "1"},
+        stdout=subprocess.DEVNULL,
+    )
     script = work / "vllm_load.py"
     script.write_text(SCRIPT)
     cold_ok = drop_caches()
@@ -141,8 +160,11 @@ def bench(a: argparse.Namespace) -> dict:
                     warm(path)
                 r = run_one(a.vllm_python, script, path, fmt, a.tp, extra, log)
                 runs[f"{name}|{cache}"].append(r)
-                print(f"[loaders] round {rep + 1} {name} {cache}: weights {r['weights']:.2f} s, engine {r['ready']:.1f} s"
-                      f" (load avg {r['load']:.1f})", flush=True)  # fmt: skip
+                print(
+                    f"[loaders] round {rep + 1} {name} {cache}: weights {r['weights']:.2f} s, engine {r['ready']:.1f} s"
+                    f" (load avg {r['load']:.1f})",
+                    flush=True,
+                )
     rank0 = [p for p in rank_files_in(out) if (rf := parse_rank_file(p.name)) and rf.tp_rank == 0]
     result = {
         "checkpoint": {k: info[k] for k in ("bytes",) if k in info},
@@ -183,7 +205,8 @@ def report(r: dict, command: str) -> str:
             continue
         name, cache = key.split("|")
         w = [x["weights"] for x in rs]
-        lines.append(f"| {name} | {cache} | {med(w):.3f} | {' '.join(f'{x:.3f}' for x in w)} | {med([x['ready'] for x in rs]):.1f} |")  # fmt: skip
+        each, ready = " ".join(f"{x:.3f}" for x in w), med([x["ready"] for x in rs])
+        lines.append(f"| {name} | {cache} | {med(w):.3f} | {each} | {ready:.1f} |")
     lines += ["", f"Load average at the end: {r['load_end'][0]:.1f} (other jobs share this 2-core machine).", ""]
     return scrub("\n".join(lines))
 

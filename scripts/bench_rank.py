@@ -32,9 +32,10 @@ def per_rank(b: Bench, ck: dict, tp: int) -> dict:
         return not p.up and not any(p.start) and tuple(p.stop) == tuple(ckpt.tensors[p.source].shape)
 
     replicated = sum(
-        t.nbytes for t in mine if any(isinstance(p, Slice) for p in t.pieces)
-        and all(whole(p) for p in t.pieces if isinstance(p, Slice))
-    )  # fmt: skip
+        t.nbytes
+        for t in mine
+        if any(isinstance(p, Slice) for p in t.pieces) and all(whole(p) for p in t.pieces if isinstance(p, Slice))
+    )
     modes = {
         "reshard rank files (safe_open + get_tensor)": ["sharded", str(out)],
         "original, vLLM default loader (get_tensor + narrow)": ["default", str(src)],
@@ -46,8 +47,11 @@ def per_rank(b: Bench, ck: dict, tp: int) -> dict:
             b.cache.drop([src, out])
             p = subprocess.run(
                 [b.py, "-m", "scripts.bench", "_load", *args, "--tp", str(tp), "--rank", "0"],
-                capture_output=True, text=True, check=True, cwd=ROOT,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=ROOT,
+            )
             runs[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
     shutil.rmtree(out, ignore_errors=True)
     rows = {

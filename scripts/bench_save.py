@@ -32,8 +32,10 @@ def compare(b: Bench, ck: dict, tp: int, state: str) -> dict:
                 b.cache.prepare(state, src)
                 r = run_measured(cmd, log=b.log)
             runs[name].append(r)
-            b.say(f"  {ck['arch']} {state} round {rep + 1}: {name} {r['seconds']:.2f} s, CPU {r['cpu']:.2f} s "
-                  f"(load {r['load']:.1f})")  # fmt: skip
+            b.say(
+                f"  {ck['arch']} {state} round {rep + 1}: {name} {r['seconds']:.2f} s, CPU {r['cpu']:.2f} s "
+                f"(load {r['load']:.1f})"
+            )
     shutil.rmtree(out, ignore_errors=True)
     base = runs["reshard save"]
     rows = {}
@@ -49,8 +51,13 @@ def compare(b: Bench, ck: dict, tp: int, state: str) -> dict:
             # per round, reshard's time over this one's: < 1 means reshard is faster
             "reshard_over": med([x["seconds"] / r["seconds"] for x, r in zip(base, rs, strict=True)]),
         }
-    return {"checkpoint": ck, "tp": tp, "state": state, "rows": rows,
-            "commands": {k: b.shown(v) for k, v in cmds.items()}}  # fmt: skip
+    return {
+        "checkpoint": ck,
+        "tp": tp,
+        "state": state,
+        "rows": rows,
+        "commands": {k: b.shown(v) for k, v in cmds.items()},
+    }
 
 
 def rss(b: Bench, ck: dict, tp: int) -> dict:

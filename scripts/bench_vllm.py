@@ -38,8 +38,13 @@ def vllm(b: Bench, ck: dict, tp: int) -> dict | None:
     run_measured(b.save_cmd(src, out, tp), log=b.log)
     script = b.work / "vllm_load.py"
     script.write_text(VLLM_SCRIPT)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     loaders = {"default (HF safetensors)": ("auto", src), "sharded_state (reshard output)": ("sharded_state", out)}
     runs: dict[str, list[dict]] = {k: [] for k in loaders}
     for _ in range(b.a.vllm_reps):
@@ -48,8 +53,13 @@ def vllm(b: Bench, ck: dict, tp: int) -> dict | None:
             log = b.work / f"vllm-{fmt}.log"
             log.write_text("")
             try:
-                r = run_measured([str(vpy), str(script), str(path), fmt, str(tp)], log=log, env=env,
-                                 timeout=b.a.vllm_timeout, sync=False)  # fmt: skip
+                r = run_measured(
+                    [str(vpy), str(script), str(path), fmt, str(tp)],
+                    log=log,
+                    env=env,
+                    timeout=b.a.vllm_timeout,
+                    sync=False,
+                )
             except RuntimeError as e:
                 b.notes.append(f"vLLM {fmt} failed: {str(e).splitlines()[0]} (log kept: {log})")
                 b.a.keep = True
@@ -65,8 +75,12 @@ def vllm(b: Bench, ck: dict, tp: int) -> dict | None:
         "checkpoint": ck,
         "tp": tp,
         "rows": {
-            n: {"weights": [r["weights"] for r in rs], "weights_med": med([r["weights"] for r in rs]),
-                "ready_med": med([r["ready"] for r in rs]), "rss": max(r["rss"] for r in rs)}
+            n: {
+                "weights": [r["weights"] for r in rs],
+                "weights_med": med([r["weights"] for r in rs]),
+                "ready_med": med([r["ready"] for r in rs]),
+                "rss": max(r["rss"] for r in rs),
+            }
             for n, rs in runs.items()
         },
-    }  # fmt: skip
+    }

@@ -103,8 +103,11 @@ def run(tree: Path, work: Path, only: str | None) -> dict:
         dst = work / "out" / case.replace(" ", "_").replace("/", "_")
         proc = subprocess.run(
             [sys.executable, "-m", "reshard", "save", str(src), str(dst), "--overwrite", *args],
-            capture_output=True, text=True, env=env, cwd=work,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=work,
+        )
         if proc.returncode != 0:
             out[case] = {"exit": proc.returncode, "error": proc.stderr.strip().splitlines()[-1:]}
         else:

@@ -31,8 +31,13 @@ ENV = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
 def reshard(*args: str, timeout: float = 600) -> tuple[int, str]:
     """Exit code and what the user reads: stderr's last line, or verify's first finding."""
     verify = args[0] == "verify"
-    p = subprocess.run([sys.executable, "-m", "reshard", *args, *(["--json"] if verify else [])], capture_output=True,
-                       text=True, env=ENV, timeout=timeout)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "reshard", *args, *(["--json"] if verify else [])],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+    )
     if verify and p.stdout.strip():
         with contextlib.suppress(ValueError, KeyError, IndexError):
             found = [f for f in json.loads(p.stdout)["findings"] if f["severity"] == "error"]
@@ -121,10 +126,12 @@ def source_faults(m: Matrix, w: Path, llama: Path, sharded: Path) -> None:
     shutil.copytree(llama, lst)
     (lst / "config.json").write_text("[1, 2]")
     m.case("config.json is a list", ["save", str(lst), out, "--tp", "2"], source=lst)
-    for name, change in [("num_attention_heads is \"eight\"", {"num_attention_heads": "eight"}),
-                         ("architectures is a string", {"architectures": "LlamaForCausalLM"}),
-                         ("intermediate_size disagrees with the tensors", {"intermediate_size": 999}),
-                         ("unknown architecture", {"architectures": ["FancyNewForCausalLM"]})]:  # fmt: skip
+    for name, change in [
+        ('num_attention_heads is "eight"', {"num_attention_heads": "eight"}),
+        ("architectures is a string", {"architectures": "LlamaForCausalLM"}),
+        ("intermediate_size disagrees with the tensors", {"intermediate_size": 999}),
+        ("unknown architecture", {"architectures": ["FancyNewForCausalLM"]}),
+    ]:
         src = edit_config(llama, w / f"cfg-{len(m.rows)}", **change)
         m.case(name, ["save", str(src), out, "--tp", "2"], source=src)
 
@@ -133,31 +140,51 @@ def layout_faults(m: Matrix, w: Path, llama: Path) -> None:
     out = str(w / "o2")
     m.case("--tp that does not divide the heads", ["save", str(llama), out, "--tp", "3"], source=llama)
     m.case("--ep on a dense model", ["save", str(llama), out, "--tp", "2", "--ep"], source=llama)
-    m.case("--pp-layer-partition 5,-1", ["save", str(llama), out, "--pp", "2", "--pp-layer-partition", "5,-1"],
-           source=llama)  # fmt: skip
+    m.case(
+        "--pp-layer-partition 5,-1",
+        ["save", str(llama), out, "--pp", "2", "--pp-layer-partition", "5,-1"],
+        source=llama,
+    )
 
 
 def output_faults(m: Matrix, w: Path, llama: Path) -> None:
     prev = w / "prev"
     assert reshard("save", str(llama), str(prev), "--tp", "2")[0] == 0
-    m.case("OUT_DIR not empty, no --overwrite", ["save", str(llama), str(prev), "--tp", "4"], source=llama,
-           previous=prev)  # fmt: skip
+    m.case(
+        "OUT_DIR not empty, no --overwrite", ["save", str(llama), str(prev), "--tp", "4"], source=llama, previous=prev
+    )
     (w / "afile").write_text("x")
     m.case("OUT_DIR under a regular file", ["save", str(llama), str(w / "afile" / "o"), "--tp", "2"], source=llama)
     m.case("OUT_DIR in /proc", ["save", str(llama), "/proc/reshard-out", "--tp", "2"], source=llama)
     m.case("OUT_DIR inside SOURCE", ["save", str(llama), str(llama / "o"), "--tp", "2"], source=llama)
     (prev / ".reshard.json.tmp").mkdir()
-    m.case("stale .reshard.json.tmp folder in OUT_DIR", ["save", str(llama), str(prev), "--tp", "4", "--overwrite"],
-           source=llama, previous=prev)  # fmt: skip
+    m.case(
+        "stale .reshard.json.tmp folder in OUT_DIR",
+        ["save", str(llama), str(prev), "--tp", "4", "--overwrite"],
+        source=llama,
+        previous=prev,
+    )
     lock = prev.parent / f".{prev.name}.reshard.lock"
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl,os,sys,time; fd=os.open(sys.argv[1], "
-                               "os.O_RDWR|os.O_CREAT); os.write(fd, str(os.getpid()).encode()); "
-                               "fcntl.flock(fd, fcntl.LOCK_EX); print(1, flush=True); time.sleep(120)", str(lock)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl,os,sys,time; fd=os.open(sys.argv[1], "
+            "os.O_RDWR|os.O_CREAT); os.write(fd, str(os.getpid()).encode()); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print(1, flush=True); time.sleep(120)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         holder.stdout.readline()
-        m.case("a second save into the same OUT_DIR at once",
-               ["save", str(llama), str(prev), "--tp", "2", "--overwrite"], source=llama, previous=prev)  # fmt: skip
+        m.case(
+            "a second save into the same OUT_DIR at once",
+            ["save", str(llama), str(prev), "--tp", "2", "--overwrite"],
+            source=llama,
+            previous=prev,
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -181,13 +208,19 @@ def verify_faults(m: Matrix, w: Path, llama: Path) -> None:
 
     cases = [
         ("verify: a flipped byte", flip),
-        ("verify: a stray copy vLLM's glob loads",
-         lambda d: shutil.copy(d / "model-rank-0-part-0.safetensors", d / "model-rank-0-part-0.old.safetensors")),
-        ("verify: config.json edited", lambda d: (d / "config.json").write_text(
-            (d / "config.json").read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))),
+        (
+            "verify: a stray copy vLLM's glob loads",
+            lambda d: shutil.copy(d / "model-rank-0-part-0.safetensors", d / "model-rank-0-part-0.old.safetensors"),
+        ),
+        (
+            "verify: config.json edited",
+            lambda d: (d / "config.json").write_text(
+                (d / "config.json").read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05')
+            ),
+        ),
         ("verify: a rank file missing", lambda d: (d / "model-rank-1-part-0.safetensors").unlink()),
         ("verify: no manifest", lambda d: (d / "reshard.json").unlink()),
-    ]  # fmt: skip
+    ]
     for name, fn in cases:
         d = damaged(name, fn)
         m.case(name, ["verify", str(d)], source=None)
@@ -210,8 +243,12 @@ def interrupts(m: Matrix, w: Path, big: Path, moments: int, sig: int) -> None:
     for i in range(moments):
         at = length * (i + 0.5) / moments * 1.1
         old = run_id(out)
-        p = subprocess.Popen([sys.executable, "-m", "reshard", "save", str(big), str(out), "--tp", "4", "--overwrite"],
-                             env={**ENV, "PYTHONFAULTHANDLER": "1"}, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)  # fmt: skip
+        p = subprocess.Popen(
+            [sys.executable, "-m", "reshard", "save", str(big), str(out), "--tp", "4", "--overwrite"],
+            env={**ENV, "PYTHONFAULTHANDLER": "1"},
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
         time.sleep(at)
         p.send_signal(sig)
         try:
@@ -232,9 +269,13 @@ def interrupts(m: Matrix, w: Path, big: Path, moments: int, sig: int) -> None:
     codes = sorted({r[1] for r in results})
     all_ok = all(r[3] for r in results)
     detail = ", ".join(f"{a}s:{c}/{w_}" for a, c, w_, _ in results)
-    m.add(f"{name} at {moments} moments of a {length:.1f} s `save --overwrite`", "/".join(map(str, codes)),
-          f"after each, OUT_DIR verifies: {'all' if all_ok else 'NOT ALL'} ({detail})",
-          "yes" if digest(big) == src_before else "**NO**", "yes, every time" if all_ok else "**NO**")  # fmt: skip
+    m.add(
+        f"{name} at {moments} moments of a {length:.1f} s `save --overwrite`",
+        "/".join(map(str, codes)),
+        f"after each, OUT_DIR verifies: {'all' if all_ok else 'NOT ALL'} ({detail})",
+        "yes" if digest(big) == src_before else "**NO**",
+        "yes, every time" if all_ok else "**NO**",
+    )
 
 
 def disk_full(m: Matrix, w: Path, llama: Path) -> None:
@@ -243,23 +284,33 @@ def disk_full(m: Matrix, w: Path, llama: Path) -> None:
     mnt = w / "tmpfs"
     mnt.mkdir()
     size = sum(p.stat().st_size for p in llama.rglob("*") if p.is_file())
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 4}", "tmpfs", str(mnt)],
-                      capture_output=True).returncode:  # fmt: skip
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size * 4}", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         m.add("disk full (small tmpfs)", "-", "skipped: mounting a tmpfs needs root", "-", "-")
         return
     try:
         out = mnt / "out"
         assert reshard("save", str(llama), str(out), "--tp", "1")[0] == 0
-        plan = subprocess.run([sys.executable, "-m", "reshard", "plan", str(llama), "--tp", "2", "--json"],
-                              capture_output=True, text=True, env=ENV, check=True)  # fmt: skip
+        plan = subprocess.run(
+            [sys.executable, "-m", "reshard", "plan", str(llama), "--tp", "2", "--json"],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            check=True,
+        )
         need = json.loads(plan.stdout)["total_bytes"]
         filler = mnt / "filler"
         for label, spare in (("not enough space for the new output", -4096), ("disk full part-way", 16384)):
             free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
             with open(filler, "ab") as f:
                 f.write(b"\0" * max(0, free - need - spare))
-            m.case(f"{label} (tmpfs, over a previous output)",
-                   ["save", str(llama), str(out), "--tp", "2", "--overwrite"], source=llama, previous=out)  # fmt: skip
+            m.case(
+                f"{label} (tmpfs, over a previous output)",
+                ["save", str(llama), str(out), "--tp", "2", "--overwrite"],
+                source=llama,
+                previous=out,
+            )
             filler.unlink()
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
@@ -273,9 +324,9 @@ def write(m: Matrix, path: Path, argv: list[str]) -> None:
         "`python -m reshard` on checkpoints it makes (tiny Llama, 2-shard Llama, a synthetic 0.5 GB one for the "
         "interrupts). Source untouched: the source folder's bytes before and after are equal. Previous output "
         "kept: a verifying output is in OUT_DIR afterwards (the earlier one, byte-identical, unless the run "
-        "completed). Exit codes are README's. In the interrupt rows, `moment:exit/output` lists each try; a signal in the "
-        "first ~0.1 s lands while the Python interpreter itself starts, before any reshard code runs: Python "
-        "answers it (exit 1 or -2, killed by the signal), and nothing has been touched yet.",
+        "completed). Exit codes are README's. In the interrupt rows, `moment:exit/output` lists each try; "
+        "a signal in the first ~0.1 s lands while the Python interpreter itself starts, before any reshard code "
+        "runs: Python answers it (exit 1 or -2, killed by the signal), and nothing has been touched yet.",
         "",
         "| case | exit | message (last line of stderr) | source untouched | previous output kept |",
         "| --- | --- | --- | --- | --- |",
@@ -295,8 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         llama = tiny("llama", w / "llama")
         sharded = tiny("llama", w / "llama-sharded", shards=3)
         big = w / "big"
-        subprocess.run([sys.executable, "-m", "scripts.make_synthetic", str(big), "--arch", "llama", "--size",
-                        "600MB"], check=True, env=ENV, cwd=ROOT, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "scripts.make_synthetic", str(big), "--arch", "llama", "--size", "600MB"],
+            check=True,
+            env=ENV,
+            cwd=ROOT,
+            capture_output=True,
+        )
         m = Matrix(w)
         source_faults(m, w, llama, sharded)
         layout_faults(m, w, llama)

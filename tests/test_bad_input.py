@@ -120,9 +120,11 @@ def test_mistyped_local_path_is_no_such_folder(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("cmd", ["plan", "save", "verify"])
 def test_json_failures_are_json_on_stdout(tmp_path, cmd):
-    args = {"plan": ["plan", str(tmp_path / "nope"), "--json"],
-            "save": ["save", str(tmp_path / "nope"), str(tmp_path / "out"), "--json"],
-            "verify": ["verify", str(tmp_path / "nope"), "--json"]}[cmd]  # fmt: skip
+    args = {
+        "plan": ["plan", str(tmp_path / "nope"), "--json"],
+        "save": ["save", str(tmp_path / "nope"), str(tmp_path / "out"), "--json"],
+        "verify": ["verify", str(tmp_path / "nope"), "--json"],
+    }[cmd]
     code, out, _ = run(*args)
     assert code in (4, 7)
     obj = json.loads(out)

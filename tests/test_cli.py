@@ -186,8 +186,13 @@ def test_a_signal_after_the_run_changes_nothing(tiny, tmp_path, sig):
         "from reshard.__main__ import run\n"
         "run()\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "RESHARD_DISABLE_PROGRESS": "1"}, timeout=300)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RESHARD_DISABLE_PROGRESS": "1"},
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert "sent" in p.stderr and "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
     assert run("verify", str(out))[0] == 0

@@ -65,8 +65,8 @@ def test_torchrun_two_processes_write_the_same_bytes(tiny, tmp_path):
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
-           "-m", "reshard", "save", str(src), str(tmp_path / "tr"), "--tp", "4", "--json"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+    cmd = [*torchrun, "-m", "reshard", "save", str(src), str(tmp_path / "tr"), "--tp", "4", "--json"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     for r in range(4):
@@ -89,8 +89,8 @@ def test_torchrun_into_a_locked_folder_fails_on_every_process(tiny, tmp_path):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = str(sock.getsockname()[1])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
-               "-m", "reshard", "save", str(tiny("llama")), str(out), "--tp", "2"]  # fmt: skip
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+        cmd = [*torchrun, "-m", "reshard", "save", str(tiny("llama")), str(out), "--tp", "2"]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode != 0 and "another reshard run" in p.stderr, p.stderr[-2000:]
         assert not out.exists()

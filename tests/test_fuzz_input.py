@@ -85,8 +85,11 @@ def test_any_index(pristine, tmp_path_factory, value, whole):
 
 
 @SETTINGS
-@given(field=st.sampled_from(["dtype", "shape", "data_offsets", None, "__metadata__"]), value=json_values,
-       pick=st.integers(min_value=0, max_value=10_000))  # fmt: skip
+@given(
+    field=st.sampled_from(["dtype", "shape", "data_offsets", None, "__metadata__"]),
+    value=json_values,
+    pick=st.integers(min_value=0, max_value=10_000),
+)
 def test_any_header_entry(pristine, tmp_path_factory, field, value, pick):
     tmp = tmp_path_factory.mktemp("hdr")
     src = fresh(pristine["moe"], tmp)
@@ -143,8 +146,15 @@ def test_quantization_config_fields(tiny, tmp_path):
     src = fresh(tiny("qwen3-moe-fp8"), tmp_path)
     original = json.loads((src / "config.json").read_text())
     bad = []
-    for key in ["quant_method", "weight_block_size", "activation_scheme", "modules_to_not_convert",
-                "ignored_layers", "config_groups", "kv_cache_scheme"]:  # fmt: skip
+    for key in [
+        "quant_method",
+        "weight_block_size",
+        "activation_scheme",
+        "modules_to_not_convert",
+        "ignored_layers",
+        "config_groups",
+        "kv_cache_scheme",
+    ]:
         for value in BAD_VALUES:
             qc = {**original["quantization_config"], key: value}
             (src / "config.json").write_text(json.dumps({**original, "quantization_config": qc}))

@@ -150,9 +150,14 @@ def test_minimax_m2_fp8_tiny(tiny, tp, ep):
 
 @pytest.mark.parametrize(
     "arch, tp, ep",
-    [("glm4-moe", 2, False), ("glm4-moe", 4, True), ("minimax-m2", 4, False), ("minimax-m2-fp8", 2, False),
-     ("kimi-k2", 2, True)],
-)  # fmt: skip
+    [
+        ("glm4-moe", 2, False),
+        ("glm4-moe", 4, True),
+        ("minimax-m2", 4, False),
+        ("minimax-m2-fp8", 2, False),
+        ("kimi-k2", 2, True),
+    ],
+)
 def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
     assert_streamed_files_equal_plan(tiny(arch, shards=2), tmp_path / "out", tp=tp, ep=ep)
 

@@ -46,9 +46,14 @@ def rank_file(out: Path, r: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "fmt, tp, ep, backend",
-    [("bf16", 2, False, "auto"), ("bf16", 4, True, "auto"), ("mxfp4", 4, False, "auto"),
-     ("mxfp4", 2, False, "marlin"), ("mxfp4", 2, True, "auto")],
-)  # fmt: skip
+    [
+        ("bf16", 2, False, "auto"),
+        ("bf16", 4, True, "auto"),
+        ("mxfp4", 4, False, "auto"),
+        ("mxfp4", 2, False, "marlin"),
+        ("mxfp4", 2, True, "auto"),
+    ],
+)
 def test_streamed_files_equal_plan(sources, tmp_path, fmt, tp, ep, backend):
     assert_streamed_files_equal_plan(sources[fmt], tmp_path / "out", tp=tp, ep=ep, moe_backend=backend)
 

@@ -43,9 +43,15 @@ def hub(source):
 
 def reshard(hub: HubServer, home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     full = {
-        **{k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT")}, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(home), "RESHARD_DISABLE_PROGRESS": "1",
-        "RESHARD_HUB_BACKOFF": "0.01", "RESHARD_HUB_RETRIES": "3", "HF_HUB_DISABLE_TELEMETRY": "1", **env,
-    }  # fmt: skip
+        **{k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT")},
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_HOME": str(home),
+        "RESHARD_DISABLE_PROGRESS": "1",
+        "RESHARD_HUB_BACKOFF": "0.01",
+        "RESHARD_HUB_RETRIES": "3",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        **env,
+    }
     return subprocess.run([sys.executable, "-m", "reshard", *args], env=full, capture_output=True, text=True)
 
 

@@ -264,9 +264,16 @@ def test_phi3_files_equal_torch_slicing(tiny, tmp_path):
 
 @pytest.mark.parametrize(
     "arch, tp, ep",
-    [("deepseek-v3", 2, False), ("deepseek-v3", 4, True), ("deepseek-v3-fp8", 4, False), ("gemma2", 2, False),
-     ("gemma3", 4, False), ("phi3", 2, False), ("deepseek-v2-lite", 2, False)],
-)  # fmt: skip
+    [
+        ("deepseek-v3", 2, False),
+        ("deepseek-v3", 4, True),
+        ("deepseek-v3-fp8", 4, False),
+        ("gemma2", 2, False),
+        ("gemma3", 4, False),
+        ("phi3", 2, False),
+        ("deepseek-v2-lite", 2, False),
+    ],
+)
 def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
     assert_streamed_files_equal_plan(tiny(arch, shards=2), tmp_path / "out", tp=tp, ep=ep)
 

@@ -197,10 +197,18 @@ def _plan_cli(monkeypatch, ckpt, *args: str) -> str:
 
 def test_qwen3_235b_fp8_tp8_moe_backends(qwen235, monkeypatch):
     L = "model.layers.5.mlp.experts.routed_experts."
-    padded = {"w13_weight": [128, 512, 4096], "w13_weight_scale_inv": [128, 4, 32],
-              "w2_weight": [128, 4096, 256], "w2_weight_scale_inv": [128, 32, 2]}  # fmt: skip
-    refined = {"w13_weight": [128, 384, 4096], "w13_weight_scale_inv": [128, 6, 64],
-               "w2_weight": [128, 4096, 192], "w2_weight_scale_inv": [128, 64, 3]}  # fmt: skip
+    padded = {
+        "w13_weight": [128, 512, 4096],
+        "w13_weight_scale_inv": [128, 4, 32],
+        "w2_weight": [128, 4096, 256],
+        "w2_weight_scale_inv": [128, 32, 2],
+    }
+    refined = {
+        "w13_weight": [128, 384, 4096],
+        "w13_weight_scale_inv": [128, 6, 64],
+        "w2_weight": [128, 4096, 192],
+        "w2_weight_scale_inv": [128, 64, 3],
+    }
     for backend, want in (("deep_gemm", padded), ("auto", refined)):
         out = _plan_cli(monkeypatch, qwen235, "--moe-backend", backend)
         for name, shape in want.items():

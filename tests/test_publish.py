@@ -89,11 +89,16 @@ def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(tiny, previ
     out, before = previous
     lock = out.parent / f".{out.name}.reshard.lock"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl,os,sys,time; fd=os.open(sys.argv[1], os.O_RDWR|os.O_CREAT); "
-         "os.write(fd, b'4242'); fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-         str(lock)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import fcntl,os,sys,time; fd=os.open(sys.argv[1], os.O_RDWR|os.O_CREAT); "
+            "os.write(fd, b'4242'); fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")

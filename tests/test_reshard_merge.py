@@ -59,8 +59,15 @@ def test_reshard_an_output_equals_resharding_the_original(tiny, tmp_path, arch, 
     assert via.manifest.source["resharded_from"]["path"] == str(src.resolve())
 
 
-@pytest.mark.parametrize("arch, layout", [("llama", dict(tp=2)), ("qwen3-moe", dict(tp=2, ep=True)),
-                                          ("qwen3-moe-fp8", dict(tp=2)), ("qwen2-moe", dict(tp=4))])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch, layout",
+    [
+        ("llama", dict(tp=2)),
+        ("qwen3-moe", dict(tp=2, ep=True)),
+        ("qwen3-moe-fp8", dict(tp=2)),
+        ("qwen2-moe", dict(tp=4)),
+    ],
+)
 def test_merge_round_trips_byte_identical(tiny, tmp_path, arch, layout):
     src = tiny(arch, shards=2)
     save(str(src), tmp_path / "out", max_part_size=MAX, **layout)

@@ -245,8 +245,14 @@ def _raw_manifest_reads(tree: ast.AST) -> list[tuple[int, str]]:
         key = None
         if isinstance(node, ast.Subscript) and holder(node.value) and isinstance(node.slice, ast.Constant):
             key = node.slice.value
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-              and holder(node.func.value) and node.args and isinstance(node.args[0], ast.Constant)):  # fmt: skip
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and holder(node.func.value)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             key = node.args[0].value
         if isinstance(key, str) and (key in MANIFEST_KEYS or key in ("tp", "pp", "ep", "dtype")):
             found.append((node.lineno, key))

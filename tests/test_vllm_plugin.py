@@ -72,7 +72,9 @@ def test_engine_differences_are_each_named(clean):
     # GPUs); the message then says the folder was made for the pinned one
     m = replace(m, layout=m.layout.but(quantization=None))
     assert checks.engine_problems(m, _engine_for(m)) == []
-    msg = checks.mismatch_message(Path("OUT"), m, _engine_for(m), ["x.w13_weight: shape [2] in the folder, [4] in the model"])  # fmt: skip
+    msg = checks.mismatch_message(
+        Path("OUT"), m, _engine_for(m), ["x.w13_weight: shape [2] in the folder, [4] in the model"]
+    )
     assert "[4] in the model (the folder was made for --moe-backend deep_gemm, this engine runs auto). To fix" in msg
     # an unpinned backend is no difference: the layout does not depend on it
     m = replace(m, layout=m.layout.but(moe_pin=None))
@@ -103,9 +105,13 @@ def test_state_differences_in_model_order():
 def test_lora_padding_is_the_one_exception():
     padded = {**REC, "b.weight": ("BF16", (32, 4))}  # vLLM pads with LoRA on; loads a narrowed view
     assert checks.state_problems(REC, padded, lora=True) == []
-    assert checks.state_problems(REC, padded, lora=False) == ["b.weight: shape [16, 4] in the folder, [32, 4] in the model"]  # fmt: skip
+    assert checks.state_problems(REC, padded, lora=False) == [
+        "b.weight: shape [16, 4] in the folder, [32, 4] in the model"
+    ]
     smaller = {**REC, "b.weight": ("BF16", (8, 4))}  # never narrowed the other way
-    assert checks.state_problems(REC, smaller, lora=True) == ["b.weight: shape [16, 4] in the folder, [8, 4] in the model"]  # fmt: skip
+    assert checks.state_problems(REC, smaller, lora=True) == [
+        "b.weight: shape [16, 4] in the folder, [8, 4] in the model"
+    ]
     assert not checks.fits_narrowed((16, 4), (16,))
 
 
@@ -206,7 +212,9 @@ def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_
     want = {k: v for f in files for k, v in load_file(f.path).items()}
     assert sorted(want) == sorted(targets)
     for k, v in want.items():
-        assert targets[k].dtype == v.dtype and torch.equal(targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k  # fmt: skip
+        assert targets[k].dtype == v.dtype and torch.equal(
+            targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)
+        ), k
 
 
 @pytest.mark.parametrize("striped", [False, True])

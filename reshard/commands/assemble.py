@@ -29,8 +29,15 @@ def assemble_cmd(out_dir, as_json):
     assert manifest is not None
     spec = manifest.vllm_versions
     if as_json:
-        emit_json({"ok": True, "files": len(manifest.files), "serve": manifest.serve,
-                   "serve_reshard": manifest.serve_reshard, "vllm_versions": spec})  # fmt: skip
+        emit_json(
+            {
+                "ok": True,
+                "files": len(manifest.files),
+                "serve": manifest.serve,
+                "serve_reshard": manifest.serve_reshard,
+                "vllm_versions": spec,
+            }
+        )
         return
     stdout.print(f"assembled {len(manifest.files)} files into {out_dir / MANIFEST}")
     if spec:

@@ -14,12 +14,20 @@ from reshard.console import byte_progress, emit_json, human_bytes, stdout
 @click.command("merge")
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--max-shard-size", type=ByteSize(), default="5GiB", show_default=True,
-              help="Size of the Hugging Face shards written.")  # fmt: skip
+@click.option(
+    "--max-shard-size",
+    type=ByteSize(),
+    default="5GiB",
+    show_default=True,
+    help="Size of the Hugging Face shards written.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace the weights of a non-empty HF_DIR.")
-@click.option("--allow-lossy", is_flag=True,
-              help="Merge even when the output holds tensors in a narrower dtype than the original (e.g. saved "
-                   "with --dtype float16 from bf16): they are converted back, not restored.")  # fmt: skip
+@click.option(
+    "--allow-lossy",
+    is_flag=True,
+    help="Merge even when the output holds tensors in a narrower dtype than the original (e.g. saved "
+    "with --dtype float16 from bf16): they are converted back, not restored.",
+)
 @json_option
 def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
     """Rebuild the Hugging Face checkpoint a reshard output was made from.
@@ -35,8 +43,14 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
         def on_plan(plan):
             return stack.enter_context(byte_progress(plan.total_bytes, "merging", quiet=as_json))
 
-        result = merge(out_dir, hf_dir, max_shard_size=max_shard_size, overwrite=overwrite,
-                       allow_lossy=allow_lossy, on_plan=on_plan)  # fmt: skip
+        result = merge(
+            out_dir,
+            hf_dir,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            allow_lossy=allow_lossy,
+            on_plan=on_plan,
+        )
     if as_json:
         emit_json(result)
         return
@@ -52,5 +66,7 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
     for key, value in result["config_patch"].items():
         stdout.print(f"note: config.json {key} set to {value}: the merged checkpoint has no such layers")
     if result["lossy"]:
-        stdout.print(f"note: {len(result['lossy'])} tensor(s) converted back from a narrower dtype: values differ "
-                     "from the original (--allow-lossy)")  # fmt: skip
+        stdout.print(
+            f"note: {len(result['lossy'])} tensor(s) converted back from a narrower dtype: values differ "
+            "from the original (--allow-lossy)"
+        )

@@ -51,33 +51,55 @@ def _partition(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 tp_option = click.option(
-    "--tp", "tp", type=click.IntRange(min=1), default=1, show_default=True,
+    "--tp",
+    "tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
     help="Tensor-parallel size: vLLM's --tensor-parallel-size.",
-)  # fmt: skip
+)
 pp_option = click.option(
-    "--pp", "pp", type=click.IntRange(min=1), default=1, show_default=True,
+    "--pp",
+    "pp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
     help="Pipeline-parallel size: vLLM's --pipeline-parallel-size.",
-)  # fmt: skip
+)
 ep_option = click.option(
-    "--ep/--no-ep", "ep", default=False, show_default=True,
+    "--ep/--no-ep",
+    "ep",
+    default=False,
+    show_default=True,
     help="Expert-parallel layout (vLLM's --enable-expert-parallel): MoE experts whole, spread over the ranks.",
-)  # fmt: skip
+)
 dtype_option = click.option(
-    "--dtype", type=click.Choice(DTYPES), default="auto", show_default=True,
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default="auto",
+    show_default=True,
     help="Model dtype vLLM will run with. auto: config.json's torch_dtype (float32 becomes bfloat16, as vLLM on GPUs).",
-)  # fmt: skip
+)
 revision_option = click.option("--revision", help="Hub branch, tag or commit (repo ids only).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout; no progress.")
 partition_option = click.option(
-    "--pp-layer-partition", "pp_partition", metavar="N,N,...", callback=_partition,
+    "--pp-layer-partition",
+    "pp_partition",
+    metavar="N,N,...",
+    callback=_partition,
     help="Layers per pipeline stage, as VLLM_PP_LAYER_PARTITION (give vLLM the same value).",
-)  # fmt: skip
+)
 moe_backend_option = click.option(
-    "--moe-backend", "moe_backend", default="auto", show_default=True, metavar="NAME",
+    "--moe-backend",
+    "moe_backend",
+    default="auto",
+    show_default=True,
+    metavar="NAME",
     type=click.Choice(MOE_BACKENDS),
     help="vLLM's --moe-backend the folder is for. Some pad the experts (deep_gemm, flashinfer_*, marlin... with "
-    "block FP8; flashinfer_trtllm, aiter with bf16); the serve line pins the backend whenever the layout depends on it.",
-)  # fmt: skip
+    "block FP8; flashinfer_trtllm, aiter with bf16); the serve line pins the backend whenever the layout "
+    "depends on it.",
+)
 
 
 def layout_options(command: Callable) -> Callable:

@@ -43,10 +43,10 @@ def plan_cmd(source, layout, revision, show_tensors, out_dir, as_json):
     from rich.table import Table
 
     q = summary["quantization"]
-    stdout.print(
-        f"{summary['architecture']}  {plan.layout}  "
-        f"dtype={summary['dtype']}  quantization={q['method'] + (' block ' + str(q['weight_block_size']) if q['weight_block_size'] else '') if q else 'none'}"
-    )
+    quant = "none"
+    if q:
+        quant = q["method"] + (" block " + str(q["weight_block_size"]) if q["weight_block_size"] else "")
+    stdout.print(f"{summary['architecture']}  {plan.layout}  dtype={summary['dtype']}  quantization={quant}")
     table = Table("pp", "tp", "keys", "bytes", "files")
     for r in summary["ranks"]:
         table.add_row(

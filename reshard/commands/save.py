@@ -22,24 +22,49 @@ from reshard.vllm_versions import serve_note
 @click.argument("source")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @layout_options
-@click.option("--max-part-size", type=ByteSize(), default=DEFAULT_MAX_PART, show_default="5GiB",
-              help="Split each rank's tensors into files of at most this size.")  # fmt: skip
-@click.option("--max-memory", type=ByteSize(), default="512MiB", show_default=True,
-              help="Bound on tensor data held in memory (read-ahead and write buffers); each open "
-                   "output file adds 8 MiB.")  # fmt: skip
-@click.option("--checksum", type=click.Choice(ALGORITHMS), default=DEFAULT_CHECKSUM, show_default=True,
-              help="Each file's digest in reshard.json, computed while writing (verify checks it): blake3 is "
-                   "fast; sha256 for `sha256sum -c`; none records sizes only.")  # fmt: skip
+@click.option(
+    "--max-part-size",
+    type=ByteSize(),
+    default=DEFAULT_MAX_PART,
+    show_default="5GiB",
+    help="Split each rank's tensors into files of at most this size.",
+)
+@click.option(
+    "--max-memory",
+    type=ByteSize(),
+    default="512MiB",
+    show_default=True,
+    help="Bound on tensor data held in memory (read-ahead and write buffers); each open output file adds 8 MiB.",
+)
+@click.option(
+    "--checksum",
+    type=click.Choice(ALGORITHMS),
+    default=DEFAULT_CHECKSUM,
+    show_default=True,
+    help="Each file's digest in reshard.json, computed while writing (verify checks it): blake3 is "
+    "fast; sha256 for `sha256sum -c`; none records sizes only.",
+)
 @revision_option
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Where each piece is materialised before writing; cpu needs no GPU.")  # fmt: skip
-@click.option("--stream", is_flag=True,
-              help="Repo ids: store nothing of the source; its bytes go from the Hub into the rank files "
-                   "through the --max-memory window (default: kept once in the HF cache as they arrive).")  # fmt: skip
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where each piece is materialised before writing; cpu needs no GPU.",
+)
+@click.option(
+    "--stream",
+    is_flag=True,
+    help="Repo ids: store nothing of the source; its bytes go from the Hub into the rank files "
+    "through the --max-memory window (default: kept once in the HF cache as they arrive).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace the reshard files of a non-empty OUT_DIR.")
-@click.option("--ranks", metavar="LIST",
-              help="Write only these engine ranks (e.g. 0-3 or 0,2,5-7; rank = pp_rank * tp + tp_rank) with a "
-                   "partial manifest; reshard.json appears when every piece is in (see `reshard assemble`).")  # fmt: skip
+@click.option(
+    "--ranks",
+    metavar="LIST",
+    help="Write only these engine ranks (e.g. 0-3 or 0,2,5-7; rank = pp_rank * tp + tp_rank) with a "
+    "partial manifest; reshard.json appears when every piece is in (see `reshard assemble`).",
+)
 @json_option
 def save_cmd(
     source,
@@ -91,21 +116,39 @@ def save_cmd(
 def _piece(result, ranks: str, as_json: bool) -> None:
     total = len(result.plan.files)
     if as_json:
-        emit_json({"ok": True, "complete": False, "out_dir": str(result.out_dir), "ranks": result.ranks,
-                   "files": result.files})  # fmt: skip
+        emit_json(
+            {
+                "ok": True,
+                "complete": False,
+                "out_dir": str(result.out_dir),
+                "ranks": result.ranks,
+                "files": result.files,
+            }
+        )
     else:
-        stdout.print(f"wrote ranks {ranks} ({result.files} files) of {total}; "
-                     f"{MANIFEST} appears when all pieces are in")  # fmt: skip
+        stdout.print(
+            f"wrote ranks {ranks} ({result.files} files) of {total}; {MANIFEST} appears when all pieces are in"
+        )
 
 
 def _saved(m, out_dir: Path, seconds: float, as_json: bool) -> None:
     if as_json:
-        emit_json({
-            "ok": True, "out_dir": str(out_dir), "manifest": str(out_dir / MANIFEST),
-            "layout": m.to_json()["layout"], "files": len(m.files), "bytes": m.total_bytes,
-            "seconds": round(seconds, 3), "serve": m.serve, "serve_reshard": m.serve_reshard,
-            "vllm_versions": m.vllm_versions, "run_id": m.run_id, "notes": list(m.notes),
-        })  # fmt: skip
+        emit_json(
+            {
+                "ok": True,
+                "out_dir": str(out_dir),
+                "manifest": str(out_dir / MANIFEST),
+                "layout": m.to_json()["layout"],
+                "files": len(m.files),
+                "bytes": m.total_bytes,
+                "seconds": round(seconds, 3),
+                "serve": m.serve,
+                "serve_reshard": m.serve_reshard,
+                "vllm_versions": m.vllm_versions,
+                "run_id": m.run_id,
+                "notes": list(m.notes),
+            }
+        )
         return
     stdout.print(
         f"wrote {len(m.files)} files, {human_bytes(m.total_bytes)} in {seconds:.1f} s "

@@ -22,23 +22,48 @@ PER_KIND = 6  # of one kind
 
 @click.command("verify")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--strict/--lax", default=True, show_default=True,
-              help="strict: any key difference fails. lax: missing keys are warnings (unexpected keys, shape or "
-                   "dtype differences and corruption still fail).")  # fmt: skip
-@click.option("--tp", type=click.IntRange(min=1), default=None,
-              help="Tensor-parallel size you will serve with (default: the recorded one; for a folder "
-                   "without manifest, guessed from the file names).")  # fmt: skip
-@click.option("--ep/--no-ep", "ep", default=None,
-              help="Whether you will serve with --enable-expert-parallel (default: as recorded).")  # fmt: skip
-@click.option("--pp", type=click.IntRange(min=1), default=None,
-              help="Pipeline-parallel size you will serve with (default: as recorded).")  # fmt: skip
-@click.option("--no-checksums", "checksums", flag_value=False, default=True,
-              help="Skip the checksum of every file against the manifest.")  # fmt: skip
-@click.option("--against", metavar="SOURCE",
-              help="Derive the expected keys from this checkpoint (folder or Hub repo id); works on folders "
-                   "without reshard.json, e.g. written by vLLM's save_sharded_state.")  # fmt: skip
-@click.option("--deep", is_flag=True,
-              help="With --against: regenerate every tensor from SOURCE and compare it byte for byte.")  # fmt: skip
+@click.option(
+    "--strict/--lax",
+    default=True,
+    show_default=True,
+    help="strict: any key difference fails. lax: missing keys are warnings (unexpected keys, shape or "
+    "dtype differences and corruption still fail).",
+)
+@click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tensor-parallel size you will serve with (default: the recorded one; for a folder "
+    "without manifest, guessed from the file names).",
+)
+@click.option(
+    "--ep/--no-ep",
+    "ep",
+    default=None,
+    help="Whether you will serve with --enable-expert-parallel (default: as recorded).",
+)
+@click.option(
+    "--pp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Pipeline-parallel size you will serve with (default: as recorded).",
+)
+@click.option(
+    "--no-checksums",
+    "checksums",
+    flag_value=False,
+    default=True,
+    help="Skip the checksum of every file against the manifest.",
+)
+@click.option(
+    "--against",
+    metavar="SOURCE",
+    help="Derive the expected keys from this checkpoint (folder or Hub repo id); works on folders "
+    "without reshard.json, e.g. written by vLLM's save_sharded_state.",
+)
+@click.option(
+    "--deep", is_flag=True, help="With --against: regenerate every tensor from SOURCE and compare it byte for byte."
+)
 @revision_option
 @json_option
 @click.pass_context
@@ -77,8 +102,18 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
             current.append(phase)
             return phase.enter_context(byte_progress(total, label, quiet=as_json))
 
-        report = verify(out_dir, strict=strict, tp=tp, ep=ep, pp=pp, checksums=checksums, against=against,
-                        deep=deep, revision=revision, progress=progress)  # fmt: skip
+        report = verify(
+            out_dir,
+            strict=strict,
+            tp=tp,
+            ep=ep,
+            pp=pp,
+            checksums=checksums,
+            against=against,
+            deep=deep,
+            revision=revision,
+            progress=progress,
+        )
     seconds = time.monotonic() - t0
     if as_json:
         obj = report.to_json()
@@ -124,9 +159,13 @@ def _files_table(report: Report):
         found = report.file_findings(s.name)
         errors = sum(1 for f in found if f.severity == "error")
         warnings = len(found) - errors
-        status = "ok" if not found else ", ".join(
-            x for x in (f"{errors} error(s)" if errors else "", f"{warnings} warning(s)" if warnings else "") if x
-        )  # fmt: skip
+        status = (
+            "ok"
+            if not found
+            else ", ".join(
+                x for x in (f"{errors} error(s)" if errors else "", f"{warnings} warning(s)" if warnings else "") if x
+            )
+        )
         table.add_row(
             escape(s.name),
             str(s.pp_rank),

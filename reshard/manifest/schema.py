@@ -196,7 +196,9 @@ def parse(obj: object) -> Manifest:
         vllm_versions=spec,
         total_bytes=_int(obj.get("total_bytes", sum(f.size for f in records)), "total_bytes"),
         copied=tuple(_strings(obj.get("copied") or [], "copied")),
-        copied_files=tuple(_side(i, e, algorithm) for i, e in enumerate(_list(obj.get("copied_files") or [], "copied_files"))),
+        copied_files=tuple(
+            _side(i, e, algorithm) for i, e in enumerate(_list(obj.get("copied_files") or [], "copied_files"))
+        ),
         source_tensors=_source_tensors(obj.get("source_tensors")),
         serve=str(obj.get("serve") or ""),
         serve_reshard=obj.get("serve_reshard") if isinstance(obj.get("serve_reshard"), str) else None,
@@ -204,7 +206,7 @@ def parse(obj: object) -> Manifest:
         ranks=tuple(_int(r, "ranks") for r in _list(obj["ranks"], "ranks")) if "ranks" in obj else None,
         all_files=tuple(_strings(obj.get("all_files") or [], "all_files")) if "ranks" in obj else None,
         extra={k: v for k, v in obj.items() if k not in _KNOWN},
-    )  # fmt: skip
+    )
 
 
 def _layout(lay: object) -> tuple[str, Layout, str]:
@@ -214,8 +216,10 @@ def _layout(lay: object) -> tuple[str, Layout, str]:
         _need(type(lay.get(k)) is int and lay[k] >= 1, f"layout.{k} is {lay.get(k)!r}")
     _need(isinstance(lay.get("ep"), bool), f"layout.ep is {lay.get('ep')!r}")
     part = lay.get("pp_layer_partition")
-    _need(part is None or (isinstance(part, list) and all(type(x) is int and x >= 1 for x in part)),
-          f"layout.pp_layer_partition is {part!r}")  # fmt: skip
+    _need(
+        part is None or (isinstance(part, list) and all(type(x) is int and x >= 1 for x in part)),
+        f"layout.pp_layer_partition is {part!r}",
+    )
     dtype = lay.get("dtype") or "auto"
     dtype = DTYPE_CODES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     quant = lay.get("quantization")
@@ -245,9 +249,13 @@ def _file(i: int, e: object, seen: set[str], algorithm: str) -> FileRecord:
     _need(algorithm == NONE or isinstance(digest, str), f"files[{i}].{algorithm} is {e.get(algorithm)!r}")
     ts = e.get("tensors")
     ok = isinstance(ts, list) and all(
-        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
-        and isinstance(t.get("shape"), list) and all(type(n) is int for n in t["shape"]) for t in ts
-    )  # fmt: skip
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("dtype"), str)
+        and isinstance(t.get("shape"), list)
+        and all(type(n) is int for n in t["shape"])
+        for t in ts
+    )
     _need(ok, f"files[{i}].tensors is malformed")
     tensors = tuple(TensorRecord(t["name"], t["dtype"], tuple(t["shape"])) for t in ts)  # type: ignore[union-attr]
     return FileRecord(name, e["tp_rank"], e["pp_rank"], e["part"], e["size"], digest, tensors)  # type: ignore[arg-type]

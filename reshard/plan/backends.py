@@ -57,8 +57,9 @@ def fp8_block_pads(backend: str, block: tuple[int, int], ip: int, moe_tp: int, r
             f"use one of {', '.join(b for b in FP8_BACKENDS if b != 'cutlass')}",
         )
     if backend not in FP8_BACKENDS:
-        raise UnsupportedError(f"--moe-backend {backend} does not run FP8 experts in vLLM",
-                               f"use one of {', '.join(FP8_BACKENDS)}")  # fmt: skip
+        raise UnsupportedError(
+            f"--moe-backend {backend} does not run FP8 experts in vLLM", f"use one of {', '.join(FP8_BACKENDS)}"
+        )
     return not (refinable and backend in REFINING_FP8_BACKENDS)
 
 
@@ -70,8 +71,10 @@ def unquantized_alloc(backend: str, ip: int) -> int:
         align = 64 if ip <= 192 else 128  # aiter_moe_intermediate_alignment
         return -(-ip // align) * align
     if backend != "auto" and backend not in UNQUANTIZED_BACKENDS:
-        raise UnsupportedError(f"--moe-backend {backend} does not run unquantized experts in vLLM",
-                               f"use one of {', '.join(UNQUANTIZED_BACKENDS)}")  # fmt: skip
+        raise UnsupportedError(
+            f"--moe-backend {backend} does not run unquantized experts in vLLM",
+            f"use one of {', '.join(UNQUANTIZED_BACKENDS)}",
+        )
     return ip
 
 

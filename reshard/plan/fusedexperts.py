@@ -84,9 +84,16 @@ def fused_experts(ctx: Context, m: FusedExperts, prefix: str, per_tp: list[list[
             else _bf16_rank(target, tensors, experts, start, size, ctx.dtype)
         )
         n, alloc = len(experts), geo.alloc
-        out.append(OutTensor(f"{target}.w13_bias", bias_dtype, (n, 2 * alloc),
-                             tuple(_padded(bias_gu.name, (e, 2 * start), (e + 1, 2 * (start + size)), (1, 2 * alloc))
-                                   for e in experts)))  # fmt: skip
+        out.append(
+            OutTensor(
+                f"{target}.w13_bias",
+                bias_dtype,
+                (n, 2 * alloc),
+                tuple(
+                    _padded(bias_gu.name, (e, 2 * start), (e + 1, 2 * (start + size)), (1, 2 * alloc)) for e in experts
+                ),
+            )
+        )
         if ctx.ep or r == 0:
             dn = tuple(_padded(bias_dn.name, (e, 0), (e + 1, hidden), (1, geo.hidden)) for e in experts)
         else:
@@ -156,8 +163,10 @@ def _bf16_geometry(ctx: Context, target: str, inter: int) -> _Geometry:
 def _mx_geometry(ctx: Context, target: str, inter: int, hidden: int) -> _Geometry:
     """`_load_weights_mxfp4`'s stride and the backend's allocation (oracle/mxfp4.py)."""
     if inter % MX_BLOCK or hidden % MX_BLOCK:
-        raise SourceError(f"{target}: MXFP4 experts need intermediate ({inter}) and hidden ({hidden}) sizes "
-                          f"that are multiples of {MX_BLOCK}")  # fmt: skip
+        raise SourceError(
+            f"{target}: MXFP4 experts need intermediate ({inter}) and hidden ({hidden}) sizes "
+            f"that are multiples of {MX_BLOCK}"
+        )
     moe_tp = 1 if ctx.ep else ctx.tp
     stride = cdiv(inter // MX_BLOCK, moe_tp) * MX_BLOCK
     ip = inter // moe_tp  # FusedMoE's intermediate_size_per_partition, before the backend rounds it
@@ -214,17 +223,34 @@ def _mx_rank(target, tensors, experts, start, size, geo: _Geometry) -> list[OutT
     c0, c1 = start // MX_BLOCK, (start + size) // MX_BLOCK
     n, a2 = len(experts), 2 * geo.alloc
     return [
-        OutTensor(f"{target}.w13_weight", "U8", (n, a2, geo.hidden // 2),
-                  tuple(_padded(gu_b.name, (e, r0, 0, 0), (e + 1, r1, gh, MX_BYTES), (1, a2, ah, MX_BYTES))
-                        for e in experts)),
-        OutTensor(f"{target}.w13_weight_scale", "U8", (n, a2, ah),
-                  tuple(_padded(gu_s.name, (e, r0, 0), (e + 1, r1, gh), (1, a2, ah)) for e in experts)),
-        OutTensor(f"{target}.w2_weight", "U8", (n, geo.hidden, geo.alloc // 2),
-                  tuple(_padded(dn_b.name, (e, 0, c0, 0), (e + 1, hidden, c1, MX_BYTES), (1, geo.hidden, ai, MX_BYTES))
-                        for e in experts)),
-        OutTensor(f"{target}.w2_weight_scale", "U8", (n, geo.hidden, ai),
-                  tuple(_padded(dn_s.name, (e, 0, c0), (e + 1, hidden, c1), (1, geo.hidden, ai)) for e in experts)),
-    ]  # fmt: skip
+        OutTensor(
+            f"{target}.w13_weight",
+            "U8",
+            (n, a2, geo.hidden // 2),
+            tuple(_padded(gu_b.name, (e, r0, 0, 0), (e + 1, r1, gh, MX_BYTES), (1, a2, ah, MX_BYTES)) for e in experts),
+        ),
+        OutTensor(
+            f"{target}.w13_weight_scale",
+            "U8",
+            (n, a2, ah),
+            tuple(_padded(gu_s.name, (e, r0, 0), (e + 1, r1, gh), (1, a2, ah)) for e in experts),
+        ),
+        OutTensor(
+            f"{target}.w2_weight",
+            "U8",
+            (n, geo.hidden, geo.alloc // 2),
+            tuple(
+                _padded(dn_b.name, (e, 0, c0, 0), (e + 1, hidden, c1, MX_BYTES), (1, geo.hidden, ai, MX_BYTES))
+                for e in experts
+            ),
+        ),
+        OutTensor(
+            f"{target}.w2_weight_scale",
+            "U8",
+            (n, geo.hidden, ai),
+            tuple(_padded(dn_s.name, (e, 0, c0), (e + 1, hidden, c1), (1, geo.hidden, ai)) for e in experts),
+        ),
+    ]
 
 
 def _bf16_rank(target, tensors, experts, start, size, dtype) -> list[OutTensor]:
@@ -234,8 +260,16 @@ def _bf16_rank(target, tensors, experts, start, size, dtype) -> list[OutTensor]:
     hidden = gu.shape[1]
     e0, e1, n = experts.start, experts.stop, len(experts)
     return [
-        OutTensor(f"{target}.w13_weight", dtype, (n, 2 * size, hidden),
-                  (Slice(gu.name, (e0, 0, 2 * start), (e1, hidden, 2 * (start + size)), perm=(0, 2, 1)),)),
-        OutTensor(f"{target}.w2_weight", dtype, (n, hidden, size),
-                  (Slice(dn.name, (e0, start, 0), (e1, start + size, hidden), perm=(0, 2, 1)),)),
-    ]  # fmt: skip
+        OutTensor(
+            f"{target}.w13_weight",
+            dtype,
+            (n, 2 * size, hidden),
+            (Slice(gu.name, (e0, 0, 2 * start), (e1, hidden, 2 * (start + size)), perm=(0, 2, 1)),),
+        ),
+        OutTensor(
+            f"{target}.w2_weight",
+            dtype,
+            (n, hidden, size),
+            (Slice(dn.name, (e0, start, 0), (e1, start + size, hidden), perm=(0, 2, 1)),),
+        ),
+    ]

@@ -246,7 +246,10 @@ def skip_kv_scales_vllm_ignores(ctx: Context, extra: list[str]) -> set[str]:
         )
         return set(zero_points)
     if not ctx.quant:
-        why = "vLLM 0.32 maps KV-cache scale names only for a quantized checkpoint; without a quantization_config it fails on the unknown name"
+        why = (
+            "vLLM 0.32 maps KV-cache scale names only for a quantized checkpoint; "
+            "without a quantization_config it fails on the unknown name"
+        )
     else:
         why = f"vLLM 0.32 renames it {mapped!r}, which this model does not have, and does not load it"
     raise UnsupportedError(

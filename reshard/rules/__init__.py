@@ -50,14 +50,17 @@ for _arch in (
 REFUSED: dict[str, str] = {}
 REFUSED.update(  # issue 15: neighbours of GLM-4.5/4.6, MiniMax-M2 and Kimi-K2
     {
-        "Glm4MoeLiteForCausalLM": "GLM-4.7-Flash's latent attention (glm4_moe_lite.py) has no rule table checked against vLLM",
+        "Glm4MoeLiteForCausalLM": "GLM-4.7-Flash's latent attention (glm4_moe_lite.py) has no rule table "
+        "checked against vLLM",
         "GlmMoeDsaForCausalLM": "GLM-5's sparse-attention indexer weights (vLLM deepseek_v32.py) have no rule table",
         "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse-attention indexer weights have no rule table",
-        "KimiK25ForConditionalGeneration": "Kimi-K2.5 wraps the text model with a vision tower; its multimodal layout is not written",
+        "KimiK25ForConditionalGeneration": "Kimi-K2.5 wraps the text model with a vision tower; "
+        "its multimodal layout is not written",
         "KimiLinearForCausalLM": "Kimi-Linear's linear-attention (KDA) layers have no rule table",
         "MiniMaxText01ForCausalLM": "vLLM removed MiniMax-Text-01's lightning attention in 0.23",
         "MiniMaxM1ForCausalLM": "vLLM removed MiniMax-M1's lightning attention in 0.23",
-        "Glm4MoeMTPModel": "a GLM MTP draft model: vLLM loads its layer from the main checkpoint, there is nothing to pre-shard",
+        "Glm4MoeMTPModel": "a GLM MTP draft model: vLLM loads its layer from the main checkpoint, "
+        "there is nothing to pre-shard",
     }
 )
 

@@ -54,9 +54,10 @@ def _online(repo, *, headers_only: bool, stream: bool):
             f"{repo.repo_id}@{repo.commit[:12]}: no {CONFIG} in the repo", "is it a transformers model repo?"
         )
     small = [
-        f for f in repo.files
+        f
+        for f in repo.files
         if "/" not in f and not f.endswith(".safetensors") and any(fnmatch(f, p) for p in HUB_PATTERNS)
-    ]  # fmt: skip
+    ]
     root = None
     for name in [CONFIG, *[f for f in small if f != CONFIG]]:
         path = Path(repo.download(name))
@@ -78,8 +79,9 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
             repo_id, revision=revision, allow_patterns=list(HUB_PATTERNS), local_files_only=True
         )
     except hub_errors.LocalEntryNotFoundError as e:
+        at = f"{repo_id}@{revision}" if revision else repo_id
         raise SourceError(
-            f"{repo_id}{'@' + revision if revision else ''} is not in the Hugging Face cache and the Hub is unreachable or HF_HUB_OFFLINE is set",
+            f"{at} is not in the Hugging Face cache and the Hub is unreachable or HF_HUB_OFFLINE is set",
             "download it first (`hf download REPO`), unset HF_HUB_OFFLINE, or point HF_HOME at the cache",
         ) from e
     return LocalSource(Path(folder), {"repo_id": repo_id, "revision": revision or "main", "commit": Path(folder).name})

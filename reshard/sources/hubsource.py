@@ -51,11 +51,15 @@ def weight_names(repo: HubRepo, root: Path) -> list[str]:
             raise SourceError(f"{repo.repo_id}/{INDEX}: cannot parse ({e})") from e
         missing = [f for f in files if f not in repo.files]
         if missing:
-            raise SourceError(f"{repo.repo_id}@{repo.commit[:12]}: {INDEX} names files the repo lacks: {', '.join(missing[:3])}")  # fmt: skip
+            raise SourceError(
+                f"{repo.repo_id}@{repo.commit[:12]}: {INDEX} names files the repo lacks: {', '.join(missing[:3])}"
+            )
         return files
     if SINGLE in repo.files:
         return [SINGLE]
-    found = sorted(f for f in repo.files if f.endswith(".safetensors") and "/" not in f and not f.startswith("consolidated"))  # fmt: skip
+    found = sorted(
+        f for f in repo.files if f.endswith(".safetensors") and "/" not in f and not f.startswith("consolidated")
+    )
     if not found:
         raise SourceError(f"{repo.repo_id}: no *.safetensors weights in the repo", "reshard reads safetensors only")
     return found
@@ -127,7 +131,8 @@ class HubSource(Source):
             free = shutil.disk_usage(storage / "blobs").free
             if need > free:
                 raise SourceError(
-                    f"the Hugging Face cache ({storage}) has {free / 1e9:.1f} GB free; the source needs {need / 1e9:.1f} GB more",
+                    f"the Hugging Face cache ({storage}) has {free / 1e9:.1f} GB free; "
+                    f"the source needs {need / 1e9:.1f} GB more",
                     "use `save --stream` (stores nothing) or point HF_HOME at a larger disk",
                 )
             self.meter.total = need
@@ -305,7 +310,9 @@ class HubReader(AlignedReader):
             try:
                 blob.store(out, pos)
             except OSError as e:
-                raise SourceError(f"cannot write the cache ({blob.partial}: {e.strerror})", "use `save --stream` or free space") from e  # fmt: skip
+                raise SourceError(
+                    f"cannot write the cache ({blob.partial}: {e.strerror})", "use `save --stream` or free space"
+                ) from e
 
     def prepare(self, t: TensorInfo, start: int, nbytes: int) -> Prepared:
         return Prepared(None, t.offset + start, nbytes)

@@ -30,8 +30,13 @@ def _is(*types: type) -> Check:
 
 
 POSITIVE, COUNT, FLAG, NAME, NAMES = _int(1), _int(0), _is(bool), _is(str), _list_of(_is(str))
-WHAT = {POSITIVE: f"a positive integer (at most {MAX_DIM})", COUNT: f"a non-negative integer (at most {MAX_DIM})", FLAG: "true or false", NAME: "a string",
-        NAMES: "a list of strings"}  # fmt: skip
+WHAT = {
+    POSITIVE: f"a positive integer (at most {MAX_DIM})",
+    COUNT: f"a non-negative integer (at most {MAX_DIM})",
+    FLAG: "true or false",
+    NAME: "a string",
+    NAMES: "a list of strings",
+}
 
 # every config.json key the planner reads, and what it must be where present (null = absent)
 CONFIG_SCHEMA: dict[str, Check] = {
@@ -58,8 +63,13 @@ QUANT_SCHEMA: dict[str, Check] = {
     "kv_cache_scheme": _is(dict),
 }
 GROUP_SCHEMA: dict[str, Check] = {"weights": _is(dict), "input_activations": _is(dict), "targets": NAMES}
-ARGS_SCHEMA: dict[str, Check] = {"type": NAME, "num_bits": POSITIVE, "strategy": NAME, "dynamic": FLAG,
-                                 "block_structure": _list_of(POSITIVE)}  # fmt: skip
+ARGS_SCHEMA: dict[str, Check] = {
+    "type": NAME,
+    "num_bits": POSITIVE,
+    "strategy": NAME,
+    "dynamic": FLAG,
+    "block_structure": _list_of(POSITIVE),
+}
 _REFETCH = "the checkpoint's config.json is damaged: download it again or fix it"
 
 

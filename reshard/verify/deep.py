@@ -51,16 +51,19 @@ def compare(
 
     def sink(of: OutFile, header: bytes) -> _CompareSink:
         f = infos[of.name]
-        s = sinks[f.name] = _CompareSink(folder.out / f.name, f, diffs.setdefault(f.name, []),
-                                         checksum=folder.checksum if hash_too else None)  # fmt: skip
+        s = sinks[f.name] = _CompareSink(
+            folder.out / f.name, f, diffs.setdefault(f.name, []), checksum=folder.checksum if hash_too else None
+        )
         return s
 
     # the source's own reader: a reshard output as SOURCE is read back out of its rank files
     ckpt = source.checkpoint
     t0 = time.monotonic()
     options = WriteOptions(checksum=NONE, max_memory=DEFAULT_MAX_MEMORY)  # the sinks hash, not the executor
-    Executor(plan, source.open_reader(), ckpt.tensors, folder.out, options, metadata={}, sync=False, sink=sink,
-             progress=advance_for(progress, "comparing", total)).run()  # fmt: skip
+    reader, advance = source.open_reader(), advance_for(progress, "comparing", total)
+    Executor(
+        plan, reader, ckpt.tensors, folder.out, options, metadata={}, sync=False, sink=sink, progress=advance
+    ).run()
     report.count("compared_bytes", total)
     report.stats["deep_seconds"] = round(report.stats.get("deep_seconds", 0) + time.monotonic() - t0, 3)
     for name, s in sinks.items():
@@ -88,8 +91,8 @@ def _tell_diffs(report: Report, f: CheckedFile, found: list[tuple[str, str]]) ->
     for msg, tensor in found[:MAX_PER_FILE]:
         report.add("data", msg, code=CORRUPT, file=f.name, tensor=tensor)
     if len(found) > MAX_PER_FILE:
-        report.add("data", f"{f.name}: {len(found) - MAX_PER_FILE} more tensors differ from the source",
-                   code=CORRUPT, file=f.name)  # fmt: skip
+        more = f"{f.name}: {len(found) - MAX_PER_FILE} more tensors differ from the source"
+        report.add("data", more, code=CORRUPT, file=f.name)
 
 
 def locate(
@@ -108,8 +111,8 @@ def locate(
     compare(report, folder, expected, source, [f for f in damaged if f.ok], progress, hash_too=False)
     for f in damaged:
         if f.ok and not any(x.kind == "data" for x in report.file_findings(f.name)):
-            report.add("checksum", f"{f.name}: every tensor equals what {against} produces: the change is "
-                       "in the header or its metadata", code=CORRUPT, file=f.name, warn=True)  # fmt: skip
+            msg = f"{f.name}: every tensor equals what {against} produces: the change is in the header or its metadata"
+            report.add("checksum", msg, code=CORRUPT, file=f.name, warn=True)
 
 
 # ---- the compare sink ------------------------------------------------------------------------------

@@ -19,8 +19,11 @@ def check_sums(report: Report, folder: Folder, progress: Progress | None, agains
     algorithm = folder.checksum
     report.stats["checksum"] = algorithm
     if algorithm == NONE:
-        report.add("checksum", "the manifest records no checksums (saved with --checksum none): file contents "
-                   "not checked; sizes and headers were", code=0, warn=True)  # fmt: skip
+        msg = (
+            "the manifest records no checksums (saved with --checksum none): file contents "
+            "not checked; sizes and headers were"
+        )
+        report.add("checksum", msg, code=0, warn=True)
         return []
     whole = [f for f in folder.files if f.entry and f.size is not None and f.size == f.entry.size]
     hashed = [f for f in whole if f.digest is not None]
@@ -29,8 +32,8 @@ def check_sums(report: Report, folder: Folder, progress: Progress | None, agains
     damaged = [f for f in hashed + todo if f.digest is not None and f.entry and f.digest != f.entry.digest]
     hint = "" if against else "; add --against SOURCE to find the damaged tensor"
     for f in damaged:
-        report.add("checksum", f"{f.name}: {algorithm} differs from the manifest: the file changed after it was "
-                   f"written ({RERUN}{hint})", code=CORRUPT, file=f.name)  # fmt: skip
+        msg = f"{f.name}: {algorithm} differs from the manifest: the file changed after it was written ({RERUN}{hint})"
+        report.add("checksum", msg, code=CORRUPT, file=f.name)
     return damaged
 
 
@@ -50,8 +53,11 @@ def check_side_files(report: Report, folder: Folder) -> None:
             report.add("checksum", f"{e.name}: cannot read ({err.strerror})", code=CORRUPT, file=e.name)
             continue
         if digest != e.digest:
-            report.add("checksum", f"{e.name} (copied from the source) changed after it was written: vLLM "
-                       f"would build the model from the edited file ({RERUN})", code=CORRUPT, file=e.name)  # fmt: skip
+            msg = (
+                f"{e.name} (copied from the source) changed after it was written: vLLM "
+                f"would build the model from the edited file ({RERUN})"
+            )
+            report.add("checksum", msg, code=CORRUPT, file=e.name)
     if entries:
         report.stats["side_files_checked"] = len(entries)
 

@@ -31,8 +31,11 @@ def compare_source_tensors(report: Report, folder: Folder, ckpt: Checkpoint, aga
     have = {n: (t.dtype, tuple(t.shape)) for n, t in ckpt.tensors.items()}
     diff = sorted(set(recorded) ^ set(have)) + sorted(n for n in recorded if n in have and recorded[n] != have[n])
     if diff:
-        report.add("source", f"{against} is not the checkpoint this folder was made from: {len(diff)} tensor "
-                   f"header(s) differ (first: {diff[0]})", code=LAYOUT, tensor=diff[0], warn=True)  # fmt: skip
+        msg = (
+            f"{against} is not the checkpoint this folder was made from: {len(diff)} tensor "
+            f"header(s) differ (first: {diff[0]})"
+        )
+        report.add("source", msg, code=LAYOUT, tensor=diff[0], warn=True)
 
 
 def expected_plan(
@@ -59,8 +62,11 @@ def _recorded_source(report: Report, folder: Folder) -> Checkpoint | None:
     assert folder.manifest is not None
     src = folder.manifest.source_tensors
     if not src:
-        report.add("keys", "the manifest records no source_tensors (an older reshard): keys checked against "
-                   "the manifest only; pass --against SOURCE for the full check", code=LAYOUT, warn=True)  # fmt: skip
+        msg = (
+            "the manifest records no source_tensors (an older reshard): keys checked against "
+            "the manifest only; pass --against SOURCE for the full check"
+        )
+        report.add("keys", msg, code=LAYOUT, warn=True)
         return None
     try:
         config = read_config(folder.out)
@@ -69,8 +75,8 @@ def _recorded_source(report: Report, folder: Folder) -> Checkpoint | None:
         return None
     unknown = sorted(n for n, (dtype, _) in src.items() if dtype not in ITEMSIZE)
     if unknown:
-        report.add("manifest", f"malformed source_tensors in {MANIFEST} ({unknown[0]}: unknown dtype)", code=CORRUPT,
-                   file=MANIFEST)  # fmt: skip
+        msg = f"malformed source_tensors in {MANIFEST} ({unknown[0]}: unknown dtype)"
+        report.add("manifest", msg, code=CORRUPT, file=MANIFEST)
         return None
     tensors = {n: TensorInfo(n, d, s, MANIFEST, 0, math.prod(s) * ITEMSIZE[d]) for n, (d, s) in src.items()}
     return Checkpoint(None, config, tensors, [], folder.manifest.source)
@@ -96,19 +102,18 @@ def check_asked(report: Report, folder: Folder, expected: tuple[Plan, Checkpoint
         except (UnsupportedError, SourceError):
             same = False
         if same:
-            report.add("layout", f"made for {rec}, you asked {asked}: for this model both have the same files",
-                       code=LAYOUT, warn=True)  # fmt: skip
+            msg = f"made for {rec}, you asked {asked}: for this model both have the same files"
+            report.add("layout", msg, code=LAYOUT, warn=True)
             return
     flags = f"--tensor-parallel-size {rec.tp}"
     flags += f" --pipeline-parallel-size {rec.pp}" if rec.pp > 1 else ""
     flags += " --enable-expert-parallel" if rec.ep else ""
-    report.add(
-        "layout",
+    msg = (
         f"made for {rec}, you asked {asked}: these files only load with `vllm serve ... "
         f"--load-format sharded_state {flags}`; re-save for {asked} with `reshard save "
-        f"--tp {asked.tp}{f' --pp {asked.pp}' if asked.pp > 1 else ''}{' --ep' if asked.ep else ''}`",
-        code=LAYOUT,
+        f"--tp {asked.tp}{f' --pp {asked.pp}' if asked.pp > 1 else ''}{' --ep' if asked.ep else ''}`"
     )
+    report.add("layout", msg, code=LAYOUT)
 
 
 def _rank_keys(plan: Plan) -> dict[Rank, set[tuple[str, str, tuple[int, ...]]]]:
@@ -148,8 +153,8 @@ class _KeyCheck:
         for f in sorted(files, key=lambda f: f.part):
             for name, info in f.tensors.items():
                 if name in held:
-                    self.tell("duplicate-key", f"{name} is also in {held[name][0].name} (vLLM: KeyError when the "
-                              "second copy loads)", f.name, label, name)  # fmt: skip
+                    msg = f"{name} is also in {held[name][0].name} (vLLM: KeyError when the second copy loads)"
+                    self.tell("duplicate-key", msg, f.name, label, name)
                     continue
                 held[name] = (f, info)
         return held
@@ -162,19 +167,22 @@ class _KeyCheck:
             w, h = want.get(name), held.get(name)
             if h is None:
                 where = listed_in.get((rank, name)) or files[0].name
-                self.tell("missing-key", f"{name} is missing (vLLM: ValueError 'Missing keys' at load)",
-                          where, label, name, warn=not self.strict)  # fmt: skip
+                msg = f"{name} is missing (vLLM: ValueError 'Missing keys' at load)"
+                self.tell("missing-key", msg, where, label, name, warn=not self.strict)
             elif w is None:
-                self.tell("unexpected-key", f"{name} is not a parameter of this layout (vLLM: KeyError in "
-                          "ShardedStateLoader)", h[0].name, label, name)  # fmt: skip
+                msg = f"{name} is not a parameter of this layout (vLLM: KeyError in ShardedStateLoader)"
+                self.tell("unexpected-key", msg, h[0].name, label, name)
             else:
                 f, info = h
                 if info.shape != w.shape:
-                    self.tell("shape", f"{name} has shape {list(info.shape)}, {plan_dims(self.plan)} needs "
-                              f"{list(w.shape)} ({_shape_effect(info.shape, w.shape)})", f.name, label, name)  # fmt: skip
+                    msg = (
+                        f"{name} has shape {list(info.shape)}, {plan_dims(self.plan)} needs "
+                        f"{list(w.shape)} ({_shape_effect(info.shape, w.shape)})"
+                    )
+                    self.tell("shape", msg, f.name, label, name)
                 if info.dtype != w.dtype:
-                    self.tell("dtype", f"{name} is {info.dtype}, the layout needs {w.dtype} (vLLM's copy_ casts "
-                              "it silently)", f.name, label, name)  # fmt: skip
+                    msg = f"{name} is {info.dtype}, the layout needs {w.dtype} (vLLM's copy_ casts it silently)"
+                    self.tell("dtype", msg, f.name, label, name)
 
 
 def check_keys(report: Report, folder: Folder, plan: Plan, *, strict: bool) -> set[tuple[str | None, str | None]]:

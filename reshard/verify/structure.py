@@ -77,8 +77,8 @@ def _load_manifest(report: Report, out: Path, against: str | None) -> Manifest |
         manifest = read_manifest(out)
     except CorruptError as e:
         if not present and against is not None:
-            report.add("manifest", f"no {MANIFEST}: not written by reshard; checked against {against} only "
-                       "(no checksums, no run ids)", code=CORRUPT, warn=True)  # fmt: skip
+            msg = f"no {MANIFEST}: not written by reshard; checked against {against} only (no checksums, no run ids)"
+            report.add("manifest", msg, code=CORRUPT, warn=True)
             return None
         pieces = None if present else _pieces(out)
         if pieces:
@@ -99,8 +99,13 @@ def _manifest_folder(
 ) -> Folder:
     recorded = m.layout
     report.recorded = recorded
-    asked = Layout(tp or recorded.tp, pp or recorded.pp, recorded.ep if ep is None else ep, recorded.dtype,
-                   moe_backend=recorded.moe_backend)  # fmt: skip
+    asked = Layout(
+        tp or recorded.tp,
+        pp or recorded.pp,
+        recorded.ep if ep is None else ep,
+        recorded.dtype,
+        moe_backend=recorded.moe_backend,
+    )
     folder = Folder(out, m, recorded)
     if not asked.same_ranks(recorded):
         folder.asked = asked  # told by keys.check_asked, once the expected keys are known
@@ -124,12 +129,14 @@ def _foreign_folder(report: Report, out: Path, *, tp: int | None, pp: int | None
     folder = Folder(out, None, Layout(tp, pp, bool(ep)))
     named = [f for f, is_pp in found if is_pp == (pp > 1)]
     if named:
-        _tell_named_for(report, folder, n_tp=max(f.tp_rank for f in named) + 1,
-                        n_pp=max(f.pp_rank for f in named) + 1)  # fmt: skip
+        _tell_named_for(report, folder, n_tp=max(f.tp_rank for f in named) + 1, n_pp=max(f.pp_rank for f in named) + 1)
     for f, is_pp in found:
         if is_pp != (pp > 1) or f.tp_rank >= tp or f.pp_rank >= pp:
-            report.add("stray", f"{f.name} does not belong to a {folder.layout} layout (a rank this layout does "
-                       "not have, or another naming pattern): remove it", code=folder.rank_code, file=f.name)  # fmt: skip
+            msg = (
+                f"{f.name} does not belong to a {folder.layout} layout (a rank this layout does "
+                "not have, or another naming pattern): remove it"
+            )
+            report.add("stray", msg, code=folder.rank_code, file=f.name)
         else:
             folder.files.append(f)
     if not found:
@@ -147,8 +154,10 @@ def _tell_named_for(report: Report, folder: Folder, *, n_tp: int, n_pp: int) -> 
     if lay.tp * lay.pp > n_tp * n_pp:
         effect = "the ranks beyond find no files and vLLM fails to start"
     else:
-        effect = (f"vLLM would load only the first {lay.tp * lay.pp} rank(s)' files, each holding 1/{n_tp} of "
-                  "every split weight: shapes differ, and smaller ones load silently half-filled")  # fmt: skip
+        effect = (
+            f"vLLM would load only the first {lay.tp * lay.pp} rank(s)' files, each holding 1/{n_tp} of "
+            "every split weight: shapes differ, and smaller ones load silently half-filled"
+        )
     report.add("layout", f"the files are named for {had}, you asked {lay}: {effect}", code=LAYOUT)
 
 
@@ -166,11 +175,10 @@ def check_structure(report: Report, folder: Folder) -> None:
         _check_against_manifest(report, folder)
     out = folder.out
     if not (out / CONFIG).is_file():
-        report.add("missing-file", f"{CONFIG} is missing: vLLM needs it to serve the folder", code=CORRUPT,
-                   file=CONFIG)  # fmt: skip
+        report.add("missing-file", f"{CONFIG} is missing: vLLM needs it to serve the folder", code=CORRUPT, file=CONFIG)
     for p in out.glob(f"{TMP_PREFIX}*"):
-        report.add("leftover", f"{p.name}: temporary folder of an interrupted save (safe to remove)",
-                   code=CORRUPT, file=p.name, warn=True)  # fmt: skip
+        msg = f"{p.name}: temporary folder of an interrupted save (safe to remove)"
+        report.add("leftover", msg, code=CORRUPT, file=p.name, warn=True)
 
 
 def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
@@ -179,8 +187,8 @@ def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
     try:
         f.size = path.stat().st_size
     except FileNotFoundError:
-        report.add("missing-file", f"{f.name} is missing ({rank_label(f.rank, folder.layout.pp)} cannot load)",
-                   code=CORRUPT, file=f.name)  # fmt: skip
+        msg = f"{f.name} is missing ({rank_label(f.rank, folder.layout.pp)} cannot load)"
+        report.add("missing-file", msg, code=CORRUPT, file=f.name)
         return
     except OSError as e:
         report.add("missing-file", f"{f.name}: cannot stat ({e.strerror})", code=CORRUPT, file=f.name)
@@ -203,8 +211,11 @@ def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
         run, want_run = f.meta.get("reshard_run"), folder.manifest.run_id
         if run != want_run:
             said = f"run {run[:12]}" if run else "no reshard run (not written by reshard)"
-            report.add("run-mix", f"{f.name} comes from {said}, the manifest from run {want_run[:12]}: files of "
-                       f"two runs are mixed ({RERUN})", code=CORRUPT, file=f.name)  # fmt: skip
+            msg = (
+                f"{f.name} comes from {said}, the manifest from run {want_run[:12]}: files of "
+                f"two runs are mixed ({RERUN})"
+            )
+            report.add("run-mix", msg, code=CORRUPT, file=f.name)
 
 
 def _check_ranks(report: Report, folder: Folder) -> None:
@@ -215,8 +226,11 @@ def _check_ranks(report: Report, folder: Folder) -> None:
     for p in range(lay.pp):
         for t in range(lay.tp):
             if (p, t) not in have:
-                report.add("rank-missing", f"{rank_label((p, t), lay.pp)}: {where} no file for it (vLLM: "
-                           "'Could not find checkpoint files' on that rank)", code=folder.rank_code)  # fmt: skip
+                msg = (
+                    f"{rank_label((p, t), lay.pp)}: {where} no file for it (vLLM: "
+                    "'Could not find checkpoint files' on that rank)"
+                )
+                report.add("rank-missing", msg, code=folder.rank_code)
 
 
 def _check_against_manifest(report: Report, folder: Folder) -> None:
@@ -224,15 +238,18 @@ def _check_against_manifest(report: Report, folder: Folder) -> None:
     lay, out = folder.layout, folder.out
     extra = sorted({f.rank for f in folder.files if f.tp_rank >= lay.tp or f.pp_rank >= lay.pp})
     for r in extra:
-        report.add("manifest", f"the manifest lists files for {rank_label(r, lay.pp)}, outside {lay}",
-                   code=CORRUPT, file=MANIFEST)  # fmt: skip
+        msg = f"the manifest lists files for {rank_label(r, lay.pp)}, outside {lay}"
+        report.add("manifest", msg, code=CORRUPT, file=MANIFEST)
     listed = {f.name for f in folder.files}
     globs = vllm_globs(tp=lay.tp, pp=lay.pp)
     for p in sorted(out.iterdir(), key=lambda p: natural_key(p.name)):
         loaded = any(fnmatch.fnmatchcase(p.name, g) for g in globs)
         if (loaded or parse_rank_file(p.name)) and p.name not in listed:
-            report.add("stray", f"{p.name} is not in the manifest (left by another run?): vLLM would load "
-                       f"it with its rank; remove it or {RERUN}", code=CORRUPT, file=p.name)  # fmt: skip
+            msg = (
+                f"{p.name} is not in the manifest (left by another run?): vLLM would load "
+                f"it with its rank; remove it or {RERUN}"
+            )
+            report.add("stray", msg, code=CORRUPT, file=p.name)
     assert folder.manifest is not None
     for name in folder.manifest.copied:
         if not (out / name).exists():
@@ -295,8 +312,9 @@ def _pieces(out_dir: Path) -> str | None:
     missing = [n for n in all_files if n not in written or not (out_dir / n).exists()]
     if not missing:
         return f"{out_dir}: every piece is written but not assembled: run `reshard assemble {out_dir}`"
+    in_ranks = ", ".join(map(str, sorted(ranks)))
     return (
-        f"{out_dir}: incomplete --ranks save: {len(found)} piece(s) in (engine ranks {', '.join(map(str, sorted(ranks)))}), "
+        f"{out_dir}: incomplete --ranks save: {len(found)} piece(s) in (engine ranks {in_ranks}), "
         f"{len(missing)} of {len(all_files)} files not written yet, e.g. {missing[0]}: run the missing "
         "`reshard save --ranks ...` pieces"
     )

@@ -192,13 +192,17 @@ def check_files(folder: Path, manifest: Manifest, entries: list[FileRecord], eng
         got = [(t.name, t.dtype, list(t.shape)) for t in tensors]
         want = [(t.name, t.dtype, list(t.shape)) for t in e.tensors]
         if got != want:
-            first = next((f"{g} != {w}" for g, w in zip(got, want, strict=False) if g != w), f"{len(got)} != {len(want)} tensors")  # fmt: skip
+            first = next(
+                (f"{g} != {w}" for g, w in zip(got, want, strict=False) if g != w), f"{len(got)} != {len(want)} tensors"
+            )
             problems.append(f"{e.name}: its header does not hold the tensors the manifest lists ({first})")
             continue
         header = tensors[0].offset if tensors else size
         out.append(RankFile(path, size, header, tensors, e.digest))
     listed = {e.name for e in entries}
-    glob = file_pattern(engine.layout.pp).format(rank=engine.tp_rank, tp_rank=engine.tp_rank, pp_rank=engine.pp_rank, part="*")  # fmt: skip
+    glob = file_pattern(engine.layout.pp).format(
+        rank=engine.tp_rank, tp_rank=engine.tp_rank, pp_rank=engine.pp_rank, part="*"
+    )
     for p in sorted(folder.glob(glob)):
         if p.name not in listed:
             problems.append(f"{p.name} is not in the manifest (a stray file sharded_state would also load)")

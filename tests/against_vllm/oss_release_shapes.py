@@ -35,10 +35,16 @@ def main() -> int:
         src.mkdir()
         (src / "config.json").write_text(json.dumps(config))
         cases = [
-            dict(dump_dir=str(dumps / f"ep{int(ep)}"), tp=8, ep=ep, dtype="bfloat16", moe_backend="triton",
-                 shapes_only=True)
+            dict(
+                dump_dir=str(dumps / f"ep{int(ep)}"),
+                tp=8,
+                ep=ep,
+                dtype="bfloat16",
+                moe_backend="triton",
+                shapes_only=True,
+            )
             for ep in (False, True)
-        ]  # fmt: skip
+        ]
         vllm_state.dump_expected_many(src, cases, timeout=1800)
         for c in cases:
             ranks = {str(r): json.loads((Path(c["dump_dir"]) / f"info-pp0-tp{r}.json").read_text()) for r in range(8)}

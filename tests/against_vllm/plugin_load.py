@@ -48,7 +48,11 @@ def load_cases(cases: list[dict], *, timeout: float = 900) -> list[list[dict]]:
             ranks = []
             for r in range(c["tp"] * c.get("pp", 1)):
                 f = Path(tmp) / f"case{i}-rank{r}.json"
-                ranks.append(json.loads(f.read_text()) if f.exists() else {"ok": False, "error": f"no result; log:\n{text[-4000:]}"})  # fmt: skip
+                ranks.append(
+                    json.loads(f.read_text())
+                    if f.exists()
+                    else {"ok": False, "error": f"no result; log:\n{text[-4000:]}"}
+                )
             results.append(ranks)
         if proc.returncode != 0:
             raise RuntimeError(f"plugin load driver failed (rc={proc.returncode}):\n{text[-6000:]}")
@@ -73,9 +77,12 @@ def _rank(rank: int, world: int, port: int, cfg, case: dict, out: Path) -> None:
     res: dict = {"ok": False, "error": None, "mismatch": []}
     with set_current_vllm_config(cfg):
         init_distributed_environment(
-            world_size=world, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank,
+            world_size=world,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
             backend="gloo",
-        )  # fmt: skip
+        )
         ensure_model_parallel_initialized(case["tp"], case.get("pp", 1))
 
         def build():
@@ -148,15 +155,25 @@ def _run(spec_json: str) -> int:
         t0 = time.perf_counter()
         try:
             cfg = EngineArgs(
-                model=case["folder"], tensor_parallel_size=case["tp"], pipeline_parallel_size=case.get("pp", 1),
-                enable_expert_parallel=case.get("ep", False), dtype=case.get("dtype", "auto"), enforce_eager=True,
-                max_model_len=64, max_num_seqs=1, skip_tokenizer_init=True, distributed_executor_backend="mp",
-                load_format="reshard", model_loader_extra_config=case.get("extra") or {},
+                model=case["folder"],
+                tensor_parallel_size=case["tp"],
+                pipeline_parallel_size=case.get("pp", 1),
+                enable_expert_parallel=case.get("ep", False),
+                dtype=case.get("dtype", "auto"),
+                enforce_eager=True,
+                max_model_len=64,
+                max_num_seqs=1,
+                skip_tokenizer_init=True,
+                distributed_executor_backend="mp",
+                load_format="reshard",
+                model_loader_extra_config=case.get("extra") or {},
                 moe_backend=case.get("moe_backend", "auto"),
-            ).create_engine_config()  # fmt: skip
+            ).create_engine_config()
         except Exception as e:
             for r in range(case["tp"] * case.get("pp", 1)):
-                (out / f"case{i}-rank{r}.json").write_text(json.dumps({"ok": False, "error": f"engine config: {type(e).__name__}: {e}", "mismatch": []}))  # fmt: skip
+                (out / f"case{i}-rank{r}.json").write_text(
+                    json.dumps({"ok": False, "error": f"engine config: {type(e).__name__}: {e}", "mismatch": []})
+                )
             continue
         world = case["tp"] * case.get("pp", 1)
         port = vllm_state._free_port()

@@ -54,8 +54,11 @@ def _save(src: Path, out: Path, *args: str) -> Path:
     env = dict(os.environ, RESHARD_DISABLE_PROGRESS="1", NO_COLOR="1")
     proc = subprocess.run(
         [sys.executable, "-m", "reshard", "save", str(src), str(out), "--overwrite", *args],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -152,7 +155,10 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
         e = error("other-ep", r)
         assert "made for ep=on, this engine runs ep=off" in e, e
         e = error("pinned-backend", r)  # auto on this CPU: the experts' shapes differ
-        assert "w13_weight: shape [" in e and "(the folder was made for --moe-backend deep_gemm, this engine runs auto)" in e, e  # fmt: skip
+        assert (
+            "w13_weight: shape [" in e
+            and "(the folder was made for --moe-backend deep_gemm, this engine runs auto)" in e
+        ), e
         e = error("other-backend", r)
         assert "w13_weight: shape [" in e and "in the folder" in e, e
         assert "--tp 2 --moe-backend deep_gemm`" in e, e
