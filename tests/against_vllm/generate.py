@@ -106,7 +106,7 @@ def greedy_tokens_many(
 ) -> list[list[list[int]]]:
     """Several engines one after another in one subprocess (one vLLM import).
 
-    runs: dicts with ``model_dir`` and optional ``load_format``.
+    runs: dicts with ``model_dir`` and optional ``load_format`` and ``tp`` (default: ``tp``).
     """
     specs = []
     for r in runs:
@@ -118,7 +118,7 @@ def greedy_tokens_many(
             dict(
                 model=str(d),
                 load_format=r.get("load_format", "auto"),
-                tensor_parallel_size=tp,
+                tensor_parallel_size=r.get("tp", tp),
                 pipeline_parallel_size=pp,
                 enable_expert_parallel=ep,
                 skip_tokenizer_init=skip,

@@ -76,6 +76,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
         "moe-tp4": _save(src["qwen3-moe"], root / "moe-tp4", "--tp", "4"),
         "moe-ep": _save(src["qwen3-moe"], root / "moe-ep", "--tp", "2", "--ep"),
         "pp": _save(src["qwen3"], root / "pp", "--tp", "1", "--pp", "2"),
+        # FP8 MoE generates on CPU only where the per-rank block stays 128x128 (TP 1; refined blocks have no
+        # CPU kernel), and only with AMX
+        "fp8-tp1": _save(src["qwen3-moe-fp8"], root / "fp8-tp1", "--tp", "1"),
         "fp8-deep_gemm": _save(src["qwen3-moe-fp8"], root / "fp8-dg", "--tp", "2", "--moe-backend", "deep_gemm"),
     }
     # the same weights from another path: another run, whose manifest is byte-for-byte plausible
@@ -167,8 +170,9 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
 @pytest.mark.generation
 def test_plugin_generation(folders: dict[str, Path]):
     runs = []
-    for name in ("dense", "moe", *(["fp8"] if _cpu_has_amx() else [])):
-        runs += [dict(model_dir=folders[name], load_format=f) for f in ("sharded_state", "reshard")]
+    for name in ("dense", "moe", *(["fp8-tp1"] if _cpu_has_amx() else [])):
+        tp = 1 if name == "fp8-tp1" else 2
+        runs += [dict(model_dir=folders[name], load_format=f, tp=tp) for f in ("sharded_state", "reshard")]
     t0 = time.perf_counter()
     tokens = generate.greedy_tokens_many(runs, 2)
     print(f"plugin generation ({len(runs)} engines): {time.perf_counter() - t0:.1f}s")

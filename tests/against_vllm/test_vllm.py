@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from reshard.layout import Layout
 from tests.against_vllm import generate, vllm_state
 from tests.fixtures.quant import convert as quantize
 from tests.fixtures.tiny import make_tiny
@@ -80,22 +81,22 @@ HYBRID = ["qwen3-next", "qwen3.5-moe", "qwen3-next-fp8"]  # gated delta net + fu
 
 @dataclass(frozen=True)
 class Case:
+    """A source (arch, split into `shards` files) and the Layout reshard writes and vLLM builds for it.
+    `layout.moe_backend` is vLLM's --moe-backend, forced in the harness (vllm_state._force_moe_backend)."""
+
     arch: str
-    tp: int
-    ep: bool = False
-    pp: int = 1
+    layout: Layout
     shards: int = 1  # source checkpoint split into N files + model.safetensors.index.json
-    dtype: str = "auto"
-    moe_backend: str = "auto"  # vLLM's --moe-backend, forced in the harness (vllm_state._force_moe_backend)
 
     @property
     def id(self) -> str:
-        s = f"{self.arch}-tp{self.tp}"
-        s += "-ep" if self.ep else ""
-        s += f"-pp{self.pp}" if self.pp > 1 else ""
+        lay = self.layout
+        s = f"{self.arch}-tp{lay.tp}"
+        s += "-ep" if lay.ep else ""
+        s += f"-pp{lay.pp}" if lay.pp > 1 else ""
         s += f"-{self.shards}files" if self.shards > 1 else ""
-        s += f"-{self.dtype}" if self.dtype != "auto" else ""
-        s += f"-{self.moe_backend}" if self.moe_backend != "auto" else ""
+        s += f"-{lay.dtype}" if lay.dtype != "auto" else ""
+        s += f"-{lay.moe_backend}" if lay.moe_backend != "auto" else ""
         return s
 
     @property
@@ -103,15 +104,16 @@ class Case:
         return (self.arch, self.shards)
 
     def reshard_args(self, src: Path, out: Path) -> list[str]:
-        args = ["save", str(src), str(out), "--tp", str(self.tp), "--overwrite"]
-        if self.ep:
+        lay = self.layout
+        args = ["save", str(src), str(out), "--tp", str(lay.tp), "--overwrite"]
+        if lay.ep:
             args.append("--ep")
-        if self.pp > 1:
-            args += ["--pp", str(self.pp)]
-        if self.dtype != "auto":
-            args += ["--dtype", self.dtype]
-        if self.moe_backend != "auto":
-            args += ["--moe-backend", self.moe_backend]
+        if lay.pp > 1:
+            args += ["--pp", str(lay.pp)]
+        if lay.dtype != "auto":
+            args += ["--dtype", lay.dtype]
+        if lay.moe_backend != "auto":
+            args += ["--moe-backend", lay.moe_backend]
         return args
 
     def marks(self) -> list[pytest.MarkDecorator]:
@@ -120,64 +122,77 @@ class Case:
             m.append(pytest.mark.moe)
         if "fp8" in self.arch or "+ct" in self.arch:
             m.append(pytest.mark.fp8)
-        if self.ep:
+        if self.layout.ep:
             m.append(pytest.mark.ep)
-        if self.pp > 1:
+        if self.layout.pp > 1:
             m.append(pytest.mark.pp)
         return m
 
 
+def case(
+    arch: str,
+    tp: int,
+    *,
+    ep: bool = False,
+    pp: int = 1,
+    shards: int = 1,
+    dtype: str = "auto",
+    moe_backend: str = "auto",
+) -> Case:
+    return Case(arch, Layout(tp, pp, ep, dtype, None, moe_backend), shards)
+
+
 STATE_CASES: list[Case] = (
-    [Case(a, t) for a in DENSE for t in (1, 2, 4)]
-    + [Case(a, t) for a in MOE for t in (1, 2, 4)]
-    + [Case(a, t, ep=True) for a in MOE for t in (2, 4)]
+    [case(a, t) for a in DENSE for t in (1, 2, 4)]
+    + [case(a, t) for a in MOE for t in (1, 2, 4)]
+    + [case(a, t, ep=True) for a in MOE for t in (2, 4)]
     + [
         # sharded source checkpoints (index.json), tensors of one layer straddling files
-        Case("qwen3", 2, shards=3),
-        Case("qwen3-moe-fp8", 2, shards=3),
+        case("qwen3", 2, shards=3),
+        case("qwen3-moe-fp8", 2, shards=3),
         # pipeline parallel: model-pp-<p>-tp-<r>-part-*.safetensors
-        Case("llama-tied", 2, pp=2),
-        Case("qwen3-moe", 2, pp=2),
-        Case("qwen3-moe-fp8", 1, pp=2),
-        Case("deepseek-v3", 1, pp=2),
-        Case("gemma2", 1, pp=2),
-        Case("gemma3", 1, pp=2),
-        Case("phi3", 1, pp=2),
+        case("llama-tied", 2, pp=2),
+        case("qwen3-moe", 2, pp=2),
+        case("qwen3-moe-fp8", 1, pp=2),
+        case("deepseek-v3", 1, pp=2),
+        case("gemma2", 1, pp=2),
+        case("gemma3", 1, pp=2),
+        case("phi3", 1, pp=2),
         # dtype override
-        Case("qwen2", 2, dtype="float16"),
+        case("qwen2", 2, dtype="float16"),
         # FP8 as quantization tools write it (tests/fixtures/quant.py): per-tensor Fp8Config,
         # compressed-tensors per-channel and per-tensor
-        Case("llama+fp8-tensor", 2),
-        Case("phi3+fp8-tensor-static", 1),  # one scale of a fused tensor fills every slot
-        Case("phi3+fp8-tensor-static", 4),
-        Case("llama+fp8-tensor-static", 4),
-        Case("qwen3-moe+fp8-tensor-static", 2),
-        Case("llama+ct-channel", 2),
-        Case("llama+ct-tensor", 4),
-        Case("qwen3-moe+ct-channel", 2),
-        Case("qwen3-moe+ct-channel", 2, ep=True),
-        Case("qwen3-moe+ct-tensor", 2),
+        case("llama+fp8-tensor", 2),
+        case("phi3+fp8-tensor-static", 1),  # one scale of a fused tensor fills every slot
+        case("phi3+fp8-tensor-static", 4),
+        case("llama+fp8-tensor-static", 4),
+        case("qwen3-moe+fp8-tensor-static", 2),
+        case("llama+ct-channel", 2),
+        case("llama+ct-tensor", 4),
+        case("qwen3-moe+ct-channel", 2),
+        case("qwen3-moe+ct-channel", 2, ep=True),
+        case("qwen3-moe+ct-tensor", 2),
         # FP8 KV-cache scales in every naming vLLM 0.32 loads (tests/fixtures/quant.py KV_NAMINGS, one
         # per layer): dense: the default .{q,k,v}_scale, ModelOpt {k,v}_proj.{k,v}_scale (+ attn.q_scale),
         # qkv_proj.{k,v}_scale, {k,v,q}_proj.output_scale + prob_output_scale; MoE: the same in reverse
         # with the deprecated .kv_scale (k only); compressed-tensors kv_cache_scheme tensor (with
         # q_scale and zero points) and attn_head (per-head k/v, KV heads replicated at TP 4).
         # MLA (DeepSeek): vLLM drops them at load (no KV-cache scale parameters); so does reshard
-        Case("deepseek-v3+fp8-tensor-kv-mla", 2),
-        Case("llama+fp8-tensor-kv", 2),
-        Case("qwen3-moe+fp8-tensor-kv-alt", 2),
-        Case("llama+ct-tensor-kv", 2),
-        Case("llama+ct-channel-kv-head", 4),
+        case("deepseek-v3+fp8-tensor-kv-mla", 2),
+        case("llama+fp8-tensor-kv", 2),
+        case("qwen3-moe+fp8-tensor-kv-alt", 2),
+        case("llama+ct-tensor-kv", 2),
+        case("llama+ct-channel-kv-head", 4),
         # config says tied, checkpoint has its own lm_head: vLLM unties (config/model.py
         # maybe_untie_word_embeddings), so OUT's config.json must say untied
-        Case("llama-tied-lmhead", 2),
+        case("llama-tied-lmhead", 2),
         # --moe-backend layouts (vLLM's create_weights and loaders, backend selection forced): block FP8
         # with a backend that takes only whole 128-blocks pads the TP shard (TP 2: 192 -> 256, rank 1
         # half real; TP 4: 96 -> 128, rank 3 all zeros and 1.0 scales); bf16 with Blackwell's FlashInfer
         # TRT-LLM rounds the per-rank size up to 128 (16 -> 128, up rows at 128)
-        Case("qwen3-moe-fp8", 2, moe_backend="deep_gemm"),
-        Case("qwen3-moe-fp8", 4, moe_backend="deep_gemm"),
-        Case("qwen3-moe", 2, moe_backend="flashinfer_trtllm"),
+        case("qwen3-moe-fp8", 2, moe_backend="deep_gemm"),
+        case("qwen3-moe-fp8", 4, moe_backend="deep_gemm"),
+        case("qwen3-moe", 2, moe_backend="flashinfer_trtllm"),
     ]
 )
 
@@ -186,30 +201,30 @@ STATE_CASES: list[Case] = (
 # PP (embed_tokens on every stage; lm_head too for Qwen3-Next, last stage only for Qwen3.5).
 # (Also seen identical, left out to keep the suite's time: qwen3-next TP 1, qwen3.5-moe TP 2, FP8 TP 1.)
 STATE_CASES += [
-    Case("qwen3-next", 2),
-    Case("qwen3-next", 4, ep=True),
-    Case("qwen3-next", 1, pp=2),
-    Case("qwen3.5-moe", 4),  # KV heads replicated; vLLM builds the vision tower's TP split, then drops it
-    Case("qwen3.5-moe", 2, ep=True),
-    Case("qwen3.5-moe", 1, pp=2),
+    case("qwen3-next", 2),
+    case("qwen3-next", 4, ep=True),
+    case("qwen3-next", 1, pp=2),
+    case("qwen3.5-moe", 4),  # KV heads replicated; vLLM builds the vision tower's TP split, then drops it
+    case("qwen3.5-moe", 2, ep=True),
+    case("qwen3.5-moe", 1, pp=2),
     # block FP8 (in_proj_ba, router and shared_expert_gate bf16); TP 2 refines the experts' blocks
-    Case("qwen3-next-fp8", 2),
-    Case("qwen3-next-fp8", 2, ep=True),
+    case("qwen3-next-fp8", 2),
+    case("qwen3-next-fp8", 2, ep=True),
 ]
 
 # Generation: what the CPU build can run (no PP, no EP MoE, no refined-FP8 MoE).
-GEN_CASES: list[Case] = [Case(a, 2) for a in DENSE if "fp8" not in a] + [
-    Case("llama-tied-lmhead", 2),
-    Case("qwen3-moe", 2),
-    Case("mixtral", 2),
-    Case("qwen2-moe", 2),
-    Case("qwen3-moe-fp8", 1),  # per-rank block stays 128x128 only at T=1 (or EP)
-    Case("deepseek-v3", 2),  # MLA runs on the CPU_MLA backend
-    Case("deepseek-v2-lite", 2),
+GEN_CASES: list[Case] = [case(a, 2) for a in DENSE if "fp8" not in a] + [
+    case("llama-tied-lmhead", 2),
+    case("qwen3-moe", 2),
+    case("mixtral", 2),
+    case("qwen2-moe", 2),
+    case("qwen3-moe-fp8", 1),  # per-rank block stays 128x128 only at T=1 (or EP)
+    case("deepseek-v3", 2),  # MLA runs on the CPU_MLA backend
+    case("deepseek-v2-lite", 2),
 ]
 # CPU gated-delta-net kernels run head dims 64/128; Qwen3.5 served --language-model-only. (qwen3-next TP 2
 # also generates the same tokens from both loaders; left out to keep the suite's time.)
-GEN_CASES += [Case("qwen3.5-moe", 2)]
+GEN_CASES += [case("qwen3.5-moe", 2)]
 
 
 # gpt-oss (issue 15): bf16 (experts transposed from [E, in, out]) and the released MXFP4 format.
@@ -220,24 +235,24 @@ GEN_CASES += [Case("qwen3.5-moe", 2)]
 # per rank) is not built by the CPU build (its MoE kernel needs per-rank sizes divisible by 32). TP 1
 # cases (gpt-oss, +mxfp4, llama4) passed too and were left out to keep the suite's time down.
 STATE_CASES += [
-    Case("gpt-oss", 2),
-    Case("gpt-oss", 2, ep=True),
-    Case("gpt-oss", 1, pp=2),
-    Case("gpt-oss+mxfp4", 2, moe_backend="triton"),
-    Case("gpt-oss+mxfp4", 4, moe_backend="triton"),
-    Case("gpt-oss+mxfp4", 2, ep=True, moe_backend="triton"),
-    Case("gpt-oss+mxfp4", 2, moe_backend="marlin"),
+    case("gpt-oss", 2),
+    case("gpt-oss", 2, ep=True),
+    case("gpt-oss", 1, pp=2),
+    case("gpt-oss+mxfp4", 2, moe_backend="triton"),
+    case("gpt-oss+mxfp4", 4, moe_backend="triton"),
+    case("gpt-oss+mxfp4", 2, ep=True, moe_backend="triton"),
+    case("gpt-oss+mxfp4", 2, moe_backend="marlin"),
 ]
-GEN_CASES += [Case("gpt-oss", 2)]
+GEN_CASES += [case("gpt-oss", 2)]
 # Llama-4 text (Llama4ForConditionalGeneration, served --language-model-only: the vision tower is skipped)
 STATE_CASES += [
-    Case("llama4", 2),
-    Case("llama4", 4),
-    Case("llama4", 2, ep=True),
-    Case("llama4", 2, pp=2),
-    Case("llama4-text", 2),  # Llama4ForCausalLM: the text model alone (model.*, no text_config)
+    case("llama4", 2),
+    case("llama4", 4),
+    case("llama4", 2, ep=True),
+    case("llama4", 2, pp=2),
+    case("llama4-text", 2),  # Llama4ForCausalLM: the text model alone (model.*, no text_config)
 ]
-GEN_CASES += [Case("llama4", 2)]
+GEN_CASES += [case("llama4", 2)]
 MOE.append("llama4")
 MOE.append("gpt-oss")  # marks only (the generic MOE cases above are built already)
 
@@ -248,15 +263,15 @@ MOE.append("gpt-oss")  # marks only (the generic MOE cases above are built alrea
 # (MoE blocks refined to 64x64) and TP 2 + EP; Kimi at TP 2 + EP. GLM generates at TP 2; MiniMax
 # does not generate on this CPU build (softmax-only CPU router; no CPU FP8 MoE backend).
 STATE_CASES += [
-    Case("glm4-moe", 2),
-    Case("glm4-moe", 4, ep=True),
-    Case("glm4-moe", 1, pp=2),
-    Case("minimax-m2", 4),
-    Case("minimax-m2-fp8", 2),
-    Case("minimax-m2-fp8", 2, ep=True),
-    Case("kimi-k2", 2, ep=True),
+    case("glm4-moe", 2),
+    case("glm4-moe", 4, ep=True),
+    case("glm4-moe", 1, pp=2),
+    case("minimax-m2", 4),
+    case("minimax-m2-fp8", 2),
+    case("minimax-m2-fp8", 2, ep=True),
+    case("kimi-k2", 2, ep=True),
 ]
-GEN_CASES += [Case("glm4-moe", 2)]
+GEN_CASES += [case("glm4-moe", 2)]
 MOE += ["glm4-moe", "minimax-m2", "minimax-m2-fp8", "kimi-k2"]  # marks only: cases are listed above
 
 
@@ -343,11 +358,11 @@ class Suite:
                 specs.append(
                     dict(
                         dump_dir=self.root / "expected" / c.id,
-                        tp=c.tp,
-                        ep=c.ep,
-                        pp=c.pp,
-                        dtype=c.dtype,
-                        moe_backend=c.moe_backend,
+                        tp=c.layout.tp,
+                        ep=c.layout.ep,
+                        pp=c.layout.pp,
+                        dtype=c.layout.dtype,
+                        moe_backend=c.layout.moe_backend,
                         load_dir=r.out if (r is not None and r.rc == 0) else None,
                     )
                 )
@@ -393,8 +408,8 @@ def test_state_matches_vllm(case: Case, suite: Suite):
     res = suite.resharded(case)
     assert res.rc == 0, f"reshard {' '.join(case.reshard_args(Path('SRC'), Path('OUT')))} failed:\n{res.output[-4000:]}"
     exp = suite.expected(case)
-    problems = vllm_state.compare(exp, res.out, case.tp, pp=case.pp)
-    problems += vllm_state.loader_problems(exp, case.tp, pp=case.pp)
+    problems = vllm_state.compare(exp, res.out, case.layout.tp, pp=case.layout.pp)
+    problems += vllm_state.loader_problems(exp, case.layout.tp, pp=case.layout.pp)
     assert not problems, _fmt(problems)
 
 
@@ -409,9 +424,9 @@ def test_generation_matches(case: Case, suite: Suite):
     t0 = time.perf_counter()
     ref, got = generate.greedy_tokens_many(
         [dict(model_dir=suite.src(case)), dict(model_dir=res.out, load_format="sharded_state")],
-        case.tp,
-        ep=case.ep,
-        pp=case.pp,
+        case.layout.tp,
+        ep=case.layout.ep,
+        pp=case.layout.pp,
     )
     suite.timings.append((f"generate {case.id} (default + sharded_state)", time.perf_counter() - t0))
     assert got == ref, f"greedy tokens differ:\n default loader: {ref}\n sharded_state:  {got}"
@@ -425,8 +440,8 @@ def test_harness_selfcheck(tmp_path: Path, suite: Suite):
     import torch
     from safetensors.torch import load_file, save_file
 
-    case = Case("qwen3-moe", 2)
-    src = suite.src(case)
+    one = case("qwen3-moe", 2)
+    src = suite.src(one)
     dump, saved = tmp_path / "expected", tmp_path / "saved"
     t0 = time.perf_counter()
     vllm_state.dump_expected(src, dump, 2, save_dir=saved, load_dir=saved)
@@ -467,7 +482,7 @@ def test_harness_selfcheck(tmp_path: Path, suite: Suite):
 # MLA's W_UK_T/W_UV from kv_b_proj, the yarn cos_sin_cache, CPU GEMM dispatch), default loader on SRC
 # vs ShardedStateLoader on reshard's OUT. Fails if vLLM's default loader ever leaves state that
 # model.state_dict() (so a sharded_state folder) cannot carry. docs/mla-tokens.md.
-SERVED_CASES: list[Case] = [Case("deepseek-v3", 2), Case("deepseek-v2-lite", 2)]
+SERVED_CASES: list[Case] = [case("deepseek-v3", 2), case("deepseek-v2-lite", 2)]
 
 
 @needs_reshard
@@ -479,13 +494,21 @@ def test_served_state_matches(case: Case, suite: Suite, tmp_path: Path):
     res = suite.resharded(case)
     assert res.rc == 0, f"reshard failed:\n{res.output[-4000:]}"
     t0 = time.perf_counter()
-    problems = served_state.served_state(suite.src(case), res.out, case.tp, tmp_path)
+    problems = served_state.served_state(suite.src(case), res.out, case.layout.tp, tmp_path)
     suite.timings.append((f"served state {case.id} (default + sharded_state)", time.perf_counter() - t0))
     assert not problems, _fmt(problems)
     # the record is not vacuous: it holds MLA's post-processed matrices and the rotary cache, and
     # the two ranks' records differ where the weights are split
     between_ranks = "\n".join(served_state.compare_records(tmp_path, "default-rank0", "default-rank1"))
-    for what in ("mla_attn.W_UK_T", "mla_attn.W_UV", "kv_b_proj.weight"):
+    # on a CPU with AMX, vLLM CPU packs MLA's matrices for its AMX GEMMs (impl._w_uk_packed/_w_uv_packed, seen
+    # 2026-12) in place of W_UK_T/W_UV, and kv_b_proj.weight is then not what differs between the ranks
+    packed = "impl._w_uk_packed" in between_ranks
+    expect = (
+        ("impl._w_uk_packed", "impl._w_uv_packed")
+        if packed
+        else ("mla_attn.W_UK_T", "mla_attn.W_UV", "kv_b_proj.weight")
+    )
+    for what in expect:
         assert what in between_ranks, f"{what} not recorded or equal on both ranks"
     rope = served_state.compare_records(tmp_path, "default-rank0", "sharded_state-rank1")
     assert not any("cos_sin_cache" in p for p in rope), rope  # replicated, and recorded (see below)
