@@ -43,7 +43,7 @@ class _NoHash:
         return None
 
 
-def new_hasher(algorithm: str = DEFAULT) -> Hasher:
+def new_hasher(algorithm: str) -> Hasher:
     """An incremental hasher (`update`, `hexdigest`; None for `none`). Both real ones release the
     GIL on large updates, so writer threads hash in parallel. Raises ValueError on an unknown name."""
     if algorithm == "blake3":
@@ -57,7 +57,7 @@ def new_hasher(algorithm: str = DEFAULT) -> Hasher:
     raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
 
 
-def hash_bytes(data: bytes | memoryview, algorithm: str = DEFAULT) -> str | None:
+def hash_bytes(data: bytes | memoryview, algorithm: str) -> str | None:
     h = new_hasher(algorithm)
     h.update(data)
     return h.hexdigest()
@@ -65,7 +65,7 @@ def hash_bytes(data: bytes | memoryview, algorithm: str = DEFAULT) -> str | None
 
 def hash_file(
     path: Path,
-    algorithm: str = DEFAULT,
+    algorithm: str,
     *,
     advance: Callable[[int], None] | None = None,
     block: int = READ_BLOCK,

@@ -181,11 +181,11 @@ def test_o_direct_setting_reaches_the_writer(tmp_path, monkeypatch):
     from reshard.io.writer import FileWriter
 
     monkeypatch.setenv("RESHARD_O_DIRECT", "false")
-    w = FileWriter(tmp_path / "buffered", b"h" * 8)
+    w = FileWriter(tmp_path / "buffered", b"h" * 8, "blake3")
     assert not w.direct
     w.abort()
     monkeypatch.setenv("RESHARD_O_DIRECT", "1")
-    w = FileWriter(tmp_path / "direct", b"h" * 8)
+    w = FileWriter(tmp_path / "direct", b"h" * 8, "blake3")
     direct = w.direct
     w.abort()
     if not direct:

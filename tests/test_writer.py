@@ -40,7 +40,7 @@ def test_through_and_staged_writes_give_the_same_file(tmp_path, small_through):
     arr = np.frombuffer(slab, np.uint8)
     arr[:] = rng.integers(0, 256, arr.size, dtype=np.uint8)
     header = bytes(rng.integers(0, 256, ALIGN - 100, dtype=np.uint8))
-    w = wr.FileWriter(tmp_path / "f", header)
+    w = wr.FileWriter(tmp_path / "f", header, "blake3")
     expect = [header]
 
     def put(data):
@@ -155,7 +155,7 @@ def test_held_pieces_go_out_in_order_with_the_stage(tmp_path, small_held):
     arr = np.frombuffer(slab, np.uint8)
     arr[:] = rng.integers(0, 256, arr.size, dtype=np.uint8)
     header = bytes(rng.integers(0, 256, 2 * ALIGN, dtype=np.uint8))  # ends on a block
-    w = wr.FileWriter(tmp_path / "f", header)
+    w = wr.FileWriter(tmp_path / "f", header, "blake3")
     lease = _Lease()
     expect = [header]
 
@@ -203,7 +203,7 @@ def test_held_writes_fall_back_to_staging_when_buffered(tmp_path, small_held, mo
     monkeypatch.setenv("RESHARD_O_DIRECT", "0")
     arr = np.frombuffer(aligned_buffer(4 * ALIGN), np.uint8)
     arr[:] = 7
-    w = wr.FileWriter(tmp_path / "f", b"h" * ALIGN)
+    w = wr.FileWriter(tmp_path / "f", b"h" * ALIGN, "blake3")
     lease = _Lease()
     w.write_held(memoryview(arr[: 2 * ALIGN]), lease)
     w.close(sync=False)

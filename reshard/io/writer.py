@@ -29,7 +29,7 @@ import numpy as np
 from reshard import settings
 from reshard.errors import OutputError
 from reshard.format import ITEMSIZE, encode_header
-from reshard.hashing import DEFAULT, new_hasher
+from reshard.hashing import new_hasher
 from reshard.io.memory import ALIGN, Lease, aligned_buffer
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class FileWriter(Sink):
     writes, with writeback started every WRITEBACK_BYTES so that the final fsync has little left.
     """
 
-    def __init__(self, path: Path, header: bytes, checksum: str = DEFAULT) -> None:
+    def __init__(self, path: Path, header: bytes, checksum: str) -> None:
         self.path = path
         self.fd = -1
         self.direct = False

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from reshard import VLLM_LAYOUT
 from reshard.errors import UnsupportedError
 
 # vLLM's --moe-backend names (fused_moe/oracle): the serve line pins one where the MoE layout depends on it
@@ -140,7 +141,7 @@ def mxfp4_backend(name: str) -> str:
     if name not in MXFP4_ALIGN:
         raise UnsupportedError(
             f"--moe-backend {name}: reshard does not write vLLM's MXFP4 expert layout for it "
-            "(not an MXFP4 backend in vLLM 0.32, or its rounding depends on the GPU)",
+            f"(not an MXFP4 backend in vLLM {VLLM_LAYOUT}, or its rounding depends on the GPU)",
             f"use one of {', '.join(MXFP4_ALIGN)}",
         )
     return name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from reshard import VLLM_LAYOUT
 from reshard.errors import UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan.backends import refined_block
@@ -35,7 +36,7 @@ def moe_block(
     if f is not None and refines:
         sources.note(
             f"FP8 MoE block scales refined from [{bn}, {bk}] to [{f}, {f}] for the per-rank "
-            f"intermediate size {ip}, as vLLM 0.32 does"
+            f"intermediate size {ip}, as vLLM {VLLM_LAYOUT} does"
         )
         return (f, f), (bn // f, bk // f)
     what = "output_size of gate's and up's weight" if ip % bn else "input_size of down's weight"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from reshard import VLLM_LAYOUT
 from reshard.errors import SourceError, UnsupportedError
 from reshard.plan.geometry import Sources
 from reshard.plan.model import Fill, OutTensor, Piece, rows, scalar
@@ -81,15 +82,18 @@ def kv_cache_scheme(scheme: dict | None) -> str | None:
     if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
         raise UnsupportedError(
             f"compressed-tensors kv_cache_scheme {scheme.get('type')} {scheme.get('num_bits')}-bit: "
-            "vLLM 0.32 supports only FP8 (type float, 8 bits)"
+            f"vLLM {VLLM_LAYOUT} supports only FP8 (type float, 8 bits)"
         )
     strategy = str(scheme.get("strategy"))
     if strategy not in ("tensor", "attn_head"):
         raise UnsupportedError(
-            f"compressed-tensors kv_cache_scheme strategy {strategy!r}: vLLM 0.32 supports tensor and attn_head"
+            f"compressed-tensors kv_cache_scheme strategy {strategy!r}: "
+            f"vLLM {VLLM_LAYOUT} supports tensor and attn_head"
         )
     if not scheme.get("symmetric"):
-        raise UnsupportedError("compressed-tensors kv_cache_scheme is asymmetric: vLLM 0.32 supports symmetric only")
+        raise UnsupportedError(
+            f"compressed-tensors kv_cache_scheme is asymmetric: vLLM {VLLM_LAYOUT} supports symmetric only"
+        )
     return strategy
 
 

@@ -5,6 +5,7 @@ Pure metadata in (config.json + safetensors headers), a `Plan` value out. No tor
 
 from __future__ import annotations
 
+from reshard import VLLM_LAYOUT
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_CODES, DTYPE_NAMES
@@ -235,23 +236,24 @@ def skip_kv_scales_vllm_ignores(ctx: Context, extra: list[str]) -> set[str]:
     name, mapped = kv[0]
     if ctx.quant and any(isinstance(m, Attention) and not m.kv_cache for m in ctx.arch.layer):
         ctx.note(
-            f"{len(kv)} KV-cache scale tensor(s) left out, e.g. {name}: vLLM 0.32 drops them with a warning "
+            f"{len(kv)} KV-cache scale tensor(s) left out, e.g. {name}: vLLM {VLLM_LAYOUT} drops them with a warning "
             "(MLA attention has no FP8 KV-cache scale parameters; its scales stay 1.0), so the output matches it"
         )
         return {n for n, _ in kv}
     zero_points = [n for n, m in kv if m.endswith("_zero_point")]
     if ctx.quant and ctx.quant.method == "fp8" and len(zero_points) == len(kv):
         ctx.note(
-            f"{len(kv)} KV-cache zero point(s) left out, e.g. {name}: quant_method fp8 has none, vLLM 0.32 ignores them"
+            f"{len(kv)} KV-cache zero point(s) left out, e.g. {name}: quant_method fp8 has none, "
+            f"vLLM {VLLM_LAYOUT} ignores them"
         )
         return set(zero_points)
     if not ctx.quant:
         why = (
-            "vLLM 0.32 maps KV-cache scale names only for a quantized checkpoint; "
+            f"vLLM {VLLM_LAYOUT} maps KV-cache scale names only for a quantized checkpoint; "
             "without a quantization_config it fails on the unknown name"
         )
     else:
-        why = f"vLLM 0.32 renames it {mapped!r}, which this model does not have, and does not load it"
+        why = f"vLLM {VLLM_LAYOUT} renames it {mapped!r}, which this model does not have, and does not load it"
     raise UnsupportedError(
         f"{len(kv)} KV-cache scale tensor(s) that vLLM would not load, e.g. {name!r}: {why}",
         "remove them from the checkpoint to serve it as vLLM does",
