@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import select
 import signal
 import sys
 
@@ -12,7 +16,44 @@ from reshard import __version__, settings
 from reshard.errors import ExitCode, ReshardError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _StdoutClosed(Exception):
+    """Whoever reads stdout closed it (`reshard verify OUT | head -1`)."""
+
+
+STDOUT_CLOSED = 141  # as a shell reports a process that SIGPIPE ended: 128 + 13
+
+
+class _Root(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except OSError as e:  # click would turn a broken pipe into a silent exit 1
+            if e.errno != errno.EPIPE:
+                raise
+            if _stdout_closed():
+                raise _StdoutClosed from None
+            raise RuntimeError(f"broken pipe: {e}") from e
+
+
+def _stdout_closed() -> bool:
+    """Whether the reading end of stdout is gone (poll reports an error on the writing end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def _end_quietly() -> None:
+    """Nothing more can be shown: stdout goes nowhere from now on (no error at exit's flush)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(STDOUT_CLOSED)
+
+
+@click.group(cls=_Root, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="reshard")
 def cli() -> None:
     """Pre-shard Hugging Face checkpoints for vLLM tensor-parallel serving.
@@ -29,7 +70,8 @@ def cli() -> None:
     source, 5 output refused (not empty, disk full, locked by another run), 6 verify: layout
     differs, 7 verify: corrupt or incomplete, 130 interrupted. Errors are one line on stderr,
     `reshard: error: ...`; with --json a failing command also prints {"ok": false, "error": {...}}
-    on stdout.
+    on stdout. A stdout closed by its reader (`reshard verify OUT | head -1`) ends the command
+    quietly with 141, as SIGPIPE would.
 
     \b
     Environment (a value not accepted is a usage error, exit 2):
@@ -76,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         if not _HELP.intersection(args):  # help and --version work whatever the environment holds
             settings.check_all()  # a bad RESHARD_* value fails here, before the command starts
         rc = cli.main(args=args, prog_name="reshard", standalone_mode=False)
+    except _StdoutClosed:
+        _end_quietly()
     except (click.exceptions.Abort, KeyboardInterrupt):
         _fail(
             "interrupted; nothing was published and a previous output is unchanged",
@@ -97,6 +141,10 @@ def main(argv: list[str] | None = None) -> None:
             raise
         msg = f"internal error: {type(e).__name__}: {e} (rerun with RESHARD_DEBUG=1 and report it)"
         _fail(msg, ExitCode.INTERNAL, as_json, "internal")
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _end_quietly()
     sys.exit(rc if isinstance(rc, int) else 0)
 
 
@@ -105,6 +153,7 @@ def _fail(message: str, code: int, as_json: bool, kind: str) -> None:
     message = " ".join(message.split())  # one line, whatever the message held
     if as_json:
         err = {"code": int(code), "kind": kind, "message": message}
-        print(json.dumps({"ok": False, "error": err}), flush=True)
+        with contextlib.suppress(BrokenPipeError):  # stdout closed by its reader: stderr still tells
+            print(json.dumps({"ok": False, "error": err}), flush=True)
     print(f"reshard: error: {message}", file=sys.stderr, flush=True)
     sys.exit(int(code))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import time
@@ -16,8 +17,20 @@ from reshard import settings
 if TYPE_CHECKING:
     from reshard.checkpoint import Downloads
 
-stderr = Console(stderr=True, highlight=False)
-stdout = Console(highlight=False, soft_wrap=True)
+
+class _Console(Console):
+    """rich's Console, but a closed pipe does not exit 1 (rich's default): a closed stderr silences
+    the progress and the run goes on; a closed stdout raises BrokenPipeError, which the CLI ends
+    quietly with 141 (reshard.cli)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        if not self.stderr:
+            raise BrokenPipeError(errno.EPIPE, "stdout closed")
+
+
+stderr = _Console(stderr=True, highlight=False)
+stdout = _Console(highlight=False, soft_wrap=True)
 
 
 def progress_disabled() -> bool:

@@ -8,7 +8,11 @@ message names the file and, where it applies, the tensor.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import blake3
 import pytest
@@ -27,6 +31,7 @@ RANK0 = "model-rank-0-part-0.safetensors"
 RANK1 = "model-rank-1-part-0.safetensors"
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str) -> tuple[int, dict]:
@@ -56,9 +61,10 @@ def tensor_at(path, name):
     return tensors[name]
 
 
-def rewrite(out_dir, name, mutate):
+def rewrite(out_dir, name, mutate, *, relist: bool = False):
     """Rewrite one rank file with safetensors after `mutate(tensors)`, then fix its size and sha256
-    in the manifest, so that only the key check can tell."""
+    in the manifest, so that only the key check can tell; `relist`: its tensor list too (a folder
+    whose manifest records the file as it is, as `--load-format reshard` reads it)."""
     path = out_dir / name
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
@@ -70,6 +76,9 @@ def rewrite(out_dir, name, mutate):
         if e["name"] == name:
             e["size"] = path.stat().st_size
             e["blake3"] = blake3.blake3(path.read_bytes()).hexdigest()
+            if relist:
+                infos = sorted(read_header(path)[0].values(), key=lambda t: t.offset)
+                e["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in infos]
     (out_dir / "reshard.json").write_text(json.dumps(manifest))
 
 
@@ -251,15 +260,59 @@ def test_extra_key(out):
 
 
 def test_missing_key_strict_and_lax(out):
-    rewrite(out, RANK1, lambda t: t.pop(NORM))
+    rewrite(out, RANK1, lambda t: t.pop(NORM), relist=True)
     code, rep = run(out)
-    assert code == 6
+    assert code == 6 and rep["loads_with"] is None
     f = one(rep, "missing-key", file=RANK1, tensor=NORM)
     assert f["severity"] == "error" and "Missing keys" in f["message"]
     code, rep = run(out, "--lax")
-    assert code == 0
+    assert code == 0, rep["findings"]
     f = one(rep, "missing-key", file=RANK1, tensor=NORM)
-    assert f["severity"] == "warning"
+    assert f["severity"] == "warning" and """'{"strict": false}'` leaves it as initialised""" in f["message"]
+
+
+def test_lax_says_which_loader_takes_the_folder(clean, out):
+    """--lax passes exactly what `--load-format reshard` with {"strict": false} loads, and says so:
+    the serve line for it (the manifest's serve_reshard plus the setting), and that stock
+    sharded_state refuses the folder."""
+    rewrite(out, RANK1, lambda t: t.pop(NORM), relist=True)
+    serve = json.loads((out / "reshard.json").read_text())["serve_reshard"]
+    line = f"""{serve} --model-loader-extra-config '{{"strict": false}}'"""
+    code, rep = run(out, "--lax")
+    assert code == 0 and rep["ok"] and "error" not in rep
+    assert rep["loads_with"] == {
+        "load_format": "reshard",
+        "strict": False,
+        "model_loader_extra_config": {"strict": False},
+        "serve": line,
+    }
+    f = one(rep, "sharded-state")
+    assert f["severity"] == "warning" and "--load-format sharded_state refuses this folder" in f["message"]
+    assert "1 key(s) in 1 file(s)" in f["message"]
+    result = CliRunner().invoke(cli, ["verify", str(out), "--lax"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert f"loads with: `{line}` (not with stock --load-format sharded_state)" in text
+    assert "warning: [sharded-state] vLLM's --load-format sharded_state refuses this folder" in text
+    assert 'OK with 2 warning(s) (lax: loads only with --load-format reshard and {"strict": false})' in text
+    # a folder vLLM loads as is: loads_with says stock sharded_state, strict
+    code, rep = run(clean[1], "--lax")
+    assert code == 0 and rep["loads_with"] == {
+        "load_format": "sharded_state",
+        "strict": True,
+        "model_loader_extra_config": None,
+        "serve": json.loads((clean[1] / "reshard.json").read_text())["serve"],
+    }
+
+
+def test_lax_does_not_excuse_what_the_loader_refuses(out):
+    """The manifest still lists the missing key: `--load-format reshard` refuses the file (its header
+    differs from the manifest), so --lax fails too, as corrupt."""
+    rewrite(out, RANK1, lambda t: t.pop(NORM))
+    code, rep = run(out, "--lax")
+    assert code == 7 and rep["loads_with"] is None
+    assert "the manifest lists " + NORM in one(rep, "manifest-mismatch", file=RANK1, tensor=NORM)["message"]
+    assert one(rep, "missing-key", file=RANK1, tensor=NORM)["severity"] == "warning"
 
 
 def test_lax_still_fails_on_corruption(out):
@@ -291,6 +344,71 @@ def test_corrupt_wins_over_layout(out):
     code, rep = run(out)
     assert code == 7
     assert {f["exit_code"] for f in errors(rep)} == {6, 7}
+
+
+# ---- where the verdict goes -----------------------------------------------------------------------------
+
+
+def test_a_failure_has_the_error_object_and_a_stderr_line(out):
+    """--json: the report and, failing, the `error` object every command's --json failure has (the
+    deciding error: 7 wins over 6). Both forms end with one `reshard: error:` line on stderr."""
+    rewrite(out, RANK1, lambda t: t.pop(NORM), relist=True)  # 6
+    (out / RANK0).unlink()  # 7
+    result = CliRunner().invoke(cli, ["verify", str(out), "--json"])
+    assert result.exit_code == 7
+    rep = json.loads(result.stdout)
+    first = errors(rep)[[f["exit_code"] for f in errors(rep)].index(7)]
+    assert rep["ok"] is False and rep["error"] == {"code": 7, "kind": first["kind"], "message": first["message"]}
+    assert first["kind"] == "missing-file" and RANK0 in first["message"]
+    more = len(errors(rep)) - 1
+    line = f"reshard: error: verify: corrupt or incomplete (exit 7): {first['message']} (and {more} more error(s))"
+    assert result.stderr == line + "\n"
+    human = CliRunner().invoke(cli, ["verify", str(out)])
+    assert human.exit_code == 7 and human.stderr == line + "\n"
+    assert "FAILED (corrupt or incomplete, exit 7)" in human.stdout and "reshard: error" not in human.stdout
+    gone = CliRunner().invoke(cli, ["verify", str(out.parent / "nothing")])
+    assert gone.exit_code == 7 and gone.stderr.startswith("reshard: error: verify: corrupt or incomplete (exit 7): ")
+
+
+def test_a_passing_verify_writes_nothing_on_stderr(clean):
+    result = CliRunner().invoke(cli, ["verify", str(clean[1]), "--json"], env={"RESHARD_DISABLE_PROGRESS": "1"})
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "error" not in json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["verify", "OUT"], 141),
+        (["verify", "OUT", "--json"], 141),
+        (["verify", "BROKEN"], 141),
+        (["plan", "SRC", "--tp", "2"], 141),
+        (["plan", "SRC", "--tp", "2", "--json"], 141),
+    ],
+)
+def test_a_closed_stdout_ends_quietly(clean, tmp_path, args, code):
+    """`reshard verify OUT | head -1`: the reader is gone before reshard writes. Exit 141 (as SIGPIPE
+    would end it), no traceback, no "internal error"; a failing verify still says why on stderr."""
+    broken = tmp_path / "broken"
+    shutil.copytree(clean[1], broken)
+    (broken / RANK0).unlink()
+    where = {"OUT": str(clean[1]), "SRC": str(clean[0]), "BROKEN": str(broken)}
+    argv = [where.get(a, a) for a in args]
+    r, w = os.pipe()
+    os.close(r)  # the reader has exited: every write to stdout fails with EPIPE
+    try:
+        env = dict(os.environ, RESHARD_DISABLE_PROGRESS="1", PYTHONPATH=str(ROOT))
+        proc = subprocess.run(
+            [sys.executable, "-m", "reshard", *argv], stdout=w, stderr=subprocess.PIPE, text=True, env=env, timeout=120
+        )
+    finally:
+        os.close(w)
+    assert proc.returncode == code, proc.stderr
+    if "BROKEN" in args:
+        assert proc.stderr.startswith("reshard: error: verify: corrupt or incomplete (exit 7): ")
+        assert proc.stderr.count("\n") == 1
+    else:
+        assert proc.stderr == ""
 
 
 # ---- --against SOURCE [--deep] ------------------------------------------------------------------
@@ -352,6 +470,15 @@ def test_foreign_folder_tells_what_vllm_rejects(clean, out):
     assert code == 6
     assert "Missing keys" in one(rep, "missing-key", file=RANK0, tensor=NORM)["message"]
     assert "KeyError" in one(rep, "unexpected-key", file=RANK0, tensor="model.layers.0.self_attn.extra")["message"]
+
+
+def test_lax_does_not_excuse_missing_keys_without_a_manifest(clean, out):
+    """`--load-format reshard` needs reshard.json: a foreign folder missing a key loads with no loader."""
+    rewrite(out, RANK0, lambda t: t.pop(NORM))
+    code, rep = run(foreign(out), "--against", clean[0], "--tp", "2", "--lax")
+    assert code == 6 and rep["loads_with"] is None
+    f = one(rep, "missing-key", file=RANK0, tensor=NORM)
+    assert f["severity"] == "error" and "--lax does not excuse it: without reshard.json" in f["message"]
 
 
 def test_foreign_folder_wrong_tp(clean, out):

@@ -37,12 +37,18 @@ def _engine_for(manifest: Manifest, **kw) -> Engine:
 def test_options():
     assert checks.parse_options(None) == checks.Options(checksums=True, threads=4)
     assert checks.parse_options({"checksums": False, "threads": 2}) == checks.Options(checksums=False, threads=2)
+    assert checks.parse_options({"strict": False}) == checks.Options(strict=False)
+    assert checks.parse_options(None).strict is True
     with pytest.raises(ValueError, match=r"unknown --model-loader-extra-config key\(s\) \['verify'\]"):
         checks.parse_options({"verify": False})
     with pytest.raises(ValueError, match='"checksums" must be true or false'):
         checks.parse_options({"checksums": "no"})
     with pytest.raises(ValueError, match='"threads" must be a positive integer'):
         checks.parse_options({"threads": 0})
+    with pytest.raises(ValueError, match="\"strict\" must be true or false, not 'no'"):
+        checks.parse_options({"strict": "no"})
+    with pytest.raises(ValueError, match=r'\{"strict": false\}'):  # the unknown-key message lists it
+        checks.parse_options({"lax": True})
 
 
 # ---- manifest vs engine ----------------------------------------------------------------------------------
@@ -100,6 +106,31 @@ def test_state_differences_in_model_order():
         "a.weight: dtype bfloat16 in the folder, float16 in the model",
         "c.scale: in the folder, not in the model",
     ]
+
+
+def test_not_strict_lets_only_missing_keys_through():
+    """{"strict": false}: a key the folder lacks is no problem (named by missing_keys, for the WARNING);
+    a key the model lacks, a dtype and a shape still are, exactly as strict tells them."""
+    model = {"x.weight": ("BF16", (2,)), "b.weight": ("BF16", (8, 4)), "a.weight": ("F16", (8, 4)), "y": ("F32", ())}
+    strict = checks.state_problems(REC, model, lora=False)
+    assert (
+        checks.state_problems(REC, model, lora=False, strict=False)
+        == [p for p in strict if not p.startswith(("x.weight:", "y:"))]
+        == [
+            "b.weight: shape [16, 4] in the folder, [8, 4] in the model",
+            "a.weight: dtype bfloat16 in the folder, float16 in the model",
+            "c.scale: in the folder, not in the model",
+        ]
+    )
+    assert checks.missing_keys(REC, model) == ["x.weight", "y"]
+    only_missing = {**REC, "x.weight": ("BF16", (2,))}
+    assert checks.state_problems(REC, only_missing, lora=False, strict=False) == []
+    assert checks.missing_keys(REC, REC) == []
+    msg = checks.missing_message(Path("OUT"), ENGINE, [f"k{i}" for i in range(5)])
+    assert msg == (
+        'reshard: OUT (rank 0): 5 parameter(s) of the model are not in the folder, left as initialised ({"strict": '
+        "false}): k0, k1, k2 and 2 more"
+    )
 
 
 def test_lora_padding_is_the_one_exception():
@@ -215,6 +246,19 @@ def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_
         assert targets[k].dtype == v.dtype and torch.equal(
             targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)
         ), k
+
+
+def test_read_rank_leaves_parameters_the_folder_lacks_as_initialised(clean):
+    """{"strict": false}: the state dict holds a parameter no file has; reading fills the others only."""
+    files = _files(clean[1])
+    targets = _targets(files)
+    extra = torch.full((3, 2), 5, dtype=torch.bfloat16)
+    targets["model.extra.weight"] = extra
+    algo = read_manifest(clean[1]).checksum
+    _, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=2, log=lambda s: None, label="rank 1")
+    assert bad == [] and torch.equal(extra, torch.full((3, 2), 5, dtype=torch.bfloat16))
+    want = {k: v for f in files for k, v in load_file(f.path).items()}
+    assert all(torch.equal(targets[k], v) for k, v in want.items())
 
 
 @pytest.mark.parametrize("striped", [False, True])

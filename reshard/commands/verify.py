@@ -26,8 +26,9 @@ PER_KIND = 6  # of one kind
     "--strict/--lax",
     default=True,
     show_default=True,
-    help="strict: any key difference fails. lax: missing keys are warnings (unexpected keys, shape or "
-    "dtype differences and corruption still fail).",
+    help="strict: any key difference fails (the folder loads with stock --load-format sharded_state). "
+    "lax: passes what loads with --load-format reshard --model-loader-extra-config '{\"strict\": false}': "
+    "missing keys are warnings (left as initialised); unexpected keys, shapes, dtypes and corruption still fail.",
 )
 @click.option(
     "--tp",
@@ -84,6 +85,7 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
     Exit codes: 0 ok (warnings allowed), 6 the layout differs from the recorded or asked one
     (missing/unexpected keys, shapes, dtypes, --tp/--pp/--ep), 7 corrupt or incomplete
     (missing manifest or files, truncation, checksum, mixed runs, stray files). 7 wins over 6.
+    The report goes to stdout; a failure also ends with one `reshard: error: ...` line on stderr.
     """
     from reshard.verify import verify
 
@@ -115,23 +117,47 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
             progress=progress,
         )
     seconds = time.monotonic() - t0
-    if as_json:
-        obj = report.to_json()
-        obj["seconds"] = round(seconds, 3)
-        emit_json(obj)
-    else:
-        _render(report, seconds)
+    try:
+        if as_json:
+            obj = report.to_json()
+            obj["seconds"] = round(seconds, 3)
+            emit_json(obj)
+        else:
+            _render(report, seconds)
+    finally:  # also when stdout was closed by its reader: the verdict still reaches stderr
+        if not report.ok:
+            _fail_line(report)
     ctx.exit(report.exit_code)
+
+
+def _fail_line(report: Report) -> None:
+    """A failing verify ends as every failing command does: one line on stderr (the report, on
+    stdout, is the result a CI job keeps; this line is what its log shows last)."""
+    import sys
+
+    first = report.first_error
+    assert first is not None
+    rest = len(report.errors) - 1
+    more = f" (and {rest} more error(s))" if rest else ""
+    what = "corrupt or incomplete" if report.exit_code == ExitCode.CORRUPT else "layout differs"
+    line = " ".join(f"verify: {what} (exit {report.exit_code}): {first.message}{more}".split())
+    print(f"reshard: error: {line}", file=sys.stderr, flush=True)
 
 
 def _render(report: Report, seconds: float) -> None:
     from rich.markup import escape
+
+    from reshard.verify.report import LAX_LOADER
 
     if report.layout:
         stdout.print(escape(_title(report)))
     if report.files:
         stdout.print(_files_table(report))
     _print_findings(report)
+    lw = report.loads_with
+    if lw and not lw["strict"]:
+        how = f"`{lw['serve']}`" if lw["serve"] else LAX_LOADER
+        stdout.print(escape(f"loads with: {how} (not with stock --load-format sharded_state)"))
     stdout.print(escape(_summary(report, seconds)))
 
 
@@ -215,6 +241,9 @@ def _summary(report: Report, seconds: float) -> str:
     n_err, n_warn = len(report.errors), len(report.warnings)
     if report.ok:
         verdict = "OK" + (f" with {n_warn} warning(s)" if n_warn else "")
+        if report.loads_with and not report.loads_with["strict"]:
+            verdict += ' (lax: loads only with --load-format reshard and {"strict": false})'
+
     else:
         what = "corrupt or incomplete" if report.exit_code == ExitCode.CORRUPT else "layout differs"
         verdict = f"FAILED ({what}, exit {report.exit_code}): {n_err} error(s), {n_warn} warning(s)"

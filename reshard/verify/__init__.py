@@ -19,15 +19,17 @@ Findings, not exceptions: `verify()` returns a `Report` (`report.py`) whose exit
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from reshard import vllm_versions
 from reshard.hashing import NONE
 from reshard.manifest import Manifest
+from reshard.serve import PLUGIN_LOAD_FORMAT
 from reshard.sources import open_source
 from reshard.verify import integrity, keys, structure
 from reshard.verify.deep import compare, locate
-from reshard.verify.report import CORRUPT, CheckedFile, Finding, Progress, Report
+from reshard.verify.report import CORRUPT, LAX_EXTRA_CONFIG, LAX_LOADER, CheckedFile, Finding, Progress, Report
 
 __all__ = ["CheckedFile", "Finding", "Progress", "Report", "verify"]
 
@@ -49,7 +51,8 @@ def verify(
 
     Args:
         out_dir: a `reshard save` output (or, with `against`, any sharded_state folder).
-        strict: missing keys are errors (vLLM refuses them); False: warnings.
+        strict: missing keys are errors (vLLM refuses them); False: warnings when the folder loads
+            with `--load-format reshard` and {"strict": false} (it has a manifest), said in `loads_with`.
         tp, ep, pp: the layout it will be served with; None: the recorded one.
         checksums: hash every file against the manifest (with the algorithm it names).
         against: SOURCE checkpoint (folder or repo id) to derive the expected keys from.
@@ -102,7 +105,40 @@ def verify(
         if damaged and not deep:
             locate(report, folder, damaged, plan, source, against, progress)
     _fill_stats(report.stats)
+    _loads_with(report, folder.manifest)
     return report
+
+
+def _loads_with(report: Report, manifest: Manifest | None) -> None:
+    """How a passing folder loads. Missing keys excused by --lax: stock sharded_state refuses it (a
+    warning says so), `--load-format reshard` with {"strict": false} loads it (the manifest's serve
+    line for that loader, plus that setting); otherwise sharded_state loads it as is."""
+    if not report.ok:
+        return
+    missing = [f for f in report.warnings if f.kind == "missing-key"]
+    if not missing:
+        serve = manifest.serve if manifest is not None and manifest.serve else None
+        report.loads_with = {"load_format": "sharded_state", "strict": True, "model_loader_extra_config": None}
+        report.loads_with["serve"] = serve
+        return
+    assert manifest is not None  # without one, --lax does not excuse missing keys (keys.py)
+    line = manifest.serve_reshard or manifest.serve.replace(
+        "--load-format sharded_state", f"--load-format {PLUGIN_LOAD_FORMAT}"
+    )
+    serve = f"{line} --model-loader-extra-config '{json.dumps(LAX_EXTRA_CONFIG)}'" if line else None
+    report.loads_with = {
+        "load_format": PLUGIN_LOAD_FORMAT,
+        "strict": False,
+        "model_loader_extra_config": dict(LAX_EXTRA_CONFIG),
+        "serve": serve,
+    }
+    files = len({f.file for f in missing})
+    msg = (
+        f"vLLM's --load-format sharded_state refuses this folder (ValueError 'Missing keys': {len(missing)} "
+        f"key(s) in {files} file(s)); it loads only with {LAX_LOADER}, which logs them at WARNING and "
+        "leaves them as initialised"
+    )
+    report.add("sharded-state", msg, code=0, warn=True)
 
 
 def _check_vllm(report: Report, manifest: Manifest) -> None:

@@ -17,7 +17,7 @@ from reshard.layout import Layout
 from reshard.names import MANIFEST
 from reshard.plan import OutTensor, Plan, build_plan, natural_key, num_experts
 from reshard.sources import read_config
-from reshard.verify.report import CORRUPT, LAYOUT, CheckedFile, Report, rank_label
+from reshard.verify.report import CORRUPT, LAX_LOADER, LAYOUT, CheckedFile, Report, rank_label
 from reshard.verify.structure import Folder
 
 Rank = tuple[int, int]  # (pp_rank, tp_rank)
@@ -137,15 +137,31 @@ def expected_by_rank(plan: Plan) -> dict[Rank, dict[str, OutTensor]]:
 class _KeyCheck:
     """Tells key differences, each on its file and tensor, and remembers which it told."""
 
-    def __init__(self, report: Report, plan: Plan, strict: bool) -> None:
+    def __init__(self, report: Report, plan: Plan, strict: bool, manifest: bool) -> None:
         self.report = report
         self.plan = plan
         self.strict = strict
-        self.told: set[tuple[str | None, str | None]] = set()  # (file, tensor)
+        self.manifest = manifest  # the folder has reshard.json: `--load-format reshard` can load it
+        self.told: set[tuple[str | None, str | None]] = set()  # (file, tensor) told as an error
 
     def tell(self, kind: str, message: str, file: str, label: str, tensor: str, *, warn: bool = False) -> None:
         self.report.add(kind, f"{file} ({label}): {message}", code=LAYOUT, file=file, tensor=tensor, warn=warn)
-        self.told.add((file, tensor))
+        if not warn:  # a warning does not excuse the file differing from its manifest
+            self.told.add((file, tensor))
+
+    def missing(self, name: str) -> tuple[str, bool]:
+        """What a missing key means, and whether it is only a warning: --lax excuses exactly what
+        `--load-format reshard` with {"strict": false} loads (it reads the manifest)."""
+        vllm = "vLLM's sharded_state: ValueError 'Missing keys' at load"
+        if self.strict:
+            return f"{name} is missing ({vllm})", False
+        if self.manifest:
+            return f"{name} is missing ({vllm}; {LAX_LOADER} leaves it as initialised)", True
+        return (
+            f"{name} is missing ({vllm}; --lax does not excuse it: without {MANIFEST}, {LAX_LOADER} cannot load "
+            "the folder either; make it with `reshard save SOURCE OUT_DIR`)",
+            False,
+        )
 
     def held(self, files: list[CheckedFile], label: str) -> dict[str, tuple[CheckedFile, TensorInfo]]:
         """What a rank's files hold, by name; a second copy of a tensor is told."""
@@ -167,8 +183,8 @@ class _KeyCheck:
             w, h = want.get(name), held.get(name)
             if h is None:
                 where = listed_in.get((rank, name)) or files[0].name
-                msg = f"{name} is missing (vLLM: ValueError 'Missing keys' at load)"
-                self.tell("missing-key", msg, where, label, name, warn=not self.strict)
+                msg, warn = self.missing(name)
+                self.tell("missing-key", msg, where, label, name, warn=warn)
             elif w is None:
                 msg = f"{name} is not a parameter of this layout (vLLM: KeyError in ShardedStateLoader)"
                 self.tell("unexpected-key", msg, h[0].name, label, name)
@@ -186,8 +202,8 @@ class _KeyCheck:
 
 
 def check_keys(report: Report, folder: Folder, plan: Plan, *, strict: bool) -> set[tuple[str | None, str | None]]:
-    """Diff every rank's keys, dtypes and shapes with `plan`'s; returns the (file, tensor)s told."""
-    check = _KeyCheck(report, plan, strict)
+    """Diff every rank's keys, dtypes and shapes with `plan`'s; returns the (file, tensor)s told as errors."""
+    check = _KeyCheck(report, plan, strict, folder.manifest is not None)
     expected = expected_by_rank(plan)
     by_rank: dict[Rank, list[CheckedFile]] = {}
     for f in folder.files:

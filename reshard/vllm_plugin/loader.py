@@ -5,7 +5,9 @@ quantization, pinned MoE backend, vLLM range), the rank's files must be there wi
 headers and run, and the model's `state_dict()` after vLLM's own alias filtering must equal the rank's
 recorded tensors (keys, dtypes, shapes; LoRA padding as vLLM's sharded_state loader allows it). Then
 the files are read in parallel straight into the parameters, each file's checksum verified on the way
-(`--model-loader-extra-config '{"checksums": false}'` skips that).
+(`--model-loader-extra-config '{"checksums": false}'` skips that). With `{"strict": false}` the
+parameters the folder lacks are logged at WARNING, named, and left as initialised (vLLM PR "[Core][V1]
+Support sharded state loading" proposed that switch for sharded_state); anything else still refuses.
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ class ReshardModelLoader(BaseModelLoader):
         _retie_word_embeddings(model, model_config)
         state = ShardedStateLoader._filter_subtensors(model.state_dict())
         model_state = {k: (dtype_code(v.dtype), tuple(v.shape)) for k, v in state.items()}
-        problems = checks.state_problems(checks.expected_state(entries), model_state, lora=engine.lora)
+        recorded = checks.expected_state(entries)
+        problems = checks.state_problems(recorded, model_state, lora=engine.lora, strict=self.options.strict)
         if problems:
             raise ReshardLoadError(checks.mismatch_message(folder, manifest, engine, problems))
+        missing = [] if self.options.strict else checks.missing_keys(recorded, model_state)
         algorithm = manifest.checksum
         files = checks.check_files(folder, manifest, entries, engine)
         verify = self.options.checksums and algorithm != "none"
@@ -111,6 +115,8 @@ class ReshardModelLoader(BaseModelLoader):
             _size(int(nbytes / max(seconds, 1e-9))),
             f"{algorithm} verified" if verify else "checksums not verified",
         )
+        if missing:  # read_rank fills only what the files hold: these keep their initial values
+            logger.warning(checks.missing_message(folder, engine, missing))
         # vLLM's own line, logged as its loaders log it (rank 0); every rank's figure is in the line above
         logger.info_once("Loading weights took %.2f seconds", seconds)
 

@@ -1,6 +1,7 @@
 """Drive `--load-format reshard` (reshard/vllm_plugin) on real vLLM ranks, without generation.
 
-    load_cases(cases) -> list[list[dict]]   # per case, per rank: {"ok", "error", "mismatch", "registered"}
+    load_cases(cases) -> list[list[dict]]   # per case, per rank: {"ok", "error", "mismatch", "loader",
+                                            #   "warnings": [(level, message)] the loader logged at WARNING+}
 
 Each case is a dict: ``folder`` (a reshard output), ``tp``, and optionally ``ep``, ``pp``, ``dtype``,
 ``moe_backend`` (forced as in vllm_state), ``extra`` (``model_loader_extra_config``) and
@@ -74,7 +75,14 @@ def _rank(rank: int, world: int, port: int, cfg, case: dict, out: Path) -> None:
     os.environ["VLLM_DIST_IDENT"] = str(port)
     vllm_state._allow_missing_fp8_linear_kernel(out)
     vllm_state._force_moe_backend(case.get("moe_backend", "auto"))
-    res: dict = {"ok": False, "error": None, "mismatch": []}
+    res: dict = {"ok": False, "error": None, "mismatch": [], "warnings": []}
+    import logging
+
+    class Keep(logging.Handler):  # what the loader logs at WARNING or above, on this rank
+        def emit(self, record: logging.LogRecord) -> None:
+            res["warnings"].append((record.levelname, record.getMessage()))
+
+    logging.getLogger("vllm.reshard").addHandler(Keep(logging.WARNING))
     with set_current_vllm_config(cfg):
         init_distributed_environment(
             world_size=world,

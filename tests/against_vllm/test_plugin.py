@@ -6,7 +6,9 @@
 * ``test_plugin_loads_and_refuses``: the loader on vLLM's ranks (plugin_load.py, no generation):
   dense, MoE, FP8 and PP folders load byte-identical to sharded_state; a flipped byte, a missing rank file,
   a folder made for another TP, EP or MoE backend, and a manifest from another run each fail before
-  serving with one message saying what to run instead; ``{"checksums": false}`` skips the checksums.
+  serving with one message saying what to run instead; ``{"checksums": false}`` skips the checksums; a
+  folder lacking one parameter is refused by default and loads with ``{"strict": false}``, which names
+  the parameter in a WARNING.
 
 The loader must come through reshard's ``vllm.general_plugins`` entry point: the venv needs reshard
 installed with its metadata (``pip install --no-deps -e .``, as ``make test-vllm`` does).
@@ -48,6 +50,35 @@ def _entry_point():
         f"reshard's vllm.general_plugins entry point is not installed for {sys.executable}: "
         "`pip install --no-deps -e .` there (make test-vllm does)"
     )
+
+
+MISSING = "model.layers.0.input_layernorm.weight"  # dropped from rank 1 of the "missing-key" folder
+
+
+def _drop_key(folder: Path, name: str, key: str) -> None:
+    """Rewrite one rank file without `key` (its metadata, run id included, kept) and record it as it
+    now is through reshard's own manifest schema: a folder consistent with its manifest, lacking a key."""
+    from dataclasses import replace
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from reshard.format import read_header
+    from reshard.hashing import hash_file
+    from reshard.manifest import read_manifest, write_manifest
+    from reshard.manifest.schema import TensorRecord
+
+    path = folder / name
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != key}  # noqa: SIM118
+    save_file(tensors, str(path), metadata=meta)
+    m = read_manifest(folder)
+    held = sorted(read_header(path)[0].values(), key=lambda t: t.offset)
+    records = tuple(TensorRecord(t.name, t.dtype, tuple(t.shape)) for t in held)
+    size, digest = path.stat().st_size, hash_file(path, m.checksum)
+    files = tuple(replace(e, size=size, digest=digest, tensors=records) if e.name == name else e for e in m.files)
+    write_manifest(folder, replace(m, files=files, total_bytes=sum(e.size for e in files)))
 
 
 def _save(src: Path, out: Path, *args: str) -> Path:
@@ -102,6 +133,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     foreign = variant("foreign-manifest")
     shutil.copy(other / "reshard.json", foreign / "reshard.json")
     out["foreign"] = foreign
+    missing_key = variant("missing-key")
+    _drop_key(missing_key, "model-rank-1-part-0.safetensors", MISSING)
+    out["missing-key"] = missing_key
     return out
 
 
@@ -119,6 +153,8 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
         "pinned-backend": dict(folder=folders["fp8-deep_gemm"], tp=2),
         "other-backend": dict(folder=folders["fp8"], tp=2, moe_backend="deep_gemm"),
         "foreign-manifest": dict(folder=folders["foreign"], tp=2),
+        "missing-key": dict(folder=folders["missing-key"], tp=2),
+        "missing-key-lax": dict(folder=folders["missing-key"], tp=2, extra={"strict": False}),
     }
     t0 = time.perf_counter()
     results = dict(zip(cases, plugin_load.load_cases(list(cases.values())), strict=True))
@@ -128,10 +164,10 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
         for r in ranks:
             assert r.get("loader") == LOADER, f"{name}: not reshard's loader: {r}"
 
-    for name in ("dense", "moe", "fp8", "pp", "flipped-unchecked"):
+    for name in ("dense", "moe", "fp8", "pp", "flipped-unchecked", "missing-key-lax"):
         for r in results[name]:
             assert r["ok"] and not r["mismatch"], f"{name}: {r.get('error')} {r['mismatch']}\n{r.get('traceback')}"
-        if name != "flipped-unchecked":
+        if name not in ("flipped-unchecked", "missing-key-lax"):  # compared: loaded as sharded_state does
             assert all(r["compared"] > 0 for r in results[name]), name
 
     def error(name: str, rank: int) -> str:
@@ -151,6 +187,16 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
     assert results["missing"][0]["ok"], shown
     e = error("foreign-manifest", 0)
     assert "the manifest comes from another run" in e, e
+    # a folder lacking a parameter: refused by default (strict), naming it; {"strict": false} loads it,
+    # the parameter named at WARNING on the rank that lacks it, nothing logged on the other
+    e = error("missing-key", 1)
+    assert f"{MISSING}: the model has it (bfloat16 [" in e and "the folder does not" in e, e
+    assert results["missing-key"][0]["ok"], shown
+    lax = results["missing-key-lax"]
+    assert lax[0]["warnings"] == [], lax[0]
+    [(level, msg)] = lax[1]["warnings"]
+    assert level == "WARNING" and "1 parameter(s) of the model are not in the folder" in msg, msg
+    assert msg.endswith(f'left as initialised ({{"strict": false}}): {MISSING}'), msg
     # made for another engine: every rank refuses, naming the difference and the save line for this engine
     for r in (0, 1):
         e = error("other-tp", r)
