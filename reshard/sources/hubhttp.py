@@ -9,6 +9,10 @@ Failures a user can act on (401/403 gated or private, 404 repo, revision or file
 once; the rest (dropped connections, timeouts, 5xx and 429, answers that are not HTTP, short bodies,
 a wrong Content-Range) are retried with exponential backoff, resuming a range where its body stopped,
 and raise SourceError once RESHARD_HUB_RETRIES attempts in a row made no progress.
+
+Every answer for a file must be of one version (`HubRepo._pin`): the Hub's linked ETag is the LFS
+sha256 the commit holds, and the ETag and Content-Range total of each answer are those of the first
+(later requests send If-Match): a CDN that serves other bytes is a SourceError at once, not retried.
 """
 
 from __future__ import annotations

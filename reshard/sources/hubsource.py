@@ -14,6 +14,10 @@ Two modes:
   `finish` fetches the bytes no tensor needed (headers, unused tensors), renames the blob into
   place and links it from `snapshots/<commit>/`, as huggingface_hub lays out its cache (so
   HF_HUB_OFFLINE finds it later). The source is stored once.
+
+Each file is hashed (sha256) from the ranges read, as they arrive (`PrefixHasher`); `finish` hashes
+the rest (from the completed blob, or fetched with --stream) and checks the LFS sha256 before the
+save publishes (reshard.sources.integrity).
 """
 
 from __future__ import annotations
