@@ -15,6 +15,7 @@ from reshard.format import TensorInfo
 
 if TYPE_CHECKING:
     from reshard.manifest import Manifest
+    from reshard.manifest.schema import SourceFileRecord
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Checkpoint:
         file_sizes: size of each safetensors file in bytes.
         manifest: when the source is a reshard output, its manifest.
         missing: when the source is a reshard output, original tensors it does not hold.
+        checked: each safetensors file's sha256 and how it was checked, filled in by the source
+            once it has checked them (before the save publishes); empty for a reshard output.
     """
 
     root: Path | None
@@ -41,6 +44,7 @@ class Checkpoint:
     file_sizes: dict[str, int] = field(default_factory=dict)
     manifest: Manifest | None = None
     missing: list[str] = field(default_factory=list)
+    checked: list[SourceFileRecord] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:

@@ -46,6 +46,7 @@ class SaveOptions:
     revision: str | None = None
     stream: bool = False
     ranks: str | None = None  # --ranks: these engine ranks only (a piece)
+    sha256: Path | None = None  # --source-sha256: what a local folder's safetensors files must hash to
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def save(
     """Write every rank's files of `source` for `layout` into `out_dir`; see `reshard save --help`."""
     procs = Processes.from_env()
     try:
-        src = open_source(source, options.revision, stream=options.stream)
+        src = open_source(source, options.revision, stream=options.stream, sha256_file=options.sha256)
         plan = build_plan(src.checkpoint, layout, max_part_size=options.max_part_size)
         target = Piece.chosen(plan, options.ranks) or Whole()
         files = target.files(plan)
@@ -118,6 +119,8 @@ def save(
                 manifest = _manifest(
                     src.checkpoint, plan, written, run_id, tensors, folder, out_dir, options.write.checksum
                 )
+                if src.checkpoint.checked:  # checked by the source before this point (exit 4 otherwise)
+                    manifest = replace(manifest, source_files=tuple(src.checkpoint.checked))
                 return target.publish(plan, manifest, folder, out_dir)
             except OSError as e:
                 raise write_error(out_dir, e) from e

@@ -13,6 +13,10 @@ disk writes), and saved at --tp 8 four ways, interleaved, each with a fresh HF_H
 - stream: `reshard save --tp 8 REPO --stream` (the source never stored);
 - baseline (with --baseline): the same repo-id command run from another checkout (before this change).
 
+The cost of the source integrity check (issue 24: each file hashed with sha256 against the Hub's LFS
+sha256): sha256's CPU seconds per GB over the source here, beside each variant's CPU s/GB in all;
+`--baseline` a tree before the check gives the wall ratio.
+
 Reported per run: wall seconds (each including a final `sync`), peak RSS, and the peak disk use of
 the run's folder (HF_HOME + OUT_DIR + staging, st_blocks polled every 0.1 s). The source stays in
 the page cache (it is the "network" side); the page cache is not dropped, other helpers share the
@@ -117,6 +121,7 @@ def main(argv: list[str]) -> int:
         server.terminate()
         server.wait()
     result = {"size": size, "rate": a.rate, "tp": a.tp, "runs": runs, "load": os.getloadavg()}
+    result["sha256_cpu_s_per_gb"] = sha256_cost(src)
     (work / "hub-results.json").write_text(json.dumps(result, indent=1))
     text = summary(result, a)
     print(text)
@@ -130,6 +135,22 @@ def main(argv: list[str]) -> int:
     if not a.keep:
         shutil.rmtree(src, ignore_errors=True)
     return 0
+
+
+def sha256_cost(src: Path) -> float:
+    """CPU seconds per GB (1e9 bytes) of sha256 over the source's safetensors files (page cache warm)."""
+    import hashlib
+
+    files = sorted(src.glob("*.safetensors"))
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL)
+    t0, n = time.process_time(), 0
+    for f in files:
+        h = hashlib.sha256()
+        with open(f, "rb", buffering=0) as fh:
+            while block := fh.read(16 << 20):
+                h.update(block)
+                n += len(block)
+    return (time.process_time() - t0) / (n / 1e9)
 
 
 def one_run(v: str, rep: int, a: argparse.Namespace, work: Path, src: Path, endpoint: str, lock) -> dict:
@@ -182,6 +203,7 @@ def one_run(v: str, rep: int, a: argparse.Namespace, work: Path, src: Path, endp
         fcntl.flock(lock, fcntl.LOCK_UN)
     rec["seconds"] = sum(s["seconds"] for s in rec["steps"].values())
     rec["rss"] = max(s["rss"] for s in rec["steps"].values())
+    rec["cpu"] = sum(s["cpu"] for s in rec["steps"].values())
     rec["disk_peak"] = disk.peak
     rec["output"] = sum(p.stat().st_size for p in out.glob("*") if p.is_file())
     shutil.rmtree(run, ignore_errors=True)
@@ -248,6 +270,14 @@ def summary(r: dict, a: argparse.Namespace) -> str:
     for k in seq_steps:
         lines.append(
             f"- sequential, {k} step (s): " + ", ".join(f"{x['steps'][k]['seconds']:.1f}" for x in by["sequential"])
+        )
+    if "sha256_cpu_s_per_gb" in r:
+        per_gb = {
+            v: statistics.median(x["cpu"] for x in runs if "cpu" in x) / (r["size"] / 1e9) for v, runs in by.items()
+        }
+        lines.append(
+            f"- source sha256 check: {r['sha256_cpu_s_per_gb']:.2f} CPU s/GB; each variant's CPU s/GB in all: "
+            + ", ".join(f"{v} {c:.2f}" for v, c in per_gb.items())
         )
     lines += ["", "commands:"] + [
         f"- {v}: `{' ; '.join(s['cmd'] for s in runs[0]['steps'].values())}`" for v, runs in by.items()

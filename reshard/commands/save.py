@@ -58,6 +58,14 @@ from reshard.vllm_versions import serve_note
     help="Repo ids: store nothing of the source; its bytes go from the Hub into the rank files "
     "through the --max-memory window (default: kept once in the HF cache as they arrive).",
 )
+@click.option(
+    "--source-sha256",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Local folders: a `sha256sum` file (`<hex>  <name>` lines) every safetensors file is checked "
+    "against, by one hashing pass before the save reads it (exit 4 naming a file that differs). "
+    "Without it, .cache/huggingface metadata left by `hf download --local-dir` is used, else the "
+    "manifest records the files as unchecked. Repo ids are always checked against the Hub's LFS sha256.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace the reshard files of a non-empty OUT_DIR.")
 @click.option(
     "--ranks",
@@ -79,6 +87,7 @@ def save_cmd(
     ranks,
     as_json,
     stream,
+    source_sha256,
 ):
     """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR.
 
@@ -95,7 +104,9 @@ def save_cmd(
     from reshard.save import PieceSaved, Saved, SaveOptions, save
 
     write = WriteOptions(checksum=checksum, max_memory=max_memory, device=device)
-    options = SaveOptions(write, max_part_size, overwrite=overwrite, revision=revision, stream=stream, ranks=ranks)
+    options = SaveOptions(
+        write, max_part_size, overwrite=overwrite, revision=revision, stream=stream, ranks=ranks, sha256=source_sha256
+    )
     t0 = time.monotonic()
     with ExitStack() as stack:
 

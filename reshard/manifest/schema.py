@@ -53,6 +53,17 @@ class SideRecord:
     digest: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class SourceFileRecord:
+    """A source safetensors file: its sha256 (None when unchecked) and how it was checked
+    (reshard.sources.integrity's CHECKS: "hub-lfs-sha256 verified", "unchecked", ...)."""
+
+    name: str
+    size: int
+    sha256: str | None
+    check: str
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What a run wrote (`reshard.json`), or a `save --ranks` piece's part of it (`ranks` set).
@@ -86,6 +97,7 @@ class Manifest:
     ranks: tuple[int, ...] | None = None  # a piece's engine ranks
     all_files: tuple[str, ...] | None = None  # a piece: every file of the whole job
     extra: dict = field(default_factory=dict)  # keys of a newer reshard, kept when rewritten
+    source_files: tuple[SourceFileRecord, ...] | None = None  # None in manifests of older releases
 
     @property
     def origin(self) -> dict:
@@ -132,6 +144,10 @@ class Manifest:
             "serve_reshard": self.serve_reshard,
             "notes": list(self.notes),
         }
+        if self.source_files is not None:
+            out["source_files"] = [
+                {"name": f.name, "size": f.size, "sha256": f.sha256, "check": f.check} for f in self.source_files
+            ]
         if self.ranks is not None:
             out["ranks"] = list(self.ranks)
             out["all_files"] = list(self.all_files or ())
@@ -158,7 +174,7 @@ def _file_json(f: FileRecord, algorithm: str) -> dict:
 
 _KNOWN = {"format", "format_version", "reshard_version", FIELD, "run_id", "created", "source", "layout",
           "vllm_versions", "total_bytes", "files", "copied", "copied_files", "source_tensors", "serve",
-          "serve_reshard", "notes", "ranks", "all_files"}  # fmt: skip
+          "serve_reshard", "notes", "ranks", "all_files", "source_files"}  # fmt: skip
 
 
 def parse(obj: object) -> Manifest:
@@ -206,6 +222,7 @@ def parse(obj: object) -> Manifest:
         ranks=tuple(_int(r, "ranks") for r in _list(obj["ranks"], "ranks")) if "ranks" in obj else None,
         all_files=tuple(_strings(obj.get("all_files") or [], "all_files")) if "ranks" in obj else None,
         extra={k: v for k, v in obj.items() if k not in _KNOWN},
+        source_files=_source_files(obj["source_files"]) if "source_files" in obj else None,
     )
 
 
@@ -278,6 +295,16 @@ def _source_tensors(src: object) -> dict[str, tuple[str, tuple[int, ...]]] | Non
         _need(ok and all(type(n) is int and n >= 0 for n in v[1]), f"source_tensors[{name!r}] is {v!r}")
         out[name] = (v[0], tuple(v[1]))
     return out
+
+
+def _source_files(v: object) -> tuple[SourceFileRecord, ...]:
+    out = []
+    for i, e in enumerate(_list(v, "source_files")):
+        ok = isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("check"), str)
+        ok = ok and type(e.get("size")) is int and (e.get("sha256") is None or isinstance(e.get("sha256"), str))
+        _need(ok, f"source_files[{i}] is malformed")
+        out.append(SourceFileRecord(e["name"], e["size"], e.get("sha256"), e["check"]))  # type: ignore[index,union-attr]
+    return tuple(out)
 
 
 def _need(ok: bool, problem: str) -> None:

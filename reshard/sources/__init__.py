@@ -18,7 +18,14 @@ from reshard.sources.output import OutputSource
 __all__ = ["LocalSource", "OutputSource", "Source", "is_repo_id", "open_source", "read_config"]
 
 
-def open_source(spec: str, revision: str | None = None, *, headers_only: bool = False, stream: bool = False) -> Source:
+def open_source(
+    spec: str,
+    revision: str | None = None,
+    *,
+    headers_only: bool = False,
+    stream: bool = False,
+    sha256_file: Path | None = None,
+) -> Source:
     """Resolve SOURCE and read its metadata.
 
     Args:
@@ -30,20 +37,29 @@ def open_source(spec: str, revision: str | None = None, *, headers_only: bool = 
             downloading weights (`reshard plan`); the source then has no reader.
         stream: for a repo id, store nothing of the source: its bytes go from the network into
             the output (default: they are also kept in the cache, once).
+        sha256_file: for a local folder, a `sha256sum` file its safetensors files are checked
+            against before they are read (`save --source-sha256`).
     """
     path = Path(spec)
     if path.is_dir():
         if revision:
             raise SourceError(f"--revision applies to Hub repo ids, but {spec} is a local folder")
         if (path / MANIFEST).is_file():
+            if sha256_file is not None:
+                raise SourceError(f"--source-sha256 applies to checkpoint folders; {spec} is a reshard output")
             return OutputSource(path)
-        return LocalSource(path, {"path": str(path.resolve())})
+        return LocalSource(path, {"path": str(path.resolve())}, sha256_file=sha256_file)
     if path.exists():
         raise SourceError(f"{spec} is a file; SOURCE must be a checkpoint folder or a Hub repo id")
     if not is_repo_id(spec) or _looks_local(path):
         raise SourceError(
             f"{spec}: no such folder" + ("" if _looks_local(path) else ", and not a Hub repo id"),
             "give a checkpoint folder or a repo id like Qwen/Qwen3-8B",
+        )
+    if sha256_file is not None:
+        raise SourceError(
+            f"--source-sha256 applies to local folders; {spec} is a Hub repo id",
+            "drop it: a Hub repo's files are checked against the LFS sha256 the Hub commits to",
         )
     return open_hub(spec, revision, headers_only=headers_only, stream=stream)
 

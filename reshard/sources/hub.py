@@ -65,8 +65,12 @@ def _online(repo, *, headers_only: bool, stream: bool):
     assert root is not None
     files = weight_names(repo, root)
     ref = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit}
-    if all((root / f).is_file() for f in files):  # complete in the cache: a local folder
-        return LocalSource(root, ref)
+    if all((root / f).is_file() for f in files):  # complete in the cache: a local folder, checked before use
+        from reshard.sources.integrity import HUB, cache_expected
+
+        expected = cache_expected(root, files)  # the blob names, unless the commit says otherwise:
+        expected.update({f: (repo.lfs[f], HUB) for f in files if f in repo.lfs})
+        return LocalSource(root, ref, expected)
     return HubSource(repo, root, files, stream=stream)
 
 
@@ -84,4 +88,9 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
             f"{at} is not in the Hugging Face cache and the Hub is unreachable or HF_HUB_OFFLINE is set",
             "download it first (`hf download REPO`), unset HF_HUB_OFFLINE, or point HF_HOME at the cache",
         ) from e
-    return LocalSource(Path(folder), {"repo_id": repo_id, "revision": revision or "main", "commit": Path(folder).name})
+    from reshard.sources.integrity import cache_expected
+    from reshard.sources.local import weight_files
+
+    root = Path(folder)  # offline: each file checked against the sha256 its blob is named by
+    ref = {"repo_id": repo_id, "revision": revision or "main", "commit": root.name}
+    return LocalSource(root, ref, cache_expected(root, weight_files(root)))

@@ -9,6 +9,10 @@ Failures a user can act on (401/403 gated or private, 404 repo, revision or file
 once; the rest (dropped connections, timeouts, 5xx and 429, answers that are not HTTP, short bodies,
 a wrong Content-Range) are retried with exponential backoff, resuming a range where its body stopped,
 and raise SourceError once RESHARD_HUB_RETRIES attempts in a row made no progress.
+
+Every answer for a file must be of one version (`HubRepo._pin`): the Hub's linked ETag is the LFS
+sha256 the commit holds, and the ETag and Content-Range total of each answer are those of the first
+(later requests send If-Match): a CDN that serves other bytes is a SourceError at once, not retried.
 """
 
 from __future__ import annotations
@@ -124,10 +128,13 @@ class HubRepo:
         self.headers = build_hf_headers()
         self.meter = Meter()
         self.urls: dict[str, str] = {}  # file -> where its bytes were last served from (the CDN)
+        self.pins: dict[str, tuple[str | None, int]] = {}  # file -> (the CDN's ETag, total size) first served
         self.lock = threading.Lock()
         api = HfApi(endpoint=self.endpoint)
         try:
-            info = with_retries(lambda: api.model_info(repo_id, revision=revision), f"{repo_id}: model info")
+            info = with_retries(
+                lambda: api.model_info(repo_id, revision=revision, files_metadata=True), f"{repo_id}: model info"
+            )
         except SourceError:
             raise
         except Exception as e:  # an answer the user must act on
@@ -136,6 +143,10 @@ class HubRepo:
             raise SourceError(f"{repo_id}: the Hub did not say which commit {self.revision} is")
         self.commit: str = info.sha
         self.files: list[str] = [s.rfilename for s in info.siblings or []]
+        # the LFS sha256 the commit holds for each large file: what its bytes must hash to
+        self.lfs: dict[str, str] = {
+            s.rfilename: str(s.lfs.sha256).lower() for s in info.siblings or [] if s.lfs and s.lfs.sha256
+        }
 
     def resolve_url(self, name: str) -> str:
         return f"{self.endpoint}/{self.repo_id}/resolve/{self.commit}/{quote(name)}"
@@ -181,6 +192,9 @@ class HubRepo:
             headers.update(self.headers)  # the token goes to the Hub only; redirects off it drop it
         else:
             headers["user-agent"] = self.headers.get("user-agent", "reshard")
+            pinned = self.pins.get(name, (None, 0))[0]
+            if pinned:  # the bytes of the version served so far, or 412
+                headers["If-Match"] = f'"{pinned}"'
         assert url is not None
         try:
             with self.session.stream(
@@ -190,6 +204,8 @@ class HubRepo:
                     with self.lock:
                         self.urls.pop(name, None)
                     raise Transient(f"HTTP {r.status_code} from the download URL")
+                if r.status_code == 412:
+                    raise self._changed(name, "answered 412 Precondition Failed to If-Match")
                 if r.status_code >= 400:
                     from huggingface_hub.utils import hf_raise_for_status
 
@@ -232,14 +248,37 @@ class HubRepo:
         commit = first.headers.get("X-Repo-Commit")
         if commit and commit != self.commit:
             raise SourceError(f"{self.repo_id}/{name}: the Hub served commit {commit}, not {self.commit}")
-        etag = first.headers.get("X-Linked-Etag") or first.headers.get("ETag")
-        etag = etag.removeprefix("W/").strip('"') if etag else None
+        etag = _etag(first.headers.get("X-Linked-Etag") or first.headers.get("ETag"))
+        lfs = self.lfs.get(name)
+        if first is not r and lfs and etag and etag != lfs:  # the Hub's redirect names another blob
+            raise self._changed(name, f"linked ETag {etag[:12]}… for LFS sha256 {lfs[:12]}…")
         if r.status_code == 206:
             m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", r.headers.get("Content-Range", "").strip())
             if not m or int(m.group(1)) != pos or int(m.group(2)) < pos + n - 1:
                 raise Transient(f"{urlparse(str(r.url)).path}: wrong Content-Range {r.headers.get('Content-Range')!r}")
-            return Remote(int(m.group(3)), etag)
-        size = int(r.headers.get("Content-Length", -1))
-        if r.status_code == 200 and pos == 0 and size >= n:  # ranges ignored: the whole file, its start is ours
-            return Remote(size, etag)
-        raise Transient(f"HTTP {r.status_code} to a range request")
+            size = int(m.group(3))
+        elif r.status_code == 200 and pos == 0 and int(r.headers.get("Content-Length", -1)) >= n:
+            size = int(r.headers.get("Content-Length", -1))  # ranges ignored: the whole file, its start is ours
+        else:
+            raise Transient(f"HTTP {r.status_code} to a range request")
+        self._pin(name, _etag(r.headers.get("ETag")), size)
+        return Remote(size, etag)
+
+    def _pin(self, name: str, served: str | None, size: int) -> None:
+        """Every answer for `name` is of one version: the ETag and total size of the first."""
+        with self.lock:
+            was = self.pins.setdefault(name, (served, size))
+        if was[1] != size:
+            raise self._changed(name, f"Content-Range total {size}, earlier {was[1]}")
+        if was[0] != served:
+            raise self._changed(name, f"ETag {served}, earlier {was[0]}")
+
+    def _changed(self, name: str, what: str) -> SourceError:
+        return SourceError(
+            f"{self.repo_id}/{name}: the download served other bytes for a later range ({what})",
+            "run again later; if it persists, the Hub's CDN serves a changed file: report it (nothing was published)",
+        )
+
+
+def _etag(value: str | None) -> str | None:
+    return value.removeprefix("W/").strip('"') if value else None

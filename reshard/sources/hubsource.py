@@ -14,6 +14,10 @@ Two modes:
   `finish` fetches the bytes no tensor needed (headers, unused tensors), renames the blob into
   place and links it from `snapshots/<commit>/`, as huggingface_hub lays out its cache (so
   HF_HUB_OFFLINE finds it later). The source is stored once.
+
+Each file is hashed (sha256) from the ranges read, as they arrive (`PrefixHasher`); `finish` hashes
+the rest (from the completed blob, or fetched with --stream) and checks the LFS sha256 before the
+save publishes (reshard.sources.integrity).
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, Prepared
+from reshard.manifest.schema import SourceFileRecord
 from reshard.names import INDEX, SINGLE
 from reshard.sources.hubgroups import Groups
 from reshard.sources.hubhttp import HubRepo, Meter
+from reshard.sources.integrity import HUB, UNCHECKED, PrefixHasher, is_sha256, mismatch
 from reshard.sources.local import read_config
 from reshard.sources.validate import check_index
 
@@ -87,6 +93,10 @@ class HubSource(Source):
                     tensors[key] = info
         ref = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit}
         self._checkpoint = Checkpoint(root, read_config(root), tensors, files, ref, sizes)
+        # each file hashed from the bytes the save reads, in file order where they arrive so
+        self.hashers = {name: PrefixHasher(sizes[name]) for name in files}
+        for name, head in self.heads.items():
+            self.hashers[name].feed(0, head)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -138,11 +148,14 @@ class HubSource(Source):
             self.meter.total = need
         elif self.stream:
             self.meter.total = ckpt.total_bytes
-        return HubReader(self.repo, self.blobs, Groups(ckpt.tensors))
+        return HubReader(self.repo, self.blobs, Groups(ckpt.tensors), self.hashers)
 
     def finish(self) -> None:
-        """After a successful save (cached mode): complete each blob and link it into the snapshot."""
+        """After a successful save: check each file's sha256 (the bytes no tensor needed fetched,
+        or read from the blob); cached mode: complete each blob and link it into the snapshot."""
         if self.stream:
+            for name in self._checkpoint.files:
+                self._verify(name, lambda pos, buf, name=name: self.repo.fetch(name, pos, buf, self.meter.add))
             return
         try:
             self._finish()
@@ -154,18 +167,44 @@ class HubSource(Source):
     def _finish(self) -> None:
         ckpt = self._checkpoint
         assert ckpt.root is not None
+        bad: list[SourceError] = []
         for name, blob in self.blobs.items():
             for a, b in blob.gaps():
                 for pos in range(a, b, _FILL):
                     buf = memoryview(bytearray(min(_FILL, b - pos)))
                     self.repo.fetch(name, pos, buf, self.meter.add)
                     blob.store(buf, pos)
+                    self.hashers[name].feed(pos, buf)
+            partial = blob.partial.exists()
+            hint = "run again: the wrong partial download was deleted" if partial else f"delete {blob.final}"
+            try:
+                self._verify(name, lambda pos, buf, blob=blob: blob.pread(buf, pos), hint)
+            except SourceError as e:
+                blob.discard()  # a partial blob that holds wrong bytes: the next run downloads it anew
+                bad.append(e)
+        if bad:  # every file checked (and each wrong partial blob deleted) before the first is named
+            raise bad[0]
+        for name, blob in self.blobs.items():
             blob.publish(ckpt.root / name)
             blob.close()
         if self.repo.revision != self.repo.commit:
             refs = _storage(ckpt) / "refs"
             refs.mkdir(exist_ok=True)
             (refs / self.repo.revision).write_text(self.repo.commit)
+
+    def _verify(self, name: str, read, hint: str = "run again") -> None:
+        """`name`'s sha256 against the LFS sha256 of the commit; its record for the manifest."""
+        got = self.hashers[name].rest(read)
+        want = self.repo.lfs.get(name) or self.etags.get(name)
+        size = self._checkpoint.file_sizes[name]
+        if not is_sha256(want):
+            self._checkpoint.checked.append(SourceFileRecord(name, size, got, UNCHECKED))
+            return
+        assert want is not None
+        if got != want:
+            where = f"{self.repo.repo_id}/{name}@{self.repo.commit[:12]}"
+            raise mismatch(where, got, want, HUB, f"{hint}; nothing was published")
+        self._checkpoint.checked.append(SourceFileRecord(name, size, got, HUB))
 
 
 def _storage(ckpt: Checkpoint) -> Path:
@@ -259,6 +298,13 @@ class Blob:
             with contextlib.suppress(FileExistsError):
                 os.symlink(os.path.relpath(self.final, link.parent), link)
 
+    def discard(self) -> None:
+        """Delete a partial blob (reshard's own file); a complete one is left for the user to judge."""
+        if self.partial.exists():
+            self.close()
+            self.partial.unlink(missing_ok=True)
+            self.log.unlink(missing_ok=True)
+
     def close(self) -> None:
         for fd in (self.fd, getattr(self, "log_fd", None)):
             if fd is not None:
@@ -270,11 +316,12 @@ class Blob:
 class HubReader(AlignedReader):
     """Ranges of a repo's weight files from the Hub (or from the cached blob, where it has them)."""
 
-    def __init__(self, repo: HubRepo, blobs: dict[str, Blob], groups: Groups) -> None:
+    def __init__(self, repo: HubRepo, blobs: dict[str, Blob], groups: Groups, hashers: dict[str, PrefixHasher]) -> None:
         self.threads = settings.HUB_CONNECTIONS.get()  # the prefetcher's reads in flight: HTTP connections
         self.repo = repo
         self.blobs = blobs
         self.groups = groups
+        self.hashers = hashers
 
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         out = memoryview(buf)[:nbytes] if buf is not None else memoryview(bytearray(nbytes))
@@ -289,7 +336,11 @@ class HubReader(AlignedReader):
 
     def _fill(self, file: str, pos: int, out: memoryview) -> None:
         """Bytes [pos, pos + len(out)) of `file`: from the cached blob where it has them, else fetched
-        (and stored in the blob)."""
+        (and stored in the blob); hashed on the way."""
+        self._get(file, pos, out)
+        self.hashers[file].feed(pos, out)
+
+    def _get(self, file: str, pos: int, out: memoryview) -> None:
         blob = self.blobs.get(file)
         if blob is not None:  # what an earlier run received comes from disk (a range cut mid-way: its start)
             held = min(blob.held_from(pos), pos + len(out)) - pos

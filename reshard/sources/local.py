@@ -9,15 +9,33 @@ from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.format import TensorInfo, read_header
 from reshard.names import CONFIG, INDEX, SINGLE
+from reshard.sources.integrity import Expected, check_files, local_expected
 from reshard.sources.validate import check_config, check_index
 
 
 class LocalSource(Source):
     """A checkpoint folder; its metadata is read once, here (headers only)."""
 
-    def __init__(self, root: Path, ref: dict) -> None:
+    def __init__(
+        self, root: Path, ref: dict, expected: Expected | None = None, sha256_file: Path | None = None
+    ) -> None:
+        """`expected`: each file's sha256 and the check it counts as; None: the local folder's own
+        (`reshard.sources.integrity.local_expected`: `sha256_file` (--source-sha256), else
+        .cache/huggingface metadata)."""
         self.root = root
         self._checkpoint = read_local(root, ref)
+        self.expected = expected
+        self.sha256_file = sha256_file
+
+    def check(self) -> None:
+        """Hash each file that has an expected sha256 (exit 4 on a mismatch); record them all."""
+        ckpt = self._checkpoint
+        if ckpt.checked:
+            return
+        expected = self.expected
+        if expected is None:
+            expected = local_expected(self.root, ckpt.files, self.sha256_file)
+        ckpt.checked = check_files(self.root, ckpt.files, ckpt.file_sizes, expected)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -26,6 +44,7 @@ class LocalSource(Source):
     def open_reader(self) -> Reader:
         from reshard.io import FileReader  # numpy: only when bytes are read, not for planning
 
+        self.check()
         return FileReader(self.root)
 
 

@@ -1,0 +1,185 @@
+"""Source integrity: each safetensors file's sha256 against what its publisher commits to.
+
+Where the expected sha256 comes from, and the `check` the manifest records for the file:
+- a Hub repo: the LFS sha256 of the commit's file (model info with file metadata; the Hub's
+  `X-Linked-Etag` says the same) -> HUB. Offline, a file of huggingface_hub's cache is checked
+  against its blob's name, which is the ETag (the LFS sha256) it was downloaded under -> CACHE.
+- a local folder: `save --source-sha256 FILE` (`sha256sum` lines) -> SHA256_FILE; else the
+  `.cache/huggingface/download/<name>.metadata` that `hf download --local-dir` leaves -> HF_METADATA;
+  else nothing is checked -> UNCHECKED.
+
+A mismatch is a SourceError (exit 4) naming the file, raised before the save publishes anything.
+`PrefixHasher` hashes a file from the ranges a save reads, in any order: what arrives at its
+position is hashed at once, what arrives ahead of it waits in a bounded buffer, and the rest is
+read again at the end (`rest`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from reshard.errors import SourceError
+from reshard.manifest.schema import SourceFileRecord
+
+HUB = "hub-lfs-sha256 verified"
+CACHE = "hub-cache-blob-sha256 verified"
+SHA256_FILE = "sha256-file verified"
+HF_METADATA = "hf-metadata-sha256 verified"
+UNCHECKED = "unchecked"
+CHECKS = (HUB, CACHE, SHA256_FILE, HF_METADATA, UNCHECKED)
+
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+_PENDING = 256 * 1024 * 1024  # bytes held out of order, per file, before they are read again instead
+_BLOCK = 16 * 1024 * 1024
+
+Expected = dict[str, tuple[str, str]]  # file -> (sha256, the check it counts as)
+
+
+def is_sha256(text: str | None) -> bool:
+    return bool(text) and bool(_HEX.match(text or ""))
+
+
+class PrefixHasher:
+    """sha256 of one file fed with (offset, bytes) ranges in any order, from several threads."""
+
+    def __init__(self, size: int) -> None:
+        import hashlib
+
+        self.size = size
+        self.pos = 0
+        self.h = hashlib.sha256()
+        self.pending: dict[int, bytes] = {}
+        self.held = 0
+        self.lock = threading.Lock()
+
+    def feed(self, pos: int, data: memoryview | bytes) -> None:
+        end = pos + len(data)
+        with self.lock:
+            if pos <= self.pos < end:
+                self.h.update(memoryview(data)[self.pos - pos :])
+                self.pos = end
+                self._drain()
+            elif pos > self.pos and self.held + len(data) <= _PENDING and pos not in self.pending:
+                self.pending[pos] = bytes(data)
+                self.held += len(data)
+
+    def _drain(self) -> None:
+        while self.pending:
+            ready = [p for p in self.pending if p <= self.pos]
+            if not ready:
+                return
+            for p in ready:
+                data = self.pending.pop(p)
+                self.held -= len(data)
+                if p + len(data) > self.pos:
+                    self.h.update(memoryview(data)[self.pos - p :])
+                    self.pos = p + len(data)
+
+    def rest(self, read: Callable[[int, memoryview], None]) -> str:
+        """The digest, reading what was not fed (from `pos` to the end) by `read(pos, out)`."""
+        with self.lock:
+            self.pending.clear()
+            self.held = 0
+            while self.pos < self.size:
+                buf = memoryview(bytearray(min(_BLOCK, self.size - self.pos)))
+                read(self.pos, buf)
+                self.h.update(buf)
+                self.pos += len(buf)
+            return self.h.hexdigest()
+
+
+_SAYS = {
+    HUB: "the LFS sha256 the Hub commits to",
+    CACHE: "the sha256 its cache blob is named by",
+    SHA256_FILE: "the sha256 --source-sha256 lists",
+    HF_METADATA: "the sha256 in .cache/huggingface",
+}
+
+
+def mismatch(where: str, got: str, want: str, how: str, hint: str) -> SourceError:
+    says = _SAYS.get(how, how)
+    return SourceError(f"{where}: sha256 {got[:12]}… is not {says} ({want[:12]}…): corrupt or changed", hint)
+
+
+def read_sha256_file(path: Path) -> dict[str, str]:
+    """`sha256sum` output (`<hex>  <name>` or `<hex> *<name>` lines): name -> sha256."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SourceError(f"--source-sha256 {path}: cannot read ({e})") from e
+    out = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line.strip())
+        if not m:
+            raise SourceError(f"--source-sha256 {path}:{n}: not a `sha256sum` line", "write it with `sha256sum FILES`")
+        out[os.path.basename(m.group(2).removeprefix("./"))] = m.group(1).lower()
+    return out
+
+
+def local_expected(root: Path, files: list[str], sha_file: Path | None) -> Expected:
+    """What each local file is expected to hash to (see the module docstring)."""
+    listed = read_sha256_file(sha_file) if sha_file is not None else {}
+    if sha_file is not None:
+        missing = [f for f in files if f not in listed]
+        if missing:
+            raise SourceError(
+                f"--source-sha256 {sha_file} lists no sha256 for {', '.join(missing[:3])}",
+                "list every safetensors file of the source (`sha256sum *.safetensors`)",
+            )
+    out: Expected = {}
+    for name in files:
+        if name in listed:
+            out[name] = (listed[name], SHA256_FILE)
+        elif (etag := _hf_metadata_etag(root, name)) is not None:
+            out[name] = (etag, HF_METADATA)
+    return out
+
+
+def _hf_metadata_etag(root: Path, name: str) -> str | None:
+    """The sha256 `hf download --local-dir` recorded for `name` (commit, etag, timestamp lines)."""
+    try:
+        lines = (root / ".cache" / "huggingface" / "download" / f"{name}.metadata").read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    etag = lines[1].strip().strip('"').lower() if len(lines) > 1 else ""
+    return etag if is_sha256(etag) else None
+
+
+def cache_expected(root: Path, files: list[str]) -> Expected:
+    """Offline: each cached file's blob name, the LFS sha256 huggingface_hub downloaded it under."""
+    out: Expected = {}
+    for name in files:
+        blob = os.path.basename(os.readlink(root / name)) if (root / name).is_symlink() else ""
+        if is_sha256(blob):
+            out[name] = (blob, CACHE)
+    return out
+
+
+def check_files(root: Path, files: list[str], sizes: dict[str, int], expected: Expected) -> list[SourceFileRecord]:
+    """Hash each file that has an expected sha256 (one sequential read each); exit 4 on a mismatch."""
+    from reshard.hashing import hash_file
+
+    out = []
+    for name in files:
+        if name not in expected:
+            out.append(SourceFileRecord(name, sizes.get(name, 0), None, UNCHECKED))
+            continue
+        want, how = expected[name]
+        try:
+            got = hash_file(root / name, "sha256")
+        except OSError as e:
+            raise SourceError(f"{root / name}: cannot read ({e.strerror})") from e
+        assert got is not None
+        if got != want:
+            path = os.path.realpath(root / name)
+            raise mismatch(
+                str(root / name), got, want, how, f"download the file again (delete {path} if it is a cached copy)"
+            )
+        out.append(SourceFileRecord(name, sizes.get(name, 0), got, how))
+    return out

@@ -1,0 +1,192 @@
+"""Source integrity: every safetensors byte a save reads is checked against the sha256 its publisher
+commits to (the Hub's LFS sha256, a `sha256sum` file, `hf download --local-dir` metadata), and a
+mismatch is exit 4 naming the file with nothing published. Hub cases run against the project's own
+Hub server (tests/fixtures/hubserver.py): a corrupted cache, an ETag-swapping CDN.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from reshard.manifest.schema import parse
+from reshard.plan import DEFAULT_MAX_PART
+from tests.fixtures.hubserver import HubServer
+from tests.fixtures.saving import save
+from tests.test_hub import one_line_error, rank_bytes, reshard
+
+REPO = "acme/tiny-qwen3"
+HUB = "hub-lfs-sha256 verified"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.fixtures.tiny import make_tiny
+
+    base = tmp_path_factory.mktemp("integrity")
+    src = make_tiny("qwen3", base / "src", shards=2)
+    ref = base / "ref"
+    save(str(src), ref, tp=2, max_part_size=DEFAULT_MAX_PART)
+    return src, ref
+
+
+@pytest.fixture
+def server(checkpoint):
+    hub = HubServer().start()
+    hub.sha = hub.add_repo(REPO, checkpoint[0])
+    yield hub
+    hub.stop()
+
+
+def sha256s(src: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(src.glob("*.safetensors"))}
+
+
+def source_files(out: Path) -> dict[str, tuple[str | None, str]]:
+    """What the manifest says of each source file: (sha256, check)."""
+    m = parse(json.loads((out / "reshard.json").read_text()))
+    assert m.source_files is not None
+    return {f.name: (f.sha256, f.check) for f in m.source_files}
+
+
+def flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
+def blobs(home: Path) -> list[Path]:
+    return sorted(p for p in (home / "hub").rglob("blobs/*") if len(p.name) == 64)
+
+
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+def test_hub_save_records_each_source_files_lfs_sha256(server, checkpoint, tmp_path, mode):
+    src, ref = checkpoint
+    args = ["--stream"] if mode == "--stream" else []
+    p = reshard(server, tmp_path / "hf", "save", REPO, str(tmp_path / "out"), "--tp", "2", *args)
+    assert p.returncode == 0, p.stderr
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+    assert source_files(tmp_path / "out") == {n: (h, HUB) for n, h in sha256s(src).items()}
+
+
+def test_corrupt_cached_blob_is_exit_4_online_and_offline(server, checkpoint, tmp_path):
+    src, ref = checkpoint
+    home = tmp_path / "hf"
+    p = reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2")
+    assert p.returncode == 0, p.stderr
+    blob = blobs(home)[-1]
+    name = next(n for n, h in sha256s(src).items() if h == blob.name)
+    flip(blob, blob.stat().st_size - 1)  # a bit of the last tensor: a bad persistent CI cache
+    for env in ({}, {"HF_HUB_OFFLINE": "1"}):
+        p = reshard(server, home, "save", REPO, str(tmp_path / "bad"), "--tp", "2", **env)
+        one_line_error(p, 4, name, "sha256")
+        assert not (tmp_path / "bad").exists()  # nothing published
+    assert rank_bytes(tmp_path / "good") == rank_bytes(ref)  # the earlier good output untouched
+
+
+def test_corrupt_partial_blob_is_exit_4_then_downloaded_anew(server, checkpoint, tmp_path):
+    src, ref = checkpoint
+    home = tmp_path / "hf"
+    server.budget = sum(p.stat().st_size for p in src.glob("*.safetensors")) * 2 // 3
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    assert p.returncode == 4, p.stderr
+    corrupted = []
+    for log in (home / "hub").rglob("*.reshard-ranges"):
+        partial = log.with_name(log.name.replace("ranges", "partial"))
+        held = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+        a, b = max(held, key=lambda r: r[1] - r[0])
+        if b - a > 1:
+            flip(partial, b - 1)
+            corrupted.append(next(n for n, h in sha256s(src).items() if log.name.startswith(h)))
+    assert corrupted
+    server.budget = None
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    one_line_error(p, 4, "sha256", "nothing was published")
+    assert any(name in p.stderr for name in corrupted), p.stderr
+    assert not (tmp_path / "out").exists()
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")  # heals: fetched anew
+    assert p.returncode == 0, p.stderr
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+    assert all(b.read_bytes() == (src / n).read_bytes() for n in sha256s(src) for b in blobs(home) if b.name == n)
+
+
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+@pytest.mark.parametrize("keeps_etag", [False, True], ids=["new-etag", "lying-etag"])
+def test_etag_swapping_cdn_is_exit_4(server, tmp_path, mode, keeps_etag):
+    """Later range requests of a file get another file's bytes (same length): a new ETag is caught
+    by the pin (If-Match, 412), a CDN that keeps the old ETag by the sha256."""
+    server.swap_after, server.swap_keeps_etag = 4, keeps_etag  # the headers come right, the tensors not
+    args = ["--stream"] if mode == "--stream" else []
+    p = reshard(server, tmp_path / "hf", "save", REPO, str(tmp_path / "out"), "--tp", "2", *args)
+    one_line_error(p, 4, "safetensors", "sha256" if keeps_etag else "other bytes")
+    assert not (tmp_path / "out").exists()
+    assert not list((tmp_path / "hf").rglob("snapshots/*/*.safetensors"))  # nothing wrong in the cache
+
+
+# ---- local folders ------------------------------------------------------------------------------
+
+
+def local_save(src: Path, out: Path, *args: str):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "reshard", "save", str(src), str(out), "--tp", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env={"RESHARD_DISABLE_PROGRESS": "1", "PATH": ""})
+
+
+@pytest.fixture
+def folder(checkpoint, tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(checkpoint[0], tmp_path / "src"))
+
+
+def test_local_source_sha256_file(folder, tmp_path):
+    sums = sha256s(folder)
+    good = tmp_path / "SHA256SUMS"
+    good.write_text("".join(f"{h}  {n}\n" for n, h in sums.items()))
+    p = local_save(folder, tmp_path / "out", "--source-sha256", str(good))
+    assert p.returncode == 0, p.stderr
+    assert source_files(tmp_path / "out") == {n: (h, "sha256-file verified") for n, h in sums.items()}
+
+    name = sorted(sums)[-1]
+    flip(folder / name, (folder / name).stat().st_size - 1)
+    p = local_save(folder, tmp_path / "out2", "--source-sha256", str(good))
+    one_line_error(p, 4, name, "--source-sha256")
+    assert not (tmp_path / "out2").exists()
+
+    short = tmp_path / "short"
+    short.write_text(good.read_text().splitlines()[0] + "\n")
+    one_line_error(local_save(folder, tmp_path / "out3", "--source-sha256", str(short)), 4, "lists no sha256")
+
+
+def test_local_hf_download_metadata_is_used_else_unchecked(folder, tmp_path):
+    p = local_save(folder, tmp_path / "plain")
+    assert p.returncode == 0, p.stderr
+    assert set(source_files(tmp_path / "plain").values()) == {(None, "unchecked")}
+
+    sums = sha256s(folder)
+    meta = folder / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True)
+    for n, h in sums.items():  # as `hf download --local-dir` leaves it: commit, etag, timestamp
+        (meta / f"{n}.metadata").write_text(f"{'a' * 40}\n{h}\n1764662400.0\n")
+    p = local_save(folder, tmp_path / "out")
+    assert p.returncode == 0, p.stderr
+    assert source_files(tmp_path / "out") == {n: (h, "hf-metadata-sha256 verified") for n, h in sums.items()}
+
+    name = sorted(sums)[0]
+    flip(folder / name, (folder / name).stat().st_size - 1)
+    one_line_error(local_save(folder, tmp_path / "out2"), 4, name, ".cache/huggingface")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_manifest_source_files_round_trip_and_old_manifests_parse(checkpoint):
+    old = json.loads((checkpoint[1] / "reshard.json").read_text())
+    old.pop("source_files", None)
+    assert parse(old).source_files is None
+    new = {**old, "source_files": [{"name": "a.safetensors", "size": 3, "sha256": None, "check": "unchecked"}]}
+    assert parse(parse(new).to_json()).source_files == parse(new).source_files
