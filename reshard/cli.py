@@ -104,8 +104,7 @@ def _interrupted(as_json: bool) -> None:
 
     done = published()
     if done:
-        where = ", ".join(str(p) for p in done)
-        msg = f"interrupted after publishing: {where} holds this run's new output, complete (`reshard verify` it)"
+        msg = f"interrupted after publishing: {'; '.join(done)} (`reshard verify` it)"
         _fail(msg, ExitCode.INTERRUPTED, as_json, "interrupted_after_publishing")
     msg = "interrupted; nothing was published and a previous output is unchanged"
     _fail(msg, ExitCode.INTERRUPTED, as_json, "interrupted")

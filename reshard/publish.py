@@ -207,12 +207,13 @@ def _remove(p: Path) -> None:
 
 # ---- what was published, checked after the fact -----------------------------------------------------
 
-_claims: list[tuple[Path, Path, int]] = []
+_WHOLE = "this run's new output, complete"
+_claims: list[tuple[Path, Path, int, str]] = []
 
 
-def _claim(out: Path, path: Path, inode: int) -> None:
-    """This run put `path` (inode `inode`) in place: `out` holds its output."""
-    _claims.append((out, path, inode))
+def _claim(out: Path, path: Path, inode: int, what: str = _WHOLE) -> None:
+    """This run put `path` (inode `inode`) in place: `out` holds `what`."""
+    _claims.append((out, path, inode, what))
 
 
 def forget() -> None:
@@ -220,14 +221,14 @@ def forget() -> None:
     _claims.clear()
 
 
-def published() -> list[Path]:
-    """The folders this process published into whose new files are still there (each checked on
-    disk now, by inode): what an interrupt that came after publishing leaves."""
-    out = []
-    for folder, path, inode in _claims:
+def published() -> list[str]:
+    """What this process published and is still there (each checked on disk now, by inode), as
+    "<folder> holds <what>": what an interrupt that came after publishing leaves."""
+    out: list[str] = []
+    for folder, path, inode, what in _claims:
         with contextlib.suppress(OSError):
-            if os.stat(path, follow_symlinks=False).st_ino == inode and folder not in out:
-                out.append(folder)
+            if os.stat(path, follow_symlinks=False).st_ino == inode and f"{folder} holds {what}" not in out:
+                out.append(f"{folder} holds {what}")
     return out
 
 
@@ -310,4 +311,4 @@ def move_into(staged: Path, out_dir: Path, names: Iterable[str], *, last: Path) 
         inode = last.stat().st_ino
         last.replace(out / last.name)
         fsync_dir(out)
-        _claim(out, out / last.name, inode)
+        _claim(out, out / last.name, inode, f"this piece ({MANIFEST} appears once every piece is in)")

@@ -153,6 +153,23 @@ def test_an_interrupt_that_comes_as_the_output_is_published_says_it_was_publishe
     assert beside(complete) == []
 
 
+def test_an_interrupt_as_a_piece_moves_in_says_the_piece_is_in(tiny, tmp_path, monkeypatch):
+    import reshard.publish as pub
+
+    real = pub._claim
+
+    def claim_then_ctrl_c(*args):
+        real(*args)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(pub, "_claim", claim_then_ctrl_c)
+    out = tmp_path / "pieces"
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2", "--ranks", "0")
+    assert code == 130, err
+    assert "interrupted after publishing" in err and "holds this piece" in err
+    assert (out / "reshard.ranks-0.json").is_file() and (out / "model-rank-0-part-0.safetensors").is_file()
+
+
 def test_an_interrupt_before_publishing_still_says_nothing_was_published(tiny, complete, monkeypatch):
     import reshard.save as sv
 
