@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     as_json = "--json" in args
     debug = False
+    if (publish := sys.modules.get("reshard.publish")) is not None:
+        publish.forget()  # an earlier run in this process (tests): what it published is not this run's
     try:
         debug = settings.DEBUG.get()
         if not _HELP.intersection(args):  # help and --version work whatever the environment holds
@@ -121,12 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     except _StdoutClosed:
         _end_quietly()
     except (click.exceptions.Abort, KeyboardInterrupt):
-        _fail(
-            "interrupted; nothing was published and a previous output is unchanged",
-            ExitCode.INTERRUPTED,
-            as_json,
-            "interrupted",
-        )
+        _interrupted(as_json)
     except click.UsageError as e:
         where = "reshard" + (f" {args[0]}" if args and args[0] in cli.commands else "")
         _fail(f"{e.format_message()} (see `{where} --help`)", ExitCode.USAGE, as_json, "usage")
@@ -146,6 +143,19 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         _end_quietly()
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _interrupted(as_json: bool) -> None:
+    """Exit 130 saying what is on disk: the interrupt may have come once this run had published
+    (checked again now: the folder holds the files this run put there)."""
+    from reshard.publish import published
+
+    done = published()
+    if done:
+        msg = f"interrupted after publishing: {'; '.join(done)} (`reshard verify` it)"
+        _fail(msg, ExitCode.INTERRUPTED, as_json, "interrupted_after_publishing")
+    msg = "interrupted; nothing was published and a previous output is unchanged"
+    _fail(msg, ExitCode.INTERRUPTED, as_json, "interrupted")
 
 
 def _fail(message: str, code: int, as_json: bool, kind: str) -> None:

@@ -78,6 +78,11 @@ def ranks_tag(ranks: list[int]) -> str:
     return "_".join(out)
 
 
+def ranks_text(ranks: list[int]) -> str:
+    """A rank set for people: [3] -> '3', [0,1,2,3,6] -> '0-3,6' (file names keep `ranks_tag`)."""
+    return ranks_tag(ranks).replace("_", ",")
+
+
 def shared_run_id(source: dict, layout: Layout, source_tensors: dict, version: str) -> str:
     """The same for every piece of one job, wherever it runs: a digest of what is being made."""
     blob = json.dumps([version, source, dataclasses.asdict(layout), source_tensors], sort_keys=True).encode()

@@ -11,8 +11,15 @@ Where the exchange is not available, two renames are used (OUT_DIR -> `names.OLD
 new -> OUT_DIR) with signals held off between them; a crash in that instant is repaired by the
 next run (`recover`), which puts the old folder back.
 
-One run at a time per OUT_DIR: `lock` takes an exclusive lock beside it and names the holder to a
-second run, which fails with exit 5.
+An OUT_DIR that is a mount point (a container volume) cannot be swapped: the folder beside it lies
+on another filesystem. There the new files are staged in a hidden folder inside OUT_DIR and moved in
+(`_publish_inside`): the previous manifest is removed first and the new one written last, so no half
+state ever verifies; an interrupt between leaves a folder without a manifest (rerun save).
+
+OUT_DIR's checks and lock are in `reshard.outdir`.
+
+What was published is recorded (`published`) and checked on disk again after the fact, so an
+interrupt that comes once the new output is in place is reported as such, not as "nothing published".
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -29,14 +35,11 @@ import signal
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from reshard.console import human_bytes
-from reshard.errors import OutputError
 from reshard.format import fsync_dir
 from reshard.names import (
     CONFIG,
     HIDDEN_PREFIX,
     INDEX,
-    LOCK,
     MANIFEST,
     OLD,
     STAGING,
@@ -46,37 +49,15 @@ from reshard.names import (
     sibling,
     siblings,
 )
-
-
-def check_out_dir(out_dir: Path, source_root: Path | None, overwrite: bool) -> None:
-    """Refuse an OUT_DIR inside the source (or around it), a file, or a non-empty folder unasked."""
-    out = out_dir.resolve()
-    if source_root is not None:
-        src = source_root.resolve()
-        if out == src or src in out.parents:
-            raise OutputError(f"OUT_DIR {out_dir} is inside the source folder {source_root}", "write elsewhere")
-        if out in src.parents:
-            raise OutputError(f"the source folder {source_root} is inside OUT_DIR {out_dir}", "write elsewhere")
-    _check_parents(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"OUT_DIR {out_dir} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"OUT_DIR {out_dir} is not empty", "pass --overwrite to replace its reshard files")
-
-
-def _check_parents(out_dir: Path) -> None:
-    for parent in out_dir.resolve().parents:
-        if parent.exists() and not parent.is_dir():
-            raise OutputError(f"OUT_DIR {out_dir} lies under {parent}, which is a file", "choose another OUT_DIR")
-
-
-def check_free_space(folder: Path, need: int) -> None:
-    free = shutil.disk_usage(folder).free
-    if free < need:
-        raise OutputError(
-            f"not enough disk space in {folder}: need {human_bytes(need)}, {human_bytes(free)} free",
-            "free space or choose another OUT_DIR",
-        )
+from reshard.outdir import (
+    check_free_space,
+    check_out_dir,
+    check_writable,
+    is_mount,
+    lock,
+    make_dir,
+    write_error,
+)
 
 
 def side_files(root: Path) -> list[str]:
@@ -102,57 +83,6 @@ def copy_files(src: Path, names: Iterable[str], dst: Path) -> None:
             shutil.copy2(path, dst / name)
 
 
-# ---- one run at a time ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def lock(out_dir: Path) -> Iterator[None]:
-    """Hold the exclusive lock of OUT_DIR (a file beside it, removed at the end)."""
-    path = sibling(out_dir, LOCK)
-    _check_parents(out_dir)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"cannot create {path.parent}: {e.strerror or e}", "choose another OUT_DIR") from e
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError as e:
-            raise OutputError(f"cannot write beside {out_dir}: {e.strerror or e}", "choose another OUT_DIR") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            other = _read_pid(fd)
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise OutputError(
-                    f"another reshard run ({'pid ' + other if other else 'another process'}) is writing {out_dir}",
-                    "wait for it to finish, or write elsewhere",
-                ) from None
-            raise OutputError(f"cannot lock {path}: {e.strerror or e}") from e
-        # the file may have been removed (and recreated) by the previous holder: lock the live one
-        try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            path.unlink()
-        os.close(fd)
-
-
-def _read_pid(fd: int) -> str:
-    with contextlib.suppress(OSError):
-        return os.pread(fd, 32, 0).decode(errors="replace").strip()
-    return ""
-
-
 # ---- the publish sequence -------------------------------------------------------------------------
 
 
@@ -162,13 +92,17 @@ def staged(out_dir: Path, tag: str, *, source: Path | None, overwrite: bool, nee
     OUT_DIR, repair what an interrupted run left, check it (`check_out_dir`: not inside `source`,
     empty unless `overwrite`) and its free space (`need` bytes), make the staging folder beside it,
     yield it; the caller fills it and publishes (`swap_in` or `move_into`) inside the block. A write
-    error is told as an OutputError; the staging folder never outlives the block."""
+    error is told as an OutputError; the staging folder never outlives the block. OUT_DIR a mount
+    point: the staging folder is made inside it (and `swap_in` moves the files in)."""
     with lock(out_dir):
         recover(out_dir)  # first: a folder an interrupted swap took away is put back
         check_out_dir(out_dir, source, overwrite)
-        make_dir(out_dir.resolve().parent)
-        check_free_space(out_dir.resolve().parent, need)
-        folder = staging_dir(out_dir, tag)
+        inside = is_mount(out_dir)  # staged inside it: beside it is another filesystem
+        base = out_dir.resolve() if inside else out_dir.resolve().parent
+        make_dir(base)
+        check_writable(out_dir, base)
+        check_free_space(base, need)
+        folder = staging_dir(out_dir, tag, inside=inside)
         make_dir(folder)
         try:
             yield folder
@@ -199,22 +133,14 @@ def recover(out_dir: Path) -> None:
         fsync_dir(out.parent)
     for leftover in [*olds, *siblings(out_dir, STAGING)]:
         shutil.rmtree(leftover, ignore_errors=True)
-    if out.is_dir():  # temporary folders of older reshard versions, inside OUT_DIR
-        for old in out.glob(f"{TMP_PREFIX}*"):
+    if out.is_dir():  # staging folders of a mount point; temporary folders of older reshard versions
+        for old in [*out.glob(f"{STAGING}*"), *out.glob(f"{TMP_PREFIX}*")]:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def staging_dir(out_dir: Path, tag: str) -> Path:
-    """Where a run builds its new OUT_DIR (created by the caller)."""
-    return sibling(out_dir, STAGING, tag)
-
-
-def make_dir(path: Path) -> None:
-    """mkdir -p, with a failure told as an output error."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"cannot create {path}: {e.strerror or e}", "choose another folder") from e
+def staging_dir(out_dir: Path, tag: str, *, inside: bool = False) -> Path:
+    """Where a run builds its new OUT_DIR (created by the caller): beside it, or inside a mount point."""
+    return out_dir.resolve() / f"{STAGING}{tag}" if inside else sibling(out_dir, STAGING, tag)
 
 
 def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced: Iterable[str] = ()) -> None:
@@ -222,13 +148,17 @@ def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced:
     the new folder lacks) are carried over. The old folder is removed afterwards. `synced`: files the
     caller already fsynced (the rank files), not synced again."""
     out = out_dir.resolve()
+    if staged.parent == out:
+        _publish_inside(staged, out, ours=ours, synced=synced)
+        return
     if out.is_dir():
         for p in sorted(out.iterdir()):
             if not ours(p.name) and not (staged / p.name).exists() and not p.name.startswith(HIDDEN_PREFIX):
                 _link_tree(p, staged / p.name)
     _fsync_tree(staged, skip=set(synced))
     old = sibling(out_dir, OLD, staged.name.rsplit(STAGING, 1)[-1])
-    with _signals_held():
+    new = os.stat(staged).st_ino
+    with signals_held():
         if not out.exists():
             os.rename(staged, out)
         elif not _exchange(staged, out):
@@ -236,7 +166,70 @@ def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced:
             os.rename(staged, out)
             staged = old
         fsync_dir(out.parent)
+        _claim(out, out, new)
     shutil.rmtree(staged, ignore_errors=True)
+
+
+def _publish_inside(staged: Path, out: Path, *, ours: Callable[[str], bool], synced: Iterable[str]) -> None:
+    """OUT_DIR a mount point: the previous manifest goes first (OUT_DIR no longer verifies), then
+    reshard's old files, then the new files are moved in, the manifest last. Signals wait meanwhile;
+    a kill leaves a folder without a manifest, which the next save repairs."""
+    _fsync_tree(staged, skip=set(synced))
+    names = sorted(p.name for p in staged.iterdir() if p.name != MANIFEST)
+    manifest = staged / MANIFEST
+    new = manifest.stat().st_ino if manifest.exists() else None
+    with signals_held():
+        (out / MANIFEST).unlink(missing_ok=True)
+        fsync_dir(out)
+        for p in sorted(out.iterdir()):
+            if ours(p.name) and not p.name.startswith(HIDDEN_PREFIX) and not (staged / p.name).exists():
+                _remove(p)
+        for name in names:
+            if (out / name).is_dir() and not (out / name).is_symlink():
+                shutil.rmtree(out / name)
+            os.replace(staged / name, out / name)
+        fsync_dir(out)
+        if new is not None:
+            os.replace(manifest, out / MANIFEST)
+            fsync_dir(out)
+            _claim(out, out / MANIFEST, new)
+        else:
+            _claim(out, out, out.stat().st_ino)
+    shutil.rmtree(staged, ignore_errors=True)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+
+
+# ---- what was published, checked after the fact -----------------------------------------------------
+
+_WHOLE = "this run's new output, complete"
+_claims: list[tuple[Path, Path, int, str]] = []
+
+
+def _claim(out: Path, path: Path, inode: int, what: str = _WHOLE) -> None:
+    """This run put `path` (inode `inode`) in place: `out` holds `what`."""
+    _claims.append((out, path, inode, what))
+
+
+def forget() -> None:
+    """A new run starts in this process: nothing published yet."""
+    _claims.clear()
+
+
+def published() -> list[str]:
+    """What this process published and is still there (each checked on disk now, by inode), as
+    "<folder> holds <what>": what an interrupt that came after publishing leaves."""
+    out: list[str] = []
+    for folder, path, inode, what in _claims:
+        with contextlib.suppress(OSError):
+            if os.stat(path, follow_symlinks=False).st_ino == inode and f"{folder} holds {what}" not in out:
+                out.append(f"{folder} holds {what}")
+    return out
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -289,7 +282,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """Ctrl-C / SIGTERM wait until the swap is done (they are delivered right after)."""
     sigs = {signal.SIGINT, signal.SIGTERM}
     try:
@@ -303,20 +296,19 @@ def _signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def write_error(out_dir: Path, e: OSError) -> OutputError:
-    """An OSError while writing into OUT_DIR, as the user-facing error."""
-    if e.errno == errno.ENOSPC:
-        return OutputError(f"disk full while writing {out_dir}", "free space or choose another OUT_DIR")
-    return OutputError(f"cannot write {out_dir}: {e.strerror or e}")
-
-
-def move_into(staged: Path, out_dir: Path, names: Iterable[str]) -> None:
-    """Move `names` from `staged` into an existing OUT_DIR, replacing files of the same name (a
-    `save --ranks` piece joining the others; the folder is complete only once assembled)."""
+def move_into(staged: Path, out_dir: Path, names: Iterable[str], *, last: Path) -> None:
+    """Move `names` from `staged` into an existing OUT_DIR, replacing files of the same name, then
+    `last` (a file in `staged`: the piece manifest), signals held meanwhile (a `save --ranks` piece
+    joining the others; the folder is complete only once assembled)."""
     out = out_dir.resolve()
-    for name in names:
-        dst = out / name
-        if dst.is_dir() and not dst.is_symlink():
-            shutil.rmtree(dst)
-        (staged / name).replace(dst)
-    fsync_dir(out)
+    with signals_held():
+        for name in names:
+            dst = out / name
+            if dst.is_dir() and not dst.is_symlink():
+                shutil.rmtree(dst)
+            (staged / name).replace(dst)
+        fsync_dir(out)
+        inode = last.stat().st_ino
+        last.replace(out / last.name)
+        fsync_dir(out)
+        _claim(out, out / last.name, inode, f"this piece ({MANIFEST} appears once every piece is in)")

@@ -31,8 +31,9 @@ from reshard.layout import Layout
 from reshard.manifest import Manifest, build_manifest, read_manifest, side_file_entries, write_manifest
 from reshard.manifest.pieces import assemble, same_job
 from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
+from reshard.outdir import make_dir, write_error
 from reshard.plan import OutFile, Plan, build_plan
-from reshard.publish import copy_files, make_dir, move_into, side_files, staged, swap_in, write_config, write_error
+from reshard.publish import copy_files, move_into, side_files, staged, swap_in, write_config
 from reshard.sources import open_source
 
 
@@ -102,6 +103,7 @@ def save(
                 folder = held.enter_context(
                     staged(out_dir, tag, source=src.checkpoint.root, overwrite=overwrite, need=need)
                 )
+                target.check(out_dir)
                 if options.write.device != "cpu":
                     _check_device(options.write.device)
                 return folder
@@ -262,6 +264,9 @@ class Target:
         """OUT_DIR may be written although it is not empty (and without --overwrite)."""
         return False
 
+    def check(self, out_dir: Path) -> None:
+        """Refuse OUT_DIR (with the lock held, before anything is written) where this target may not go."""
+
     def publish(self, plan: Plan, manifest: Manifest, folder: Path, out_dir: Path) -> SaveResult:
         raise NotImplementedError
 
@@ -294,12 +299,20 @@ class Piece(Target):
     def joins(self, out_dir: Path, run_id: str) -> bool:
         return same_job(out_dir, run_id)
 
+    def check(self, out_dir: Path) -> None:
+        """A piece never touches a complete output (even with --overwrite): it could only make it
+        incomplete until every other piece is rerun."""
+        if (out_dir / MANIFEST).exists():
+            raise OutputError(
+                f"OUT_DIR {out_dir} holds a complete output ({MANIFEST}); a --ranks piece never replaces one",
+                "write the pieces into an empty folder (or another OUT_DIR), then `reshard assemble` it",
+            )
+
     def publish(self, plan: Plan, manifest: Manifest, folder: Path, out_dir: Path) -> PieceSaved:
         piece = replace(manifest, ranks=tuple(self.ranks), all_files=tuple(f.name for f in plan.files))
         make_dir(out_dir)
-        (out_dir / MANIFEST).unlink(missing_ok=True)
-        move_into(folder, out_dir, [f.name for f in manifest.files] + list(manifest.copied))
-        write_manifest(out_dir, piece, name=piece_manifest_name(ranks_tag(self.ranks)))
+        last = write_manifest(folder, piece, name=piece_manifest_name(ranks_tag(self.ranks)))
+        move_into(folder, out_dir, [f.name for f in manifest.files] + list(manifest.copied), last=last)
         whole = assemble(out_dir, quiet=True)
         return PieceSaved(plan, self.ranks, len(manifest.files), whole, out_dir)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from reshard.commands.options import json_option
+from reshard.commands.save import plural
 from reshard.console import emit_json, stdout
 from reshard.names import MANIFEST
 from reshard.serve import PLUGIN_NOTE
@@ -22,7 +23,7 @@ def assemble_cmd(out_dir, as_json):
     Pieces copied together from several machines are checked to belong to one job (same run id).
     """
     from reshard.manifest.pieces import assemble
-    from reshard.publish import lock
+    from reshard.outdir import lock
 
     with lock(out_dir):  # not while a `save --ranks` piece is moving its files in
         manifest = assemble(out_dir)
@@ -39,7 +40,7 @@ def assemble_cmd(out_dir, as_json):
             }
         )
         return
-    stdout.print(f"assembled {len(manifest.files)} files into {out_dir / MANIFEST}")
+    stdout.print(f"assembled {plural(len(manifest.files), 'file')} into {out_dir / MANIFEST}")
     if spec:
         stdout.print(f"note: {serve_note(spec)}")
     if manifest.serve_reshard:

@@ -11,6 +11,7 @@ import click
 from reshard import VLLM_VERSIONS
 from reshard.commands.options import ByteSize, json_option, layout_options, revision_option
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.distributed import ranks_text
 from reshard.hashing import ALGORITHMS
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
 from reshard.names import DEFAULT_MAX_PART, MANIFEST
@@ -20,7 +21,7 @@ from reshard.vllm_versions import serve_note
 
 @click.command("save")
 @click.argument("source")
-@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))  # a file: refused by reshard (exit 5)
 @layout_options
 @click.option(
     "--max-part-size",
@@ -117,14 +118,19 @@ def save_cmd(
         result = save(source, out_dir, layout, options, on_plan=on_plan)
     seconds = time.monotonic() - t0
     if isinstance(result, PieceSaved) and result.manifest is None:
-        _piece(result, ranks, as_json)
+        _piece(result, as_json)
     elif isinstance(result, (Saved, PieceSaved)):  # a piece that was the last one: the whole output
         assert result.manifest is not None
         _saved(result.manifest, out_dir, seconds, as_json)
     # else a torchrun process other than 0: process 0 reports
 
 
-def _piece(result, ranks: str, as_json: bool) -> None:
+def plural(n: int, word: str) -> str:
+    """'1 file', '2 files'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _piece(result, as_json: bool) -> None:
     total = len(result.plan.files)
     if as_json:
         emit_json(
@@ -137,8 +143,9 @@ def _piece(result, ranks: str, as_json: bool) -> None:
             }
         )
     else:
+        which = f"{'rank' if len(result.ranks) == 1 else 'ranks'} {ranks_text(result.ranks)}"
         stdout.print(
-            f"wrote ranks {ranks} ({result.files} files) of {total}; {MANIFEST} appears when all pieces are in"
+            f"wrote {which} ({plural(result.files, 'file')} of {total}); {MANIFEST} appears when all pieces are in"
         )
 
 
@@ -162,8 +169,8 @@ def _saved(m, out_dir: Path, seconds: float, as_json: bool) -> None:
         )
         return
     stdout.print(
-        f"wrote {len(m.files)} files, {human_bytes(m.total_bytes)} in {seconds:.1f} s "
-        f"({m.layout.world} ranks) to {out_dir}"
+        f"wrote {plural(len(m.files), 'file')}, {human_bytes(m.total_bytes)} in {seconds:.1f} s "
+        f"({plural(m.layout.world, 'rank')}) to {out_dir}"
     )
     for note in m.notes:
         stdout.print(f"note: {note}")

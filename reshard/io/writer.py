@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from reshard import settings
-from reshard.errors import OutputError
 from reshard.format import ITEMSIZE, encode_header
 from reshard.hashing import new_hasher
 from reshard.io.memory import ALIGN, Lease, aligned_buffer
+from reshard.outdir import write_error
 
 if TYPE_CHECKING:
     from reshard.plan import OutTensor
@@ -141,7 +141,7 @@ class FileWriter(Sink):
             if self.fd < 0:
                 self.fd = os.open(path, flags, 0o666)
         except OSError as e:
-            raise _write_error(path, e) from e
+            raise write_error(path, e) from e
         self.hasher = new_hasher(checksum)
         self.size = 0  # bytes written or staged
         self.flushed = 0  # bytes handed to writeback (buffered mode)
@@ -321,7 +321,7 @@ class FileWriter(Sink):
                 if n:
                     bufs[0] = bufs[0][n:]
         except OSError as e:
-            raise _write_error(self.path, e) from e
+            raise write_error(self.path, e) from e
         finally:
             for v in bufs:
                 v.release()
@@ -343,7 +343,7 @@ class FileWriter(Sink):
             fd, self.fd = self.fd, -1
             os.close(fd)
         except OSError as e:
-            raise _write_error(self.path, e) from e
+            raise write_error(self.path, e) from e
         finally:
             self._free()
         return Written(self.path.name, self.size, self.hasher.hexdigest())
@@ -391,9 +391,3 @@ def page_aligned_header(entries: list[tuple[str, str, tuple[int, ...]]], metadat
 def _address(view: memoryview) -> int:
     """Where a contiguous buffer's first byte lies in memory."""
     return np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
-
-
-def _write_error(path: Path, e: OSError) -> OutputError:
-    if e.errno == errno.ENOSPC:
-        return OutputError(f"disk full while writing {path.name}", "free space or choose another OUT_DIR")
-    return OutputError(f"cannot write {path}: {e.strerror}")

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS, __version__
-from reshard.errors import CorruptError
+from reshard.errors import CorruptError, OutputError
 from reshard.format import fsync_dir
 from reshard.hashing import hash_file
 from reshard.manifest.schema import (
@@ -101,10 +102,12 @@ def build_manifest(
 
 
 def write_manifest(out_dir: Path, manifest: Manifest, name: str = MANIFEST) -> Path:
-    """Write durably under a temporary name, then rename into place."""
+    """Write durably under a temporary name, then rename into place. The temporary file is created
+    new (O_EXCL|O_NOFOLLOW): a stale one is removed first (a file, or a link, never what it points
+    to), so nothing planted there makes the manifest be written outside `out_dir`."""
     path = out_dir / name
     tmp = out_dir / f".{name}.tmp"
-    with open(tmp, "w") as f:
+    with os.fdopen(_create_new(tmp), "w") as f:
         json.dump(manifest.to_json(), f, indent=1)
         f.write("\n")
         f.flush()
@@ -112,6 +115,21 @@ def write_manifest(out_dir: Path, manifest: Manifest, name: str = MANIFEST) -> P
     os.replace(tmp, path)
     fsync_dir(out_dir)
     return path
+
+
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def _create_new(path: Path) -> int:
+    try:
+        return os.open(path, _NEW, 0o644)
+    except FileExistsError:
+        pass
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode) and not stat.S_ISLNK(mode):
+        raise OutputError(f"{path} is in the way (not a file reshard left)", "remove it, then rerun")
+    path.unlink()  # a stale temporary file, or a link: the link goes, its target is not touched
+    return os.open(path, _NEW, 0o644)
 
 
 def read_manifest(out_dir: Path, name: str = MANIFEST) -> Manifest:

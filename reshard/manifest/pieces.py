@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
+import stat
 from pathlib import Path
 
 from reshard.errors import CorruptError, OutputError, SourceError
-from reshard.manifest import Manifest, ManifestProblem, parse, piece_paths, write_manifest
+from reshard.format import read_header
+from reshard.manifest import FileRecord, Manifest, ManifestProblem, parse, piece_paths, write_manifest
 from reshard.names import PIECE_MANIFEST_GLOB
 
 
 def read_pieces(out_dir: Path) -> list[Manifest]:
     """The partial manifests of the `--ranks` pieces in `out_dir`, by name, each validated: a damaged
     one raises CorruptError (exit 7) naming it."""
+    return [m for _, m in _read_pieces(out_dir)]
+
+
+def _read_pieces(out_dir: Path) -> list[tuple[Path, Manifest]]:
     pieces = []
     for p in piece_paths(out_dir):
         try:
@@ -26,7 +33,7 @@ def read_pieces(out_dir: Path) -> list[Manifest]:
             ) from None
         if piece.ranks is None or piece.all_files is None:
             raise CorruptError(f"{p}: not a piece manifest (no ranks)", "remove it and rerun that --ranks piece")
-        pieces.append(piece)
+        pieces.append((p, piece))
     return pieces
 
 
@@ -38,18 +45,24 @@ def same_job(out_dir: Path, run_id: str) -> bool:
     return bool(pieces) and all(p.run_id == run_id for p in pieces)
 
 
+class Incomplete(CorruptError):
+    """A piece lists a file that is not in the folder as it wrote it: the set is not complete."""
+
+
 def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
     """Combine the partial manifests of --ranks pieces into reshard.json once every file is in.
 
-    With `quiet`, a folder that is not complete yet gives None instead of an error.
+    Before anything is written or removed, every file a piece lists must be in the folder as that
+    piece wrote it: a regular file of the recorded size whose header holds the job's run id. With
+    `quiet`, a folder that is not complete yet gives None instead of an error.
     """
-    pieces = read_pieces(out_dir)
+    pieces = _read_pieces(out_dir)
     if not pieces:
         if quiet:
             return None
         raise SourceError(f"{out_dir}: no {PIECE_MANIFEST_GLOB} piece manifests to assemble")
-    first = pieces[0]
-    for p in pieces[1:]:
+    first = pieces[0][1]
+    for _, p in pieces[1:]:
         if p.run_id != first.run_id:
             raise OutputError(f"{out_dir}: pieces of two different jobs (run ids {first.run_id}, {p.run_id})")
         if p.checksum != first.checksum:
@@ -57,17 +70,99 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
                 f"{out_dir}: pieces saved with different --checksum ({first.checksum}, {p.checksum})",
                 "rerun the pieces with one --checksum",
             )
-    entries = {f.name: f for p in pieces for f in p.files}
-    missing = [n for n in first.all_files or () if n not in entries]
-    if missing:
+    try:
+        entries = _entries(out_dir, pieces)
+        missing = [n for n in first.all_files or () if n not in entries]
+        if missing:
+            raise _missing(out_dir, missing)
+        _check_present(out_dir, first, entries)
+    except (OutputError, Incomplete):
         if quiet:
             return None
-        raise OutputError(
-            f"{out_dir}: {len(missing)} file(s) not written yet, e.g. {missing[0]}", "run the missing --ranks"
-        )
-    files = tuple(entries[n] for n in first.all_files or ())
-    whole = dataclasses.replace(first, files=files, total_bytes=sum(f.size for f in files), ranks=None, all_files=None)
+        raise
+    files = tuple(entries[n][1] for n in first.all_files or ())
+    whole = dataclasses.replace(
+        first,
+        files=files,
+        total_bytes=sum(f.size for f in files),
+        ranks=None,
+        all_files=None,
+        serve=_serve_in(first.serve, out_dir),
+        serve_reshard=_serve_in(first.serve_reshard, out_dir) if first.serve_reshard else first.serve_reshard,
+    )
     write_manifest(out_dir, whole)
-    for p in piece_paths(out_dir):
+    for p, _ in pieces:
         p.unlink()
     return whole
+
+
+def _entries(out_dir: Path, pieces: list[tuple[Path, Manifest]]) -> dict[str, tuple[Path, FileRecord]]:
+    """Each listed file with the piece manifest that lists it; two pieces that list one file
+    differently: one of them is stale (an earlier run of that piece)."""
+    entries: dict[str, tuple[Path, FileRecord]] = {}
+    for path, piece in pieces:
+        for f in piece.files:
+            if f.name in entries and entries[f.name][1] != f:
+                other = entries[f.name][0]
+                raise Incomplete(
+                    f"{out_dir}: {other.name} and {path.name} both list {f.name}, differently: one is stale",
+                    "remove the stale piece manifest and rerun its --ranks piece",
+                )
+            entries.setdefault(f.name, (path, f))
+    return entries
+
+
+def _missing(out_dir: Path, missing: list[str]) -> OutputError:
+    there = [n for n in missing if (out_dir / n).exists()]
+    if there:
+        return OutputError(
+            f"{out_dir}: {there[0]} is in the folder but no piece manifest lists it"
+            f" ({len(missing)} file(s) unlisted): the piece manifest that wrote it is missing",
+            "rerun the --ranks piece that writes it",
+        )
+    return OutputError(
+        f"{out_dir}: {len(missing)} file(s) not written yet, e.g. {missing[0]}", "run the missing --ranks"
+    )
+
+
+def _check_present(out_dir: Path, first: Manifest, entries: dict[str, tuple[Path, FileRecord]]) -> None:
+    """Every listed rank file a regular file of its recorded size and run id; every copied file there."""
+    for name, (piece, f) in entries.items():
+        why = _differs(out_dir / name, f.size, first.run_id)
+        if why:
+            raise Incomplete(f"{out_dir}: {name}, listed by {piece.name}, {why}", "rerun that --ranks piece")
+    for side in first.copied_files:
+        why = _differs(out_dir / side.name, side.size, None)
+        if why:
+            raise Incomplete(f"{out_dir}: copied file {side.name} {why}", "rerun a --ranks piece: it copies them")
+
+
+def _differs(path: Path, size: int, run_id: str | None) -> str | None:
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return "is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_size != size:
+        return f"has {st.st_size} bytes, {size} recorded"
+    if run_id is not None:
+        try:
+            _, meta, _ = read_header(path)
+        except SourceError as e:
+            return f"is damaged ({e.message})"
+        if meta.get("reshard_run") != run_id:
+            return f"belongs to another run ({meta.get('reshard_run')}, not {run_id})"
+    return None
+
+
+def _serve_in(line: str, out_dir: Path) -> str:
+    """A piece's serve line (naming the folder that piece was saved to) for the assembled folder."""
+    head, sep, rest = line.partition(_LOAD_FORMAT)
+    if not head.startswith(_SERVE) or not sep:
+        return line
+    return f"{_SERVE}{shlex.quote(str(out_dir))}{sep}{rest}"
+
+
+_SERVE = "vllm serve "
+_LOAD_FORMAT = " --load-format "

@@ -12,6 +12,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reshard.console import human_bytes
 from reshard.errors import CorruptError, SourceError
 from reshard.format import read_header
 from reshard.hashing import LEGACY
@@ -21,10 +22,13 @@ from reshard.manifest.pieces import read_pieces
 from reshard.names import (
     CONFIG,
     MANIFEST,
+    OLD,
     PP_PATTERN,
     RANK_FILE_GLOBS,
+    STAGING,
     TMP_PREFIX,
     parse_rank_file,
+    siblings,
     vllm_globs,
 )
 from reshard.plan import natural_key
@@ -179,6 +183,15 @@ def check_structure(report: Report, folder: Folder) -> None:
     for p in out.glob(f"{TMP_PREFIX}*"):
         msg = f"{p.name}: temporary folder of an interrupted save (safe to remove)"
         report.add("leftover", msg, code=CORRUPT, file=p.name, warn=True)
+    for p in [*siblings(out, STAGING), *siblings(out, OLD), *out.glob(f"{STAGING}*")]:
+        where = "inside the folder" if p.parent == out.resolve() else "beside the folder"
+        msg = f"{p.name} {where}: left by an interrupted save ({_du(p)}; safe to remove, or rerun save)"
+        report.add("leftover", msg, code=CORRUPT, file=p.name, warn=True)
+
+
+def _du(folder: Path) -> str:
+    size = sum(p.lstat().st_size for p in folder.rglob("*") if not p.is_dir() or p.is_symlink())
+    return human_bytes(size)
 
 
 def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:

@@ -1,0 +1,316 @@
+"""Issue 24, "never lose or fake an output": --ranks and assemble never cost a complete output,
+an interrupt says what is on disk, mount points and read-only OUT_DIRs, planted locks and temp files."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.cli import run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def beside(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}"))
+
+
+@pytest.fixture
+def complete(tiny, tmp_path) -> Path:
+    out = tmp_path / "out"
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+    return out
+
+
+@pytest.fixture
+def pieces(tiny, tmp_path) -> Path:
+    """Both pieces of a TP 2 job in one folder, not assembled yet (the second piece's manifest held back)."""
+    out = tmp_path / "pieces"
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2", "--ranks", "0")[0] == 0
+    held = tmp_path / "held"
+    assert run("save", str(tiny("llama")), str(held), "--tp", "2", "--ranks", "1")[0] == 0
+    for p in held.iterdir():
+        if not (out / p.name).exists():
+            shutil.copy2(p, out / p.name)
+    return out
+
+
+# ---- case 4: a --ranks piece never touches a complete output ------------------------------------
+
+
+def test_a_piece_over_a_complete_output_is_refused_and_the_output_kept(tiny, complete):
+    before = snapshot(complete)
+    code, _, err = run("save", str(tiny("llama")), str(complete), "--tp", "2", "--ranks", "0", "--overwrite")
+    assert code == 5, err
+    assert "complete output" in err and "reshard assemble" in err and len(err.splitlines()) == 1
+    assert snapshot(complete) == before
+    assert run("verify", str(complete))[0] == 0
+    assert beside(complete) == []
+
+
+# ---- case 5: assemble checks every file before writing or removing anything ---------------------
+
+
+def test_assemble_refuses_a_set_with_a_rank_file_absent(pieces):
+    (pieces / "model-rank-1-part-0.safetensors").unlink()
+    manifests = sorted(p.name for p in pieces.glob("reshard.ranks-*.json"))
+    code, _, err = run("assemble", str(pieces))
+    assert code == 7, err
+    assert "model-rank-1-part-0.safetensors" in err and "missing" in err
+    assert not (pieces / "reshard.json").exists()
+    assert sorted(p.name for p in pieces.glob("reshard.ranks-*.json")) == manifests
+
+
+def test_assemble_refuses_a_truncated_rank_file(pieces):
+    with open(pieces / "model-rank-0-part-0.safetensors", "r+b") as f:
+        f.truncate(100)
+    code, _, err = run("assemble", str(pieces))
+    assert code == 7 and "model-rank-0-part-0.safetensors" in err and "100 bytes" in err
+    assert not (pieces / "reshard.json").exists()
+
+
+def test_assemble_refuses_a_rank_file_of_another_run(tiny, pieces, tmp_path):
+    other = tmp_path / "other"
+    assert run("save", str(tiny("llama")), str(other), "--tp", "2", "--dtype", "float16")[0] == 0
+    shutil.copy2(other / "model-rank-1-part-0.safetensors", pieces / "model-rank-1-part-0.safetensors")
+    code, _, err = run("assemble", str(pieces))
+    assert code == 7 and "model-rank-1-part-0.safetensors" in err, err
+    assert "another run" in err or "bytes" in err  # same size: the header's run id tells
+
+
+def test_a_present_file_whose_piece_manifest_is_gone_is_not_called_unwritten(pieces):
+    (pieces / "reshard.ranks-1.json").unlink()
+    code, _, err = run("assemble", str(pieces))
+    assert code == 5, err
+    assert "model-rank-1-part-0.safetensors is in the folder but no piece manifest lists it" in err
+    assert "not written yet" not in err
+
+
+def test_two_piece_manifests_listing_one_file_differently_are_named(pieces):
+    stale = json.loads((pieces / "reshard.ranks-1.json").read_text())
+    stale["ranks"] = [0, 1]
+    stale["files"][0]["size"] += 1
+    (pieces / "reshard.ranks-0-1.json").write_text(json.dumps(stale))
+    code, _, err = run("assemble", str(pieces))
+    assert code == 7, err
+    assert "reshard.ranks-0-1.json and reshard.ranks-1.json both list model-rank-1-part-0.safetensors" in err
+
+
+def test_assemble_serve_line_names_the_assembled_folder(pieces, tmp_path):
+    moved = tmp_path / "moved here"
+    shutil.copytree(pieces, moved)
+    code, out, err = run("assemble", str(moved), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert str(pieces) not in result["serve"] and str(moved) in result["serve"]
+    assert json.loads((moved / "reshard.json").read_text())["serve"] == result["serve"]
+    assert run("verify", str(moved))[0] == 0
+
+
+def test_assemble_does_not_follow_a_planted_manifest_temp_link(pieces, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    (pieces / ".reshard.json.tmp").symlink_to(victim)
+    code, out, err = run("assemble", str(pieces))
+    assert code == 0, err
+    assert victim.read_text() == "keep me\n"
+    assert (pieces / "reshard.json").is_file() and not (pieces / "reshard.json").is_symlink()
+    assert "assembled 2 files" in out
+    assert run("verify", str(pieces))[0] == 0
+
+
+# ---- case 6: an interrupt after publishing is told as such ------------------------------------------
+
+
+def test_an_interrupt_that_comes_as_the_output_is_published_says_it_was_published(tiny, complete, monkeypatch):
+    """A real SIGINT, sent while signals are held for the swap: delivered right after it."""
+    import reshard.publish as pub
+
+    real = pub._claim
+
+    def claim_then_ctrl_c(*args):
+        real(*args)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(pub, "_claim", claim_then_ctrl_c)
+    code, _, err = run("save", str(tiny("llama")), str(complete), "--tp", "4", "--overwrite")
+    assert code == 130, err
+    assert "interrupted after publishing" in err and str(complete) in err and "nothing was published" not in err
+    assert json.loads((complete / "reshard.json").read_text())["layout"]["tp"] == 4
+    assert run("verify", str(complete), "--tp", "4")[0] == 0
+    assert beside(complete) == []
+
+
+def test_an_interrupt_as_a_piece_moves_in_says_the_piece_is_in(tiny, tmp_path, monkeypatch):
+    import reshard.publish as pub
+
+    real = pub._claim
+
+    def claim_then_ctrl_c(*args):
+        real(*args)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(pub, "_claim", claim_then_ctrl_c)
+    out = tmp_path / "pieces"
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2", "--ranks", "0")
+    assert code == 130, err
+    assert "interrupted after publishing" in err and "holds this piece" in err
+    assert (out / "reshard.ranks-0.json").is_file() and (out / "model-rank-0-part-0.safetensors").is_file()
+
+
+def test_an_interrupt_before_publishing_still_says_nothing_was_published(tiny, complete, monkeypatch):
+    import reshard.save as sv
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sv, "swap_in", boom)
+    code, _, err = run("save", str(tiny("llama")), str(complete), "--tp", "4", "--overwrite")
+    assert code == 130 and "nothing was published" in err
+    assert json.loads((complete / "reshard.json").read_text())["layout"]["tp"] == 2
+
+
+# ---- case 7: mount points and read-only OUT_DIRs (a private mount namespace) -----------------------
+
+
+def _in_mount_namespace(script: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RESHARD_DISABLE_PROGRESS": "1"}
+    return subprocess.run(["unshare", "-rm", "sh", "-ec", script], capture_output=True, text=True, env=env, timeout=300)
+
+
+def _unshare_works() -> bool:
+    try:
+        return _in_mount_namespace("true").returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+needs_mounts = pytest.mark.skipif(not shutil.which("unshare") or not _unshare_works(), reason="no mount namespace")
+
+
+@needs_mounts
+def test_a_mount_point_out_dir_is_published_inside_itself(tiny, tmp_path):
+    out = tmp_path / "vol"
+    out.mkdir()
+    rs = f"{sys.executable} -m reshard"
+    src = tiny("llama")
+    r = _in_mount_namespace(
+        f"""
+        mount -t tmpfs vol {out}
+        {rs} save {src} {out} --tp 2
+        {rs} verify {out} --tp 2
+        echo mine > {out}/NOTES.md
+        {rs} save {src} {out} --tp 4 --overwrite
+        {rs} verify {out} --tp 4
+        ls -A {out}
+        ls -A {tmp_path}
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    listing = r.stdout.split("wrote 4 files")[-1]
+    assert "NOTES.md" in listing and "model-rank-3-part-0.safetensors" in listing
+    assert ".reshard" not in listing  # no staging folder left inside, none beside
+
+
+@needs_mounts
+def test_a_read_only_out_dir_is_refused_before_anything_is_written(tiny, tmp_path):
+    out = tmp_path / "vol"
+    out.mkdir()
+    rs = f"{sys.executable} -m reshard"
+    src = tiny("llama")
+    r = _in_mount_namespace(
+        f"""
+        mount -t tmpfs vol {out}
+        {rs} save {src} {out} --tp 2
+        mount -o remount,ro {out}
+        rc=0; {rs} save {src} {out} --tp 4 --overwrite || rc=$?
+        echo "rc=$rc"
+        {rs} verify {out} --tp 2
+        ls -A {tmp_path}
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "rc=5" in r.stdout
+    assert "not writable" in r.stderr and len([ln for ln in r.stderr.splitlines() if "error" in ln]) == 1
+    assert ".vol.reshard-new" not in r.stdout
+
+
+# ---- case 9: a planted lock ----------------------------------------------------------------------
+
+
+def test_a_symlink_at_the_lock_path_is_not_followed(tiny, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    (tmp_path / ".out.reshard.lock").symlink_to(victim)
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
+    assert code == 5 and "symbolic link" in err, err
+    assert victim.read_text() == "precious\n"
+    assert not out.exists()
+
+
+def test_a_lock_path_that_is_not_a_regular_file_is_refused(tiny, tmp_path):
+    out = tmp_path / "out"
+    os.mkfifo(tmp_path / ".out.reshard.lock")
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
+    assert code == 5 and "not a regular file" in err, err
+
+
+# ---- papercuts ---------------------------------------------------------------------------------------
+
+
+def test_out_dir_that_is_a_file_is_exit_5(tiny, tmp_path):
+    out = tmp_path / "out"
+    out.write_text("a file\n")
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
+    assert code == 5 and "not a folder" in err, err
+    assert out.read_text() == "a file\n"
+
+
+def test_too_many_open_files_blames_the_process_limit(tiny, tmp_path):
+    out = tmp_path / "out"
+    code = (
+        "import resource; from reshard.cli import main; "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (12, 12)); "
+        f"main(['save', {str(tiny('llama'))!r}, {str(out)!r}, '--tp', '8'])"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RESHARD_DISABLE_PROGRESS": "1"}
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft > 12
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 5, r.stderr
+    assert "too many open files" in r.stderr and "ulimit -n" in r.stderr
+    assert "cannot write" not in r.stderr
+    assert beside(out) == []
+
+
+def test_counts_and_ranks_read_as_english(tiny, tmp_path):
+    code, out, err = run("save", str(tiny("llama")), str(tmp_path / "one"), "--tp", "1")
+    assert code == 0, err
+    assert "wrote 1 file," in out and "(1 rank)" in out
+    code, out, err = run("save", str(tiny("llama")), str(tmp_path / "p"), "--tp", "4", "--ranks", "3-3")
+    assert code == 0, err
+    assert "wrote rank 3 (1 file of 4)" in out and "3-3" not in out
+    assert (tmp_path / "p" / "reshard.ranks-3.json").is_file()  # the file name is unchanged
+
+
+def test_verify_warns_about_a_leftover_staging_folder(complete):
+    left = complete.parent / ".out.reshard-new-0123abcd"
+    left.mkdir()
+    (left / "model-rank-0-part-0.safetensors").write_bytes(b"x" * 3000)
+    code, out, err = run("verify", str(complete))
+    assert code == 0, out + err
+    text = out + err
+    assert ".out.reshard-new-0123abcd" in text and "safe to remove, or rerun save" in text and "KB" in text
