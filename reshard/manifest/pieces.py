@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from reshard.errors import CorruptError, OutputError, SourceError
-from reshard.manifest import Manifest, ManifestProblem, parse, piece_paths, write_manifest
+from reshard.manifest import Manifest, ManifestProblem, parse, piece_paths, read_json, write_manifest
 from reshard.names import PIECE_MANIFEST_GLOB
 
 
@@ -17,7 +16,7 @@ def read_pieces(out_dir: Path) -> list[Manifest]:
     pieces = []
     for p in piece_paths(out_dir):
         try:
-            piece = parse(json.loads(p.read_text()))
+            piece = parse(read_json(p))
         except (OSError, ValueError) as e:  # ManifestProblem is a ValueError
             why = str(e) if isinstance(e, ManifestProblem) else f"unreadable: {e}"
             raise CorruptError(
