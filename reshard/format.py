@@ -7,12 +7,14 @@ of 8), then the tensor bytes back to back. Each JSON entry gives dtype, shape an
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from reshard.errors import SourceError
 
@@ -67,19 +69,24 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-def read_header(path: Path, *, size: int | None = None) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+def read_header(
+    path: Path, *, size: int | None = None, follow: bool = True
+) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
     """Parse and validate a safetensors header.
 
     Returns (tensors by name, `__metadata__`, size of the file). Raises SourceError naming the file
     on any inconsistency: truncation, a length field larger than the file, bad JSON, unknown dtypes,
-    offsets outside the file, holes or overlaps.
+    offsets outside the file, holes or overlaps; or a path that is not a regular file (a FIFO is
+    never waited on).
 
     size: check the offsets against this size instead of the file's (`verify` reads the header of
         a truncated file as the size it was written with, to tell which tensors the cut hits).
+    follow: False for a file a manifest names (a symlink is refused, not followed).
     """
     try:
-        size = path.stat().st_size if size is None else size
-        with open(path, "rb") as f:
+        fd = open_regular(path, follow=follow)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size if size is None else size
             head = f.read(8)
             if len(head) < 8:
                 raise SourceError(f"{path}: truncated safetensors file ({size} bytes)", _REDOWNLOAD)
@@ -93,6 +100,66 @@ def read_header(path: Path, *, size: int | None = None) -> tuple[dict[str, Tenso
     except OSError as e:
         raise SourceError(f"{path}: cannot read ({e.strerror})") from e
     return parse_header(raw, size, str(path), path.name)
+
+
+# ---- files named by someone else: regular files only, never followed out, never waited on ------------
+
+
+class NotRegular(OSError):
+    """A path that is a symlink not to be followed, or not a regular file (FIFO, device, socket,
+    folder): never read. Its strerror says which."""
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    return next((what for test, what in _KINDS if test(mode)), "a device or other special file")
+
+
+def open_regular(path: Path | str, *, follow: bool = True, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file `path`, opened without blocking (a FIFO with no
+    writer is refused at once, not waited on); with `follow` False a symlink is refused too.
+    `dir_fd`: the folder a relative `path` is in. Raises NotRegular, or the OSError of the open."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            raise NotRegular(errno.ELOOP, "a symlink (not followed)", str(path)) from None
+        if e.errno == errno.ENXIO:  # a socket
+            raise NotRegular(errno.ENXIO, "not a regular file (a socket)", str(path)) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegular(errno.EINVAL, f"not a regular file ({kind(mode)})", str(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_inside(folder: Path, name: str) -> int:
+    """`open_regular` of `name` (relative, `/`-separated) inside `folder`, following no symlink on
+    the way: each folder of the name is opened without following links. Raises NotRegular for a
+    name that leaves the folder or passes a symlink."""
+    parts = PurePosixPath(name).parts
+    if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+        raise NotRegular(errno.EINVAL, "a name outside the folder", name)
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for part in parts[:-1]:
+            try:
+                sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotRegular(e.errno, f"{part} is a symlink or not a folder (not followed)", name) from None
+                raise
+            os.close(dfd)
+            dfd = sub
+        return open_regular(parts[-1], follow=False, dir_fd=dfd)
+    finally:
+        os.close(dfd)
 
 
 def parse_header(

@@ -72,15 +72,37 @@ def hash_file(
 ) -> str | None:
     """A file's checksum (None for `none`, without reading): large sequential reads into one reused
     buffer. Raises OSError."""
-    h = new_hasher(algorithm)
     if algorithm == NONE:
         return None
     with open(path, "rb", buffering=0) as f:
-        # no larger than the file (+1 to see its end in one read): a tokenizer folder's many small
-        # files would each pay for zeroing a 16 MiB buffer
-        buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size + 1)))
-        view = memoryview(buf)
-        while n := f.readinto(buf):
+        return hash_fd(f.fileno(), algorithm, advance=advance, block=block)
+
+
+def hash_fd(
+    fd: int,
+    algorithm: str = DEFAULT,
+    *,
+    advance: Callable[[int], None] | None = None,
+    block: int = READ_BLOCK,
+    limit: int | None = None,
+) -> str | None:
+    """`hash_file` of an open file, from its current position: at most `limit` bytes where given (a
+    manifest-named file is read no further than its recorded size). Raises OSError."""
+    h = new_hasher(algorithm)
+    if algorithm == NONE:
+        return None
+    left = os.fstat(fd).st_size if limit is None else limit
+    # no larger than the file (+1 to see its end in one read): a tokenizer folder's many small
+    # files would each pay for zeroing a 16 MiB buffer
+    buf = bytearray(max(1, min(block, left + 1)))
+    view = memoryview(buf)
+    while left > 0 and (n := os.readv(fd, [view[: min(len(buf), left)]])):
+        h.update(view[:n])
+        left -= n
+        if advance is not None:
+            advance(n)
+    if limit is None:  # the whole file, also past the size fstat saw
+        while n := os.readv(fd, [view]):
             h.update(view[:n])
             if advance is not None:
                 advance(n)

@@ -58,6 +58,7 @@ from reshard.outdir import (
     make_dir,
     write_error,
 )
+from reshard.sidecopy import copy_side_files
 
 
 def side_files(root: Path) -> list[str]:
@@ -74,13 +75,10 @@ def side_files(root: Path) -> list[str]:
 
 
 def copy_files(src: Path, names: Iterable[str], dst: Path) -> None:
-    """Copy files (and folders) `names` from `src` into `dst`, keeping times and modes."""
-    for name in names:
-        path = src / name
-        if path.is_dir():
-            shutil.copytree(path, dst / name, dirs_exist_ok=True)
-        else:
-            shutil.copy2(path, dst / name)
+    """Copy files (and folders) `names` from `src` into `dst` as regular files, keeping times and
+    modes. A symlink leading out of the source (or its Hub cache repo folder) or a special file
+    (FIFO, device, socket) raises SourceError (exit 4) naming it (reshard.sidecopy)."""
+    copy_side_files(src, list(names), dst)
 
 
 # ---- the publish sequence -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS, __version__
 from reshard.errors import CorruptError, OutputError
-from reshard.format import fsync_dir
+from reshard.format import fsync_dir, open_regular
 from reshard.hashing import hash_file
 from reshard.manifest.schema import (
     FORMAT,
@@ -39,6 +39,7 @@ __all__ = [
     "TensorRecord",
     "build_manifest",
     "parse",
+    "read_json",
     "read_manifest",
     "side_file_entries",
     "write_manifest",
@@ -132,11 +133,27 @@ def _create_new(path: Path) -> int:
     return os.open(path, _NEW, 0o644)
 
 
+MAX_MANIFEST = 1 << 30  # bytes: a manifest of a million tensors is a few hundred MB
+
+
+def read_json(path: Path) -> object:
+    """A manifest's JSON: a regular file (a FIFO is refused, not waited on) of at most MAX_MANIFEST
+    bytes. Raises OSError (FileNotFoundError when absent) or ValueError saying what is wrong."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        raw = f.read(MAX_MANIFEST + 1)
+    if len(raw) > MAX_MANIFEST:
+        raise ValueError(f"larger than {MAX_MANIFEST} bytes")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
 def read_manifest(out_dir: Path, name: str = MANIFEST) -> Manifest:
     """The folder's manifest, validated. Raises CorruptError saying what to do."""
     path = out_dir / name
     try:
-        obj = json.loads(path.read_text())
+        obj = read_json(path)
     except FileNotFoundError:
         raise CorruptError(
             f"{out_dir}: no {MANIFEST}: not a complete reshard output",

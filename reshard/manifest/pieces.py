@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 import stat
 from pathlib import Path
 
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import read_header
-from reshard.manifest import FileRecord, Manifest, ManifestProblem, parse, piece_paths, write_manifest
+from reshard.manifest import FileRecord, Manifest, ManifestProblem, parse, piece_paths, read_json, write_manifest
 from reshard.names import PIECE_MANIFEST_GLOB
 
 
@@ -24,7 +23,7 @@ def _read_pieces(out_dir: Path) -> list[tuple[Path, Manifest]]:
     pieces = []
     for p in piece_paths(out_dir):
         try:
-            piece = parse(json.loads(p.read_text()))
+            piece = parse(read_json(p))
         except (OSError, ValueError) as e:  # ManifestProblem is a ValueError
             why = str(e) if isinstance(e, ManifestProblem) else f"unreadable: {e}"
             raise CorruptError(

@@ -5,15 +5,26 @@ here and nowhere else. Everything outside reshard.manifest reads a `Manifest`'s 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS
-from reshard.format import DTYPE_CODES
+from reshard.format import DTYPE_CODES, ITEMSIZE
 from reshard.hashing import ALGORITHMS, FIELD, LEGACY, NONE
 from reshard.layout import Layout
 from reshard.names import file_pattern, parse_rank_file
 
 FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
+
+# bounds on what a manifest may say, far above any real model, so a hostile or damaged one is refused
+# before anything sized by it is built (memory stays flat)
+MAX_TP = MAX_PP = 4096
+MAX_WORLD = 65536
+MAX_PART = 10**6
+MAX_SIZE = 2**50  # bytes of one file, and of the whole
+MAX_FILES = 10**6  # rank files, copied files, source tensors
+MAX_TENSORS = 10**7  # tensors over all rank files
+MAX_DIMS = 64
 
 
 class ManifestProblem(ValueError):
@@ -181,7 +192,8 @@ def parse(obj: object) -> Manifest:
     """The typed manifest of a parsed `reshard.json` (or piece manifest). Raises ManifestProblem."""
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ManifestProblem("not a reshard manifest")
-    if obj.get("format_version") != FORMAT_VERSION:
+    version = obj.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:  # True == 1 in Python
         raise ManifestProblem(f"format version {obj.get('format_version')!r} is not {FORMAT_VERSION}")
     for key in ("layout", "files", "run_id", "source"):
         if key not in obj:
@@ -196,9 +208,14 @@ def parse(obj: object) -> Manifest:
     _need(spec is None or isinstance(spec, str), f"vllm_versions is {spec!r}")
     if spec is None:
         spec = VLLM_VERSIONS if vllm_layout == VLLM_LAYOUT else None
-    files = _list(obj["files"], "files")
+    files = _list(obj["files"], "files", MAX_FILES)
     seen: set[str] = set()
     records = tuple(_file(i, e, seen, algorithm) for i, e in enumerate(files))
+    _need(sum(len(f.tensors) for f in records) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
+    world = layout.tp * layout.pp
+    ranks = None
+    if "ranks" in obj:
+        ranks = tuple(_int(r, "ranks", world - 1) for r in _list(obj["ranks"], "ranks", world))
     return Manifest(
         run_id=obj["run_id"],
         source=obj["source"],
@@ -210,16 +227,16 @@ def parse(obj: object) -> Manifest:
         created=str(obj.get("created", "")),
         vllm_layout=vllm_layout,
         vllm_versions=spec,
-        total_bytes=_int(obj.get("total_bytes", sum(f.size for f in records)), "total_bytes"),
-        copied=tuple(_strings(obj.get("copied") or [], "copied")),
+        total_bytes=_int(obj.get("total_bytes", sum(f.size for f in records)), "total_bytes", MAX_SIZE),
+        copied=tuple(_inside(n, "copied") for n in _strings(_optional(obj, "copied"), "copied")),
         copied_files=tuple(
-            _side(i, e, algorithm) for i, e in enumerate(_list(obj.get("copied_files") or [], "copied_files"))
+            _side(i, e, algorithm) for i, e in enumerate(_list(_optional(obj, "copied_files"), "copied_files"))
         ),
         source_tensors=_source_tensors(obj.get("source_tensors")),
         serve=str(obj.get("serve") or ""),
         serve_reshard=obj.get("serve_reshard") if isinstance(obj.get("serve_reshard"), str) else None,
         notes=tuple(_strings(obj.get("notes") or [], "notes")),
-        ranks=tuple(_int(r, "ranks") for r in _list(obj["ranks"], "ranks")) if "ranks" in obj else None,
+        ranks=ranks,
         all_files=tuple(_strings(obj.get("all_files") or [], "all_files")) if "ranks" in obj else None,
         extra={k: v for k, v in obj.items() if k not in _KNOWN},
         source_files=_source_files(obj["source_files"]) if "source_files" in obj else None,
@@ -229,13 +246,20 @@ def parse(obj: object) -> Manifest:
 def _layout(lay: object) -> tuple[str, Layout, str]:
     _need(isinstance(lay, dict), "layout is not an object")
     assert isinstance(lay, dict)
-    for k in ("tp", "pp"):
-        _need(type(lay.get(k)) is int and lay[k] >= 1, f"layout.{k} is {lay.get(k)!r}")
+    for k, most in (("tp", MAX_TP), ("pp", MAX_PP)):
+        _need(type(lay.get(k)) is int and 1 <= lay[k] <= most, f"layout.{k} is {lay.get(k)!r} (at most {most})")
+    _need(lay["tp"] * lay["pp"] <= MAX_WORLD, f"layout.tp * layout.pp is over {MAX_WORLD}")
     _need(isinstance(lay.get("ep"), bool), f"layout.ep is {lay.get('ep')!r}")
     part = lay.get("pp_layer_partition")
     _need(
-        part is None or (isinstance(part, list) and all(type(x) is int and x >= 1 for x in part)),
-        f"layout.pp_layer_partition is {part!r}",
+        part is None
+        or part == []
+        or (
+            isinstance(part, list)
+            and len(part) == lay["pp"]
+            and all(type(x) is int and 1 <= x <= MAX_PART for x in part)
+        ),
+        f"layout.pp_layer_partition is {str(part)[:100]} (one layer count per pipeline stage)",
     )
     dtype = lay.get("dtype") or "auto"
     dtype = DTYPE_CODES.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -256,12 +280,13 @@ def _file(i: int, e: object, seen: set[str], algorithm: str) -> FileRecord:
     assert isinstance(e, dict)
     name = e.get("name")
     _need(
-        isinstance(name, str) and parse_rank_file(name) is not None, f"files[{i}].name {name!r} is not a rank file name"
+        isinstance(name, str) and parse_rank_file(name) is not None and "/" not in name and "\n" not in name,
+        f"files[{i}].name {name!r} is not a rank file name",
     )
     _need(name not in seen, f"{name} is listed twice")
     seen.add(name)
-    for k in ("tp_rank", "pp_rank", "part", "size"):
-        _need(type(e.get(k)) is int and e[k] >= 0, f"files[{i}].{k} is {e.get(k)!r}")
+    for k, most in (("tp_rank", MAX_TP), ("pp_rank", MAX_PP), ("part", MAX_PART), ("size", MAX_SIZE)):
+        _need(type(e.get(k)) is int and 0 <= e[k] <= most, f"files[{i}].{k} is {e.get(k)!r}")
     digest = e.get(algorithm) if algorithm != NONE else None
     _need(algorithm == NONE or isinstance(digest, str), f"files[{i}].{algorithm} is {e.get(algorithm)!r}")
     ts = e.get("tensors")
@@ -270,7 +295,8 @@ def _file(i: int, e: object, seen: set[str], algorithm: str) -> FileRecord:
         and isinstance(t.get("name"), str)
         and isinstance(t.get("dtype"), str)
         and isinstance(t.get("shape"), list)
-        and all(type(n) is int for n in t["shape"])
+        and len(t["shape"]) <= MAX_DIMS
+        and all(type(n) is int and 0 <= n <= MAX_SIZE for n in t["shape"])
         for t in ts
     )
     _need(ok, f"files[{i}].tensors is malformed")
@@ -280,19 +306,29 @@ def _file(i: int, e: object, seen: set[str], algorithm: str) -> FileRecord:
 
 def _side(i: int, e: object, algorithm: str) -> SideRecord:
     ok = isinstance(e, dict) and isinstance(e.get("name"), str) and type(e.get("size")) is int
+    ok = ok and 0 <= e["size"] <= MAX_SIZE  # type: ignore[index]
     digest = e.get(algorithm) if ok and algorithm != NONE else None  # type: ignore[union-attr]
-    _need(ok and (algorithm == NONE or isinstance(digest, str)), f"copied_files[{i}] is malformed ({e!r})")
-    return SideRecord(e["name"], e["size"], digest)  # type: ignore[index]
+    _need(ok and (algorithm == NONE or isinstance(digest, str)), f"copied_files[{i}] is malformed ({str(e)[:200]})")
+    return SideRecord(_inside(e["name"], f"copied_files[{i}].name"), e["size"], digest)  # type: ignore[index]
+
+
+def _inside(name: str, what: str) -> str:
+    """A copied file's name: relative, inside the folder (no leading `/`, no `..`, no NUL)."""
+    path = PurePosixPath(name)
+    ok = bool(name) and not path.is_absolute() and ".." not in path.parts and "\0" not in name and "\\" not in name
+    _need(ok, f"{what} {name[:200]!r} is not a name inside the folder")
+    return name
 
 
 def _source_tensors(src: object) -> dict[str, tuple[str, tuple[int, ...]]] | None:
     if src is None:
         return None
-    _need(isinstance(src, dict), "source_tensors is not an object")
+    _need(isinstance(src, dict) and len(src) <= MAX_FILES, "source_tensors is not an object of tensors")
     out = {}
     for name, v in src.items():  # type: ignore[union-attr]
-        ok = isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], list)
-        _need(ok and all(type(n) is int and n >= 0 for n in v[1]), f"source_tensors[{name!r}] is {v!r}")
+        ok = isinstance(v, list) and len(v) == 2 and v[0] in ITEMSIZE and isinstance(v[1], list)
+        ok = ok and len(v[1]) <= MAX_DIMS and all(type(n) is int and 0 <= n <= MAX_SIZE for n in v[1])
+        _need(ok, f"source_tensors[{name[:200]!r}] is {str(v)[:200]}")
         out[name] = (v[0], tuple(v[1]))
     return out
 
@@ -307,13 +343,20 @@ def _source_files(v: object) -> tuple[SourceFileRecord, ...]:
     return tuple(out)
 
 
+def _optional(obj: dict, key: str) -> object:
+    """A list the manifest may leave out (or null): [] then."""
+    v = obj.get(key)
+    return [] if v is None else v
+
+
 def _need(ok: bool, problem: str) -> None:
     if not ok:
         raise ManifestProblem(problem)
 
 
-def _list(v: object, what: str) -> list:
+def _list(v: object, what: str, most: int = MAX_FILES) -> list:
     _need(isinstance(v, list), f"{what} is not a list")
+    _need(len(v) <= most, f"{what} lists more than {most}")  # type: ignore[arg-type]
     return v  # type: ignore[return-value]
 
 
@@ -322,6 +365,6 @@ def _strings(v: object, what: str) -> list[str]:
     return v  # type: ignore[return-value]
 
 
-def _int(v: object, what: str) -> int:
-    _need(type(v) is int and v >= 0, f"{what} is {v!r}")
+def _int(v: object, what: str, most: int = MAX_SIZE) -> int:
+    _need(type(v) is int and 0 <= v <= most, f"{what} is {v!r}")
     return v  # type: ignore[return-value]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
-from reshard.format import TensorInfo, read_header
+from reshard.format import TensorInfo, open_regular, read_header
 from reshard.names import CONFIG, INDEX, SINGLE
 from reshard.sources.integrity import Expected, check_files, local_expected
 from reshard.sources.validate import check_config, check_index
@@ -64,10 +65,19 @@ def read_local(root: Path, ref: dict) -> Checkpoint:
     return Checkpoint(root, config, tensors, files, ref, sizes)
 
 
+MAX_JSON = 256 * 1024 * 1024  # bytes of a config or index: real ones are a few MB
+
+
+def read_json(path: Path) -> object:
+    """A source's JSON file: regular (a FIFO is refused, not waited on), read up to MAX_JSON bytes
+    (a longer one fails to parse). Raises OSError, ValueError, RecursionError."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return json.loads(f.read(MAX_JSON))
+
+
 def read_config(root: Path) -> dict:
     try:
-        with open(root / CONFIG) as f:
-            config = json.load(f)
+        config = read_json(root / CONFIG)
     except FileNotFoundError:
         raise SourceError(f"{root}: no {CONFIG}", "SOURCE must be a Hugging Face checkpoint folder") from None
     except (OSError, ValueError, RecursionError) as e:
@@ -80,7 +90,7 @@ def weight_files(root: Path) -> list[str]:
     index = root / INDEX
     if index.exists():
         try:
-            files = check_index(json.loads(index.read_text()), str(index))
+            files = check_index(read_json(index), str(index))
         except (OSError, ValueError, RecursionError) as e:
             raise SourceError(f"{index}: cannot parse ({e})", "download the checkpoint again") from e
         missing = [f for f in files if not (root / f).is_file()]

@@ -10,13 +10,14 @@ serves `save` with an output as SOURCE (re-shard without the original) and `merg
 from __future__ import annotations
 
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import CorruptError, SourceError, UnsupportedError
-from reshard.format import ITEMSIZE, TensorInfo, read_header
-from reshard.hashing import NONE, hash_file
+from reshard.format import ITEMSIZE, TensorInfo, open_regular, read_header
+from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest, read_manifest
 from reshard.plan import Slice, build_plan
 from reshard.sources.local import read_config
@@ -44,6 +45,7 @@ class OutputSource(Source):
 def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict[str, list[Region]]]:
     """The original checkpoint's metadata, and where each of its tensors lies in the rank files."""
     manifest = read_manifest(path)
+    _check_complete(path, manifest, None)
     if checksums:
         check_files(path, manifest)
     config = read_config(path)
@@ -58,10 +60,11 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
         n: TensorInfo(n, d, s, VIRTUAL, 0, math.prod(s) * ITEMSIZE[d]) for n, (d, s) in manifest.source_tensors.items()
     }
     old = build_plan(Checkpoint(None, config, original, [VIRTUAL], manifest.source), manifest.layout)
+    _check_complete(path, manifest, [f.name for f in old.files])
     regions: dict[str, list[Region]] = {}
     dtypes: dict[str, str] = {}
     for f in old.files:
-        header, _, _ = read_header(path / f.name)
+        header, _, _ = read_header(path / f.name, follow=False)
         for t in f.tensors:
             if t.name not in header:
                 raise CorruptError(f"{path / f.name}: tensor {t.name} is missing", "the output is damaged")
@@ -104,21 +107,51 @@ def _tile(name: str, shape: tuple[int, ...], regs: list[Region]) -> list[Region]
     return unique
 
 
+def _check_complete(path: Path, manifest: Manifest, planned: list[str] | None) -> None:
+    """Refuse what `verify` calls incomplete: a piece's manifest, a rank of the layout without files,
+    or (once planned again) a planned file the manifest does not list."""
+    lay = manifest.layout
+    have = {f.rank for f in manifest.files}
+    missing = [(p, t) for p in range(lay.pp) for t in range(lay.tp) if (p, t) not in have]
+    listed = {f.name for f in manifest.files}
+    unlisted = [n for n in planned or () if n not in listed]
+    why = (
+        "its manifest is a --ranks piece's"
+        if manifest.ranks is not None
+        else f"its manifest lists no file for pp rank {missing[0][0]}, tp rank {missing[0][1]}"
+        if missing
+        else f"its manifest does not list {unlisted[0]}"
+        if unlisted
+        else None
+    )
+    if why:
+        raise CorruptError(
+            f"{path} is not a complete reshard output: {why}",
+            "run `reshard verify` on it, or reshard the original checkpoint",
+        )
+
+
 def check_files(path: Path, manifest: Manifest) -> None:
     """Refuse an output as SOURCE unless every file is present, whole and unaltered."""
 
     algorithm = manifest.checksum
 
     def check(entry: FileRecord) -> str | None:
-        p = path / entry.name
         try:
-            if p.stat().st_size != entry.size:
-                return f"{entry.name} has {p.stat().st_size} bytes, the manifest says {entry.size}"
-            if algorithm == NONE:  # saved with --checksum none: sizes are all there is to check
-                return None
-            digest = hash_file(p, algorithm)
+            fd = open_regular(path / entry.name, follow=False)  # a symlink or FIFO is refused, not read
         except OSError as e:
             return f"{entry.name}: {e.strerror}"
+        try:
+            size = os.fstat(fd).st_size
+            if size != entry.size:
+                return f"{entry.name} has {size} bytes, the manifest says {entry.size}"
+            if algorithm == NONE:  # saved with --checksum none: sizes are all there is to check
+                return None
+            digest = hash_fd(fd, algorithm, limit=entry.size)
+        except OSError as e:
+            return f"{entry.name}: {e.strerror}"
+        finally:
+            os.close(fd)
         return None if digest == entry.digest else f"{entry.name} fails its {algorithm} checksum"
 
     with ThreadPoolExecutor(max_workers=4) as pool:

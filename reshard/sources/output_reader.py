@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from reshard.errors import CorruptError
-from reshard.format import ITEMSIZE, TensorInfo
+from reshard.format import ITEMSIZE, TensorInfo, open_regular
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,7 +37,7 @@ class OutputReader:
 
     def _pread(self, file: str, offset: int, nbytes: int) -> bytes:
         if file not in self.fds:
-            self.fds[file] = os.open(self.root / file, os.O_RDONLY)
+            self.fds[file] = open_regular(self.root / file, follow=False)
         data = os.pread(self.fds[file], nbytes, offset)
         if len(data) != nbytes:
             raise CorruptError(f"{self.root / file}: truncated", "the output is damaged")

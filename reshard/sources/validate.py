@@ -29,8 +29,9 @@ def _is(*types: type) -> Check:
     return lambda v: isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
 
 
-POSITIVE, COUNT, FLAG, NAME, NAMES = _int(1), _int(0), _is(bool), _is(str), _list_of(_is(str))
+POSITIVE, COUNT, FLAG, NAME, NAMES, OBJECT = _int(1), _int(0), _is(bool), _is(str), _list_of(_is(str)), _is(dict)
 WHAT = {
+    OBJECT: "an object",
     POSITIVE: f"a positive integer (at most {MAX_DIM})",
     COUNT: f"a non-negative integer (at most {MAX_DIM})",
     FLAG: "true or false",
@@ -43,14 +44,16 @@ CONFIG_SCHEMA: dict[str, Check] = {
     **dict.fromkeys(("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
                      "vocab_size", "intermediate_size", "moe_intermediate_size", "num_experts",
                      "num_local_experts", "n_routed_experts", "head_dim", "num_experts_per_tok",
-                     "decoder_sparse_step", "moe_layer_freq"), POSITIVE),
+                     "decoder_sparse_step", "moe_layer_freq", "full_attention_interval"), POSITIVE),
     **dict.fromkeys(("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "q_lora_rank",
                      "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                     "shared_expert_intermediate_size"), COUNT),
+                     "shared_expert_intermediate_size", "interleave_moe_layer_step"), COUNT),
     **dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), FLAG),
     **dict.fromkeys(("torch_dtype", "dtype", "topk_method", "scoring_func"), NAME),
     "architectures": NAMES,
+    "layer_types": NAMES,
     "mlp_only_layers": _list_of(COUNT),
+    "compression_config": OBJECT,
 }  # fmt: skip
 QUANT_SCHEMA: dict[str, Check] = {
     "quant_method": NAME,
@@ -83,6 +86,13 @@ def check_config(config: object, where: str) -> dict:
         if not isinstance(text, dict):
             raise SourceError(f"{where}: config.json text_config must be an object, found {text!r}", _REFETCH)
         _check(text, CONFIG_SCHEMA, where, "text_config.")
+    for prefix, obj in (("", config), ("text_config.", text or {})):
+        types, layers = obj.get("layer_types"), obj.get("num_hidden_layers")
+        if types and isinstance(layers, int) and len(types) < layers:
+            raise SourceError(
+                f"{where}: config.json {prefix}layer_types lists {len(types)} layers, num_hidden_layers is {layers}",
+                _REFETCH,
+            )
     quant = config.get("quantization_config")
     if quant is not None:
         if not isinstance(quant, dict):

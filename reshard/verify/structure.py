@@ -9,12 +9,14 @@ is read from its file names instead.
 from __future__ import annotations
 
 import fnmatch
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from reshard.console import human_bytes
 from reshard.errors import CorruptError, SourceError
-from reshard.format import read_header
+from reshard.format import kind, read_header
 from reshard.hashing import LEGACY
 from reshard.layout import Layout
 from reshard.manifest import Manifest, piece_paths, read_manifest
@@ -198,7 +200,13 @@ def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
     """One file: present, of the manifest's size, its header parses, written by the manifest's run."""
     path = folder.out / f.name
     try:
-        f.size = path.stat().st_size
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symlink" if stat.S_ISLNK(st.st_mode) else kind(st.st_mode)
+            msg = f"{f.name} is {what}, not a regular file in the folder: not followed or read ({RERUN})"
+            report.add("not-regular", msg, code=CORRUPT, file=f.name)
+            return
+        f.size = st.st_size
     except FileNotFoundError:
         msg = f"{f.name} is missing ({rank_label(f.rank, folder.layout.pp)} cannot load)"
         report.add("missing-file", msg, code=CORRUPT, file=f.name)
@@ -215,7 +223,7 @@ def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
             msg += f"; tensor {cut[0]} is cut" + (f" ({len(cut) - 1} more after it)" if len(cut) > 1 else "")
         report.add("size", msg, code=CORRUPT, file=f.name, tensor=cut[0] if cut else None)
     try:
-        f.tensors, f.meta, _ = read_header(path)
+        f.tensors, f.meta, _ = read_header(path, follow=False)
     except SourceError as e:
         if not (want is not None and f.size != want and "truncated" in e.message):
             report.add("header", _strip_path(e.message, path), code=CORRUPT, file=f.name)
@@ -265,7 +273,7 @@ def _check_against_manifest(report: Report, folder: Folder) -> None:
             report.add("stray", msg, code=CORRUPT, file=p.name)
     assert folder.manifest is not None
     for name in folder.manifest.copied:
-        if not (out / name).exists():
+        if not os.path.lexists(out / name):
             report.add("missing-file", f"{name} (copied from the source) is missing", code=CORRUPT, file=name)
 
 
@@ -302,7 +310,7 @@ def _strip_path(message: str, path: Path) -> str:
 def _cut_tensors(path: Path, size: int, written: int) -> list[str]:
     """Tensors of a file truncated from `written` to `size` bytes that end past its end, in file order."""
     try:
-        tensors, _, _ = read_header(path, size=written)
+        tensors, _, _ = read_header(path, size=written, follow=False)
     except SourceError:
         return []
     ends = sorted((t.offset + t.nbytes, t.offset, t.name) for t in tensors.values())

@@ -7,11 +7,12 @@ differences into one message that says what to run instead.
 
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.errors import SourceError
-from reshard.format import DTYPE_CODES, TensorInfo, read_header
+from reshard.format import DTYPE_CODES, TensorInfo, kind, read_header
 from reshard.layout import Layout
 from reshard.manifest import FileRecord, Manifest
 from reshard.names import MANIFEST, file_pattern
@@ -193,7 +194,12 @@ def check_files(folder: Path, manifest: Manifest, entries: list[FileRecord], eng
     for e in entries:
         path = folder / e.name
         try:
-            size = path.stat().st_size
+            st = path.lstat()
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):  # a symlink, a FIFO: never followed, never waited on
+                what = "a symlink" if stat.S_ISLNK(st.st_mode) else kind(st.st_mode)
+                problems.append(f"{e.name} is {what}, not a regular file in the folder")
+                continue
         except FileNotFoundError:
             problems.append(f"{e.name} is missing")
             continue
@@ -204,7 +210,7 @@ def check_files(folder: Path, manifest: Manifest, entries: list[FileRecord], eng
             problems.append(f"{e.name} has {size} bytes, the manifest says {e.size}")
             continue
         try:
-            infos, meta, _ = read_header(path)
+            infos, meta, _ = read_header(path, follow=False)
         except SourceError as err:
             problems.append(err.message)
             continue
