@@ -30,7 +30,7 @@ from reshard.io.writer import Written
 from reshard.layout import Layout
 from reshard.manifest import Manifest, build_manifest, read_manifest, side_file_entries, write_manifest
 from reshard.manifest.pieces import assemble, same_job
-from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
+from reshard.names import CONFIG, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
 from reshard.plan import OutFile, Plan, build_plan
 from reshard.publish import copy_files, make_dir, move_into, side_files, staged, swap_in, write_config, write_error
 from reshard.sources import open_source
@@ -46,6 +46,7 @@ class SaveOptions:
     revision: str | None = None
     stream: bool = False
     ranks: str | None = None  # --ranks: these engine ranks only (a piece)
+    trust_remote_code: bool = False  # copy the checkpoint's code and trust it in the serve line
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,9 @@ def save(
     procs = Processes.from_env()
     try:
         src = open_source(source, options.revision, stream=options.stream)
-        plan = build_plan(src.checkpoint, layout, max_part_size=options.max_part_size)
+        plan = build_plan(
+            src.checkpoint, layout, max_part_size=options.max_part_size, trust_remote_code=options.trust_remote_code
+        )
         target = Piece.chosen(plan, options.ranks) or Whole()
         files = target.files(plan)
         tensors = _source_tensors(src.checkpoint)
@@ -144,11 +147,14 @@ def _manifest(
 ) -> Manifest:
     """Copy the side files into the staging folder; the manifest of what was written."""
     assert ckpt.root is not None
-    copied = side_files(ckpt.root)
-    plain = [n for n in copied if not (n == "config.json" and plan.config_patch)]
+    code = plan.remote_code
+    copied = [n for n in side_files(ckpt.root) if n not in code.skip_files]
+    patched = plan.config_patch or code.drop_config_keys
+    plain = [n for n in copied if not (n == CONFIG and patched)]
     copy_files(ckpt.root, plain, folder)
     if len(plain) < len(copied):
-        write_config(folder, ckpt.config, plan.config_patch)
+        config = {k: v for k, v in ckpt.config.items() if k not in code.drop_config_keys}
+        write_config(folder, config, plan.config_patch)
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return build_manifest(
         plan,

@@ -112,6 +112,8 @@ class Case:
             args += ["--dtype", self.dtype]
         if self.moe_backend != "auto":
             args += ["--moe-backend", self.moe_backend]
+        if self.arch == "kimi-k2":  # its tokenizer is tokenization_kimi.py: copied only when asked
+            args.append("--trust-remote-code")
         return args
 
     def marks(self) -> list[pytest.MarkDecorator]:
