@@ -36,3 +36,27 @@ def test_serve_line_quotes_a_folder_with_spaces(tiny, tmp_path):
         assert shlex.split(line)[:3] == ["vllm", "serve", str(out)], line
     code, stdout, _ = run("plan", str(tiny("qwen3")), "--tp", "2", "--out-dir", "a b", "--json")
     assert code == 0 and shlex.split(json.loads(stdout)["serve"])[2] == "a b"
+
+
+def test_device_without_it_is_unsupported_here(tiny, tmp_path):
+    """--device cuda on a machine without CUDA: exit 3 (not available here), nothing written."""
+    import torch
+
+    if torch.cuda.is_available():
+        return  # this machine has the device: nothing to refuse
+    out = tmp_path / "out"
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2", "--device", "cuda")
+    assert code == 3, err
+    assert "--device cuda is not available here" in err and "use --device cpu" in err
+    assert not out.exists()
+
+
+def test_pp_layer_partition_usage_is_2_and_a_misfit_is_3(tiny):
+    """Malformed or not one count per stage (known without the model): usage, exit 2; counts that do
+    not add up to the model's layers: unsupported, exit 3."""
+    src = str(tiny("llama"))
+    for bad in ("5,-1", "x", "1,1,1"):
+        code, _, err = run("plan", src, "--pp", "2", "--pp-layer-partition", bad)
+        assert code == 2 and "--pp-layer-partition" in err and err.count("\n") == 1, (bad, err)
+    code, _, err = run("plan", src, "--pp", "2", "--pp-layer-partition", "1,1")
+    assert code == 3 and "sums to 2, the model has" in err, err

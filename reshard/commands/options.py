@@ -115,6 +115,11 @@ def layout_options(command: Callable) -> Callable:
     @functools.wraps(command)
     def with_layout(*args, tp, pp, ep, dtype, pp_partition, moe_backend, **kwargs):
         partition = tuple(pp_partition) if pp_partition else None
+        if partition and len(partition) != pp:  # known without the model: usage (one that misfits it: exit 3)
+            raise click.BadParameter(
+                f"{len(partition)} layer counts for --pp {pp}: give one per pipeline stage",
+                param_hint="'--pp-layer-partition'",
+            )
         return command(*args, layout=Layout(tp, pp, ep, dtype, partition, moe_backend), **kwargs)
 
     for option in (moe_backend_option, partition_option, dtype_option, ep_option, pp_option, tp_option):
