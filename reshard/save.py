@@ -24,7 +24,7 @@ from pathlib import Path
 from reshard import __version__
 from reshard.checkpoint import Checkpoint, Source
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
-from reshard.errors import OutputError, ReshardError, UnsupportedError
+from reshard.errors import ReshardError, UnsupportedError
 from reshard.execute import Progress, WriteOptions, run_executor
 from reshard.io.writer import Written
 from reshard.layout import Layout
