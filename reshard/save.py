@@ -31,6 +31,7 @@ from reshard.layout import Layout
 from reshard.manifest import Manifest, build_manifest, read_manifest, side_file_entries, write_manifest
 from reshard.manifest.pieces import assemble, same_job
 from reshard.names import CONFIG, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
+from reshard.optional import import_torch
 from reshard.plan import OutFile, Plan, build_plan
 from reshard.publish import copy_files, make_dir, move_into, side_files, staged, swap_in, write_config, write_error
 from reshard.sources import open_source
@@ -320,8 +321,7 @@ def _ours(out_dir: Path) -> Callable[[str], bool]:
 
 
 def _check_device(device: str) -> None:
-    import torch
-
+    torch = import_torch(f"--device {device}")
     try:
         torch.empty(1, device=device)
     except Exception as e:

@@ -60,3 +60,53 @@ def test_pp_layer_partition_usage_is_2_and_a_misfit_is_3(tiny):
         assert code == 2 and "--pp-layer-partition" in err and err.count("\n") == 1, (bad, err)
     code, _, err = run("plan", src, "--pp", "2", "--pp-layer-partition", "1,1")
     assert code == 3 and "sums to 2, the model has" in err, err
+
+
+# A run in an install without torch: `import torch` fails as it would there.
+NO_TORCH = "import sys; sys.modules['torch'] = None; sys.argv[0] = 'reshard'; from reshard.__main__ import run; run()"
+
+
+def without_torch(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", NO_TORCH, *args]
+    return subprocess.run(cmd, env={**os.environ, "RESHARD_DISABLE_PROGRESS": "1"}, capture_output=True, text=True)
+
+
+def test_plan_save_verify_merge_need_no_torch(tiny, tmp_path):
+    """torch is the `reshard[torch]` extra: the commands that only move bytes never import it."""
+    src, out = str(tiny("qwen3")), tmp_path / "out"
+    for args in (
+        ["plan", src, "--tp", "2"],
+        ["save", src, str(out), "--tp", "2"],
+        ["verify", str(out), "--against", src, "--deep"],
+        ["save", str(out), str(tmp_path / "tp1"), "--tp", "1"],
+        ["merge", str(out), str(tmp_path / "hf")],
+    ):
+        p = without_torch(*args)
+        assert p.returncode == 0, (args, p.stderr)
+
+
+def test_a_cast_without_torch_says_how_to_install_it(tiny, tmp_path):
+    out = tmp_path / "out"
+    p = without_torch("save", str(tiny("qwen3")), str(out), "--tp", "2", "--dtype", "float16")
+    assert p.returncode == 3, p.stderr
+    assert p.stderr.count("\n") == 1 and "needs torch" in p.stderr, p.stderr
+    assert "pip install 'reshard[torch]'" in p.stderr and "download.pytorch.org/whl/cpu" in p.stderr
+    assert not out.exists()
+
+
+def test_declared_dependencies():
+    """torch is an extra (in `dev`, for the tests), huggingface_hub 2.x with the httpx2 reshard imports,
+    the license an SPDX string (no setuptools deprecation warning at install)."""
+    from pathlib import Path
+
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = meta["project"]
+    deps = project["dependencies"]
+    assert not [d for d in deps if d.startswith("torch")]
+    assert project["optional-dependencies"]["torch"] == ["torch>=2.1"]
+    assert "reshard[torch]" in project["optional-dependencies"]["dev"]
+    assert "huggingface_hub>=2.0,<3" in deps and "httpx2>=2.0,<3" in deps
+    assert project["license"] == "Apache-2.0"
+    assert meta["build-system"]["requires"] == ["setuptools>=77"]
