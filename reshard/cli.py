@@ -70,8 +70,6 @@ _HELP = frozenset(("-h", "--help", "--version"))
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args:  # bare `reshard`: the whole help, as `--help` lays it out, on stderr; a usage error
-        _usage()
     as_json = "--json" in args
     debug = False
     try:
@@ -86,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
             as_json,
             "interrupted",
         )
+    except click.exceptions.NoArgsIsHelpError as e:  # bare `reshard`: the help laid out, on stderr; exit 2
+        print(e.format_message(), file=sys.stderr, flush=True)
+        sys.exit(int(ExitCode.USAGE))
     except click.UsageError as e:
         where = "reshard" + (f" {args[0]}" if args and args[0] in cli.commands else "")
         _fail(f"{e.format_message()} (see `{where} --help`)", ExitCode.USAGE, as_json, "usage")
@@ -101,12 +102,6 @@ def main(argv: list[str] | None = None) -> None:
         msg = f"internal error: {type(e).__name__}: {e} (rerun with RESHARD_DEBUG=1 and report it)"
         _fail(msg, ExitCode.INTERNAL, as_json, "internal")
     sys.exit(rc if isinstance(rc, int) else 0)
-
-
-def _usage() -> None:
-    with click.Context(cli, info_name="reshard") as ctx:
-        print(cli.get_help(ctx), file=sys.stderr, flush=True)
-    sys.exit(int(ExitCode.USAGE))
 
 
 def _fail(message: str, code: int, as_json: bool, kind: str) -> None:

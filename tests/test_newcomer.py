@@ -110,3 +110,13 @@ def test_declared_dependencies():
     assert "huggingface_hub>=2.0,<3" in deps and "httpx2>=2.0,<3" in deps
     assert project["license"] == "Apache-2.0"
     assert meta["build-system"]["requires"] == ["setuptools>=77"]
+
+
+def test_shell_completion_as_the_readme_says():
+    """`eval "$(_RESHARD_COMPLETE=bash_source reshard)"` (README): the script, then its answers."""
+    p = cli(env={"_RESHARD_COMPLETE": "bash_source"})
+    assert p.returncode == 0 and "_reshard_completion()" in p.stdout and "complete " in p.stdout
+    p = cli(env={"_RESHARD_COMPLETE": "bash_complete", "COMP_WORDS": "reshard sa", "COMP_CWORD": "1"})
+    assert p.returncode == 0 and p.stdout.split() == ["plain,save"], p.stdout
+    p = cli(env={"_RESHARD_COMPLETE": "bash_complete", "COMP_WORDS": "reshard save --trust", "COMP_CWORD": "2"})
+    assert p.stdout.split() == ["plain,--trust-remote-code"], p.stdout
