@@ -83,6 +83,7 @@ def cli() -> None:
       RESHARD_HUB_RETRIES=8       repo ids: retries of a failing request without progress
       RESHARD_HUB_BACKOFF=0.5     repo ids: first wait before a retry, seconds (doubled each time)
       RESHARD_HUB_TIMEOUT=60      repo ids: seconds without a byte before a request fails
+      RESHARD_HUB_MIN_SPEED=65536 repo ids: a body slower than this (bytes/s) after its first timeout is retried
       RESHARD_HUB_SMALL=1048576   repo ids: smaller neighbouring tensors fetched together (0: never)
       HF_HOME, HF_HUB_OFFLINE, HF_TOKEN, HF_ENDPOINT   as for huggingface_hub (Hub repo ids)
     """
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
         _end_quietly()
     except (click.exceptions.Abort, KeyboardInterrupt):
         _interrupted(as_json)
+    except click.exceptions.NoArgsIsHelpError as e:  # bare `reshard`: the help laid out, on stderr; exit 2
+        print(e.format_message(), file=sys.stderr, flush=True)
+        sys.exit(int(ExitCode.USAGE))
     except click.UsageError as e:
         where = "reshard" + (f" {args[0]}" if args and args[0] in cli.commands else "")
         _fail(f"{e.format_message()} (see `{where} --help`)", ExitCode.USAGE, as_json, "usage")

@@ -43,6 +43,9 @@ HIDDEN_PREFIX = ".reshard"  # anything above, or a temporary file of reshard's i
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# code a checkpoint ships for transformers to run (auto_map): copied only with --trust-remote-code
+REMOTE_CODE_SUFFIX = ".py"
 # files a Hub download needs: weights, config, tokenizer and generation files
 # (and the remote code a config.json auto_map names: Kimi-K2's tokenization_kimi.py, configuration_*.py)
 HUB_PATTERNS = ("*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*", "*.py")

@@ -24,13 +24,14 @@ from pathlib import Path
 from reshard import __version__
 from reshard.checkpoint import Checkpoint, Source
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
-from reshard.errors import OutputError, ReshardError
+from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.execute import Progress, WriteOptions, run_executor
 from reshard.io.writer import Written
 from reshard.layout import Layout
 from reshard.manifest import Manifest, build_manifest, read_manifest, side_file_entries, write_manifest
 from reshard.manifest.pieces import assemble, same_job
-from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
+from reshard.names import CONFIG, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
+from reshard.optional import import_torch
 from reshard.outdir import make_dir, write_error
 from reshard.plan import OutFile, Plan, build_plan
 from reshard.publish import copy_files, move_into, side_files, staged, swap_in, write_config
@@ -48,6 +49,7 @@ class SaveOptions:
     stream: bool = False
     ranks: str | None = None  # --ranks: these engine ranks only (a piece)
     sha256: Path | None = None  # --source-sha256: what a local folder's safetensors files must hash to
+    trust_remote_code: bool = False  # copy the checkpoint's code and trust it in the serve line
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,9 @@ def save(
     procs = Processes.from_env()
     try:
         src = open_source(source, options.revision, stream=options.stream, sha256_file=options.sha256)
-        plan = build_plan(src.checkpoint, layout, max_part_size=options.max_part_size)
+        plan = build_plan(
+            src.checkpoint, layout, max_part_size=options.max_part_size, trust_remote_code=options.trust_remote_code
+        )
         target = Piece.chosen(plan, options.ranks) or Whole()
         files = target.files(plan)
         tensors = _source_tensors(src.checkpoint)
@@ -149,11 +153,14 @@ def _manifest(
 ) -> Manifest:
     """Copy the side files into the staging folder; the manifest of what was written."""
     assert ckpt.root is not None
-    copied = side_files(ckpt.root)
-    plain = [n for n in copied if not (n == "config.json" and plan.config_patch)]
+    code = plan.remote_code
+    copied = [n for n in side_files(ckpt.root) if n not in code.skip_files]
+    patched = plan.config_patch or code.drop_config_keys
+    plain = [n for n in copied if not (n == CONFIG and patched)]
     copy_files(ckpt.root, plain, folder)
     if len(plain) < len(copied):
-        write_config(folder, ckpt.config, plan.config_patch)
+        config = {k: v for k, v in ckpt.config.items() if k not in code.drop_config_keys}
+        write_config(folder, config, plan.config_patch)
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return build_manifest(
         plan,
@@ -330,9 +337,8 @@ def _ours(out_dir: Path) -> Callable[[str], bool]:
 
 
 def _check_device(device: str) -> None:
-    import torch
-
+    torch = import_torch(f"--device {device}")
     try:
         torch.empty(1, device=device)
     except Exception as e:
-        raise OutputError(f"--device {device} is not available here ({e})", "use --device cpu") from e
+        raise UnsupportedError(f"--device {device} is not available here ({e})", "use --device cpu") from e

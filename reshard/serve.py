@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from reshard.layout import Layout
 
 # the --load-format of reshard's vLLM loader plugin (reshard.vllm_plugin): strict and checksum-verified
@@ -22,8 +24,9 @@ def serve_command(
 ) -> str:
     """The `vllm serve` line that loads `out_dir` as written: the planned `layout` (its dtype, and the
     MoE backend pinned where the experts' layout depends on it); trust_remote_code: the checkpoint
-    ships its own config/tokenizer code, e.g. Kimi-K2's."""
-    parts = [f"vllm serve {out_dir} --load-format {load_format}", f"--tensor-parallel-size {layout.tp}"]
+    ships its own config/tokenizer code and `save --trust-remote-code` was asked (Kimi-K2's tokenizer).
+    The folder is shell-quoted: the line pastes into a shell as it is, spaces and all."""
+    parts = [f"vllm serve {shlex.quote(out_dir)} --load-format {load_format}", f"--tensor-parallel-size {layout.tp}"]
     if layout.pp > 1:
         parts.append(f"--pipeline-parallel-size {layout.pp}")
     if layout.ep:

@@ -128,6 +128,13 @@ HUB_TIMEOUT = Setting(
     "a Hub request fails after this long without a byte",
     _seconds(positive=True),
 )
+HUB_MIN_SPEED = Setting(
+    "RESHARD_HUB_MIN_SPEED",
+    64 << 10,
+    "a whole number of bytes per second >= 0",
+    "a Hub body slower than this after its first RESHARD_HUB_TIMEOUT is retried (0: no floor)",
+    _whole(0),
+)
 HUB_SMALL = Setting(
     "RESHARD_HUB_SMALL",
     1 << 20,
@@ -145,6 +152,7 @@ ALL: tuple[Setting, ...] = (
     HUB_RETRIES,
     HUB_BACKOFF,
     HUB_TIMEOUT,
+    HUB_MIN_SPEED,
     HUB_SMALL,
 )
 

@@ -8,6 +8,7 @@ minimax-m2, minimax-m2-fp8, kimi-k2); the releases' shapes at TP 8 are tests/tes
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -159,7 +160,8 @@ def test_minimax_m2_fp8_tiny(tiny, tp, ep):
     ],
 )
 def test_streamed_files_equal_plan(tiny, tmp_path, arch, tp, ep):
-    assert_streamed_files_equal_plan(tiny(arch, shards=2), tmp_path / "out", tp=tp, ep=ep)
+    trust = arch == "kimi-k2"  # its tokenizer runs tokenization_kimi.py
+    assert_streamed_files_equal_plan(tiny(arch, shards=2), tmp_path / "out", tp=tp, ep=ep, trust_remote_code=trust)
 
 
 def test_minimax_norms_equal_vllm_weight_loader_reading(tiny, tmp_path):
@@ -188,14 +190,14 @@ def test_minimax_norms_equal_vllm_weight_loader_reading(tiny, tmp_path):
 def test_kimi_k2_saves_with_its_side_files(tiny, tmp_path):
     src = tiny("kimi-k2")
     out = tmp_path / "out"
-    code, stdout, stderr = run("save", str(src), str(out), "--tp", "4", "--ep", "--json")
+    code, stdout, stderr = run("save", str(src), str(out), "--tp", "4", "--ep", "--json", "--trust-remote-code")
     assert code == 0, stderr
     result = json.loads(stdout)
     for name, text in KIMI_SIDE_FILES.items():
         assert (out / name).read_text() == text, name
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "kimi_k2" and config["auto_map"]["AutoConfig"].startswith("configuration_deepseek")
-    # config.json names remote code: the serve line trusts it, as Kimi-K2's own instructions do
+    # asked for: the remote code is copied and the serve line trusts it, as Kimi-K2's own instructions do
     assert result["serve"].endswith("--trust-remote-code")
     manifest = json.loads((out / "reshard.json").read_text())
     assert set(KIMI_SIDE_FILES) <= {f["name"] for f in manifest["copied_files"]}
@@ -211,6 +213,54 @@ def test_hub_downloads_remote_code():
 
     assert "*.py" in HUB_PATTERNS  # tokenization_kimi.py, configuration_deepseek.py
     assert "*.model" in HUB_PATTERNS  # tiktoken.model
+
+
+@pytest.mark.parametrize("command", ["save", "plan"])
+def test_kimi_k2_tokenizer_code_needs_the_opt_in(tiny, tmp_path, command):
+    """Kimi-K2's tokenizer only loads through tokenization_kimi.py: refused (exit 3) unless asked."""
+    out = tmp_path / "out"
+    args = [command, str(tiny("kimi-k2")), *([str(out)] if command == "save" else []), "--tp", "4", "--ep"]
+    code, _, stderr = run(*args)
+    assert code == 3, stderr
+    assert "pass --trust-remote-code to copy and run tokenization_kimi.py" in stderr
+    assert not out.exists()
+
+
+def _with_config_code(tiny, tmp_path):
+    """glm4-moe (native in vLLM) with an auto_map in config.json and the code it names."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny("glm4-moe"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_glm.GlmConfig"}
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "configuration_glm.py").write_text("raise SystemExit('ran remote code')\n")
+    return src
+
+
+def test_config_auto_map_dropped_without_the_opt_in(tiny, tmp_path):
+    src, out = _with_config_code(tiny, tmp_path), tmp_path / "out"
+    code, stdout, stderr = run("save", str(src), str(out), "--tp", "2", "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    assert "--trust-remote-code" not in result["serve"] and "--trust-remote-code" not in result["serve_reshard"]
+    assert "auto_map" not in json.loads((out / "config.json").read_text())
+    assert not (out / "configuration_glm.py").exists()
+    assert any("auto_map" in n and "configuration_glm.py" in n for n in result["notes"]), result["notes"]
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert "configuration_glm.py" not in manifest["copied"]
+    assert run("verify", str(out))[0] == 0
+    assert (src / "configuration_glm.py").exists() and "auto_map" in json.loads((src / "config.json").read_text())
+
+
+def test_config_auto_map_kept_with_the_opt_in(tiny, tmp_path):
+    src, out = _with_config_code(tiny, tmp_path), tmp_path / "out"
+    code, stdout, stderr = run("save", str(src), str(out), "--tp", "2", "--json", "--trust-remote-code")
+    assert code == 0, stderr
+    assert json.loads(stdout)["serve"].endswith("--trust-remote-code")
+    assert json.loads((out / "config.json").read_text())["auto_map"]
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert "configuration_glm.py" in {f["name"] for f in manifest["copied_files"]}  # its digest recorded
+    assert run("verify", str(out))[0] == 0
 
 
 def test_no_trust_remote_code_without_auto_map(tiny):

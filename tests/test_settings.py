@@ -29,6 +29,7 @@ BAD = {
     "RESHARD_HUB_RETRIES": ["abc", "-1", "1e3"],
     "RESHARD_HUB_BACKOFF": ["abc", "-0.5", "nan"],
     "RESHARD_HUB_TIMEOUT": ["abc", "0", "inf"],
+    "RESHARD_HUB_MIN_SPEED": ["64KiB", "-1", "2.5"],
     "RESHARD_HUB_SMALL": ["1MiB", "-1"],
 }
 

@@ -81,6 +81,12 @@ dtype_option = click.option(
     help="Model dtype vLLM will run with. auto: config.json's torch_dtype (float32 becomes bfloat16, as vLLM on GPUs).",
 )
 revision_option = click.option("--revision", help="Hub branch, tag or commit (repo ids only).")
+trust_remote_code_option = click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Copy the code the checkpoint ships (its .py files, named by an auto_map) and add --trust-remote-code "
+    "to the serve line; without it that code is left out and config.json's auto_map dropped.",
+)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout; no progress.")
 partition_option = click.option(
     "--pp-layer-partition",
@@ -109,6 +115,11 @@ def layout_options(command: Callable) -> Callable:
     @functools.wraps(command)
     def with_layout(*args, tp, pp, ep, dtype, pp_partition, moe_backend, **kwargs):
         partition = tuple(pp_partition) if pp_partition else None
+        if partition and len(partition) != pp:  # known without the model: usage (one that misfits it: exit 3)
+            raise click.BadParameter(
+                f"{len(partition)} layer counts for --pp {pp}: give one per pipeline stage",
+                param_hint="'--pp-layer-partition'",
+            )
         return command(*args, layout=Layout(tp, pp, ep, dtype, partition, moe_backend), **kwargs)
 
     for option in (moe_backend_option, partition_option, dtype_option, ep_option, pp_option, tp_option):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from reshard import VLLM_VERSIONS
-from reshard.commands.options import json_option, layout_options, revision_option
+from reshard.commands.options import json_option, layout_options, revision_option, trust_remote_code_option
 from reshard.console import emit_json, human_bytes, stdout
 from reshard.serve import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
@@ -17,8 +17,9 @@ from reshard.vllm_versions import serve_note
 @revision_option
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor of every rank.")
 @click.option("--out-dir", default="OUT_DIR", show_default=True, help="Folder name used in the serve line.")
+@trust_remote_code_option
 @json_option
-def plan_cmd(source, layout, revision, show_tensors, out_dir, as_json):
+def plan_cmd(source, layout, revision, show_tensors, out_dir, trust_remote_code, as_json):
     """Show what each rank will hold, without writing or downloading weights.
 
     For a Hub repo id only config.json and the safetensors headers are fetched, so a model's
@@ -28,7 +29,7 @@ def plan_cmd(source, layout, revision, show_tensors, out_dir, as_json):
     from reshard.sources import open_source
 
     ckpt = open_source(source, revision, headers_only=True).checkpoint
-    plan = build_plan(ckpt, layout)
+    plan = build_plan(ckpt, layout, trust_remote_code=trust_remote_code)
     summary = plan.summary()
     summary["serve"] = plan.serve_command(out_dir)
     summary["serve_reshard"] = plan.serve_command(out_dir, load_format=PLUGIN_LOAD_FORMAT)

@@ -9,7 +9,13 @@ from pathlib import Path
 import click
 
 from reshard import VLLM_VERSIONS
-from reshard.commands.options import ByteSize, json_option, layout_options, revision_option
+from reshard.commands.options import (
+    ByteSize,
+    json_option,
+    layout_options,
+    revision_option,
+    trust_remote_code_option,
+)
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
 from reshard.distributed import ranks_text
 from reshard.hashing import ALGORITHMS
@@ -74,6 +80,7 @@ from reshard.vllm_versions import serve_note
     help="Write only these engine ranks (e.g. 0-3 or 0,2,5-7; rank = pp_rank * tp + tp_rank) with a "
     "partial manifest; reshard.json appears when every piece is in (see `reshard assemble`).",
 )
+@trust_remote_code_option
 @json_option
 def save_cmd(
     source,
@@ -89,6 +96,7 @@ def save_cmd(
     as_json,
     stream,
     source_sha256,
+    trust_remote_code,
 ):
     """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR.
 
@@ -106,7 +114,14 @@ def save_cmd(
 
     write = WriteOptions(checksum=checksum, max_memory=max_memory, device=device)
     options = SaveOptions(
-        write, max_part_size, overwrite=overwrite, revision=revision, stream=stream, ranks=ranks, sha256=source_sha256
+        write,
+        max_part_size,
+        overwrite=overwrite,
+        revision=revision,
+        stream=stream,
+        ranks=ranks,
+        sha256=source_sha256,
+        trust_remote_code=trust_remote_code,
     )
     t0 = time.monotonic()
     with ExitStack() as stack:

@@ -13,6 +13,7 @@ from types import ModuleType
 import numpy as np
 
 from reshard.format import DTYPE_CODES, ITEMSIZE
+from reshard.optional import import_torch
 
 
 def pad_rows(arr: np.ndarray, pad: tuple[int, ...], value: float, dtype: str) -> np.ndarray:
@@ -60,9 +61,8 @@ class Caster:
 
     def torch(self) -> ModuleType:
         if self._torch is None:
-            import torch
-
-            self._torch = torch
+            why = "converting tensors between dtypes" if self.device == "cpu" else f"--device {self.device}"
+            self._torch = import_torch(why)
         return self._torch
 
     def __call__(self, data: np.ndarray, src: str, dst: str) -> np.ndarray:

@@ -14,6 +14,7 @@ from reshard import VLLM_LAYOUT, __version__, names, serve
 from reshard.errors import SourceError
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.layout import Layout
+from reshard.plan.remote import RemoteCode
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
     serve_flags: tuple[str, ...] = ()  # other flags the layout needs (`--language-model-only`)
-    trust_remote_code: bool = False  # config.json's auto_map names code shipped with the checkpoint
+    remote_code: RemoteCode = field(default_factory=RemoteCode)  # --trust-remote-code or what is dropped
 
     @property
     def pattern(self) -> str:
@@ -121,7 +122,7 @@ class Plan:
             self.layout,
             extra=self.serve_flags,
             load_format=load_format,
-            trust_remote_code=self.trust_remote_code,
+            trust_remote_code=self.remote_code.trust,
         )
 
     def engine_rank(self, f: OutFile) -> int:

@@ -17,11 +17,18 @@ from reshard.plan.files import assign_files
 from reshard.plan.geometry import divisors
 from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
+from reshard.plan.remote import RemoteCode, remote_code
 from reshard.plan.slicers import add_module, padded_vocab
 from reshard.rules import Attention, Rule, Vocab, get_architecture
 
 
-def build_plan(ckpt: Checkpoint, layout: Layout, *, max_part_size: int = DEFAULT_MAX_PART) -> Plan:
+def build_plan(
+    ckpt: Checkpoint,
+    layout: Layout,
+    *,
+    max_part_size: int = DEFAULT_MAX_PART,
+    trust_remote_code: bool | None = None,
+) -> Plan:
     """Plan every rank's files for vLLM's sharded_state loader.
 
     Args:
@@ -31,6 +38,9 @@ def build_plan(ckpt: Checkpoint, layout: Layout, *, max_part_size: int = DEFAULT
             GPUs), partition (layers per stage, VLLM_PP_LAYER_PARTITION; None: as vLLM),
             moe_backend (vLLM's --moe-backend; some make vLLM allocate padded experts: plan.backends).
         max_part_size: split a rank's tensors into parts of at most this many bytes.
+        trust_remote_code: `--trust-remote-code` (plan.remote): True copies the checkpoint's code and
+            trusts it in the serve line; False drops config.json's auto_map and the code, and refuses a
+            tokenizer that needs its code; None (re-planning a written output): neither.
 
     Returns the plan, whose `layout` is `layout` resolved: dtype, partition, quantization and the
     MoE backend the serve line must pin.
@@ -42,6 +52,7 @@ def build_plan(ckpt: Checkpoint, layout: Layout, *, max_part_size: int = DEFAULT
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     arch_name, arch = get_architecture(ckpt.config)
     _refuse_opt_in_layouts(ckpt.config)
+    code = RemoteCode() if trust_remote_code is None else remote_code(ckpt, arch_name, trust_remote_code)
     ctx = Context(
         ckpt,
         arch,
@@ -73,10 +84,10 @@ def build_plan(ckpt: Checkpoint, layout: Layout, *, max_part_size: int = DEFAULT
         ),
         files=assign_files(per_rank, pp=pp, max_part_size=max_part_size),
         layer_ranges=ranges,
-        notes=ctx.notes,
+        notes=ctx.notes + ([code.note] if code.note else []),
         config_patch=ctx.config_patch,
         serve_flags=arch.serve_flags,
-        trust_remote_code=bool(ckpt.config.get("auto_map")),
+        remote_code=code,
     )
 
 

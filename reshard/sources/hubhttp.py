@@ -6,9 +6,12 @@ once (`HfApi.model_info`) and every later URL names that commit, so a branch tha
 run cannot mix two commits' files.
 
 Failures a user can act on (401/403 gated or private, 404 repo, revision or file) raise SourceError at
-once; the rest (dropped connections, timeouts, 5xx and 429, answers that are not HTTP, short bodies,
-a wrong Content-Range) are retried with exponential backoff, resuming a range where its body stopped,
-and raise SourceError once RESHARD_HUB_RETRIES attempts in a row made no progress.
+once, and so does a host that cannot be reached at all (its name does not resolve, the connection is
+refused: `Unreachable`, so that a cached commit is used at once); the rest (dropped connections,
+timeouts, 5xx and 429, answers that are not HTTP, short bodies, a wrong Content-Range, a body slower
+than RESHARD_HUB_MIN_SPEED) are retried with exponential backoff, each retry said on stderr, resuming a
+range where its body stopped, and raise SourceError once RESHARD_HUB_RETRIES attempts in a row made no
+progress (a body ended for being too slow counts as none, whatever it brought).
 
 Every answer for a file must be of one version (`HubRepo._pin`): the Hub's linked ETag is the LFS
 sha256 the commit holds, and the ETag and Content-Range total of each answer are those of the first
@@ -17,7 +20,10 @@ sha256 the commit holds, and the ETag and Content-Range total of each answer are
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +44,33 @@ class Unreachable(SourceError):
 
 class Transient(Exception):
     """Worth another try: the connection or the answer failed, not the request."""
+
+
+class TooSlow(Transient):
+    """A body slower than RESHARD_HUB_MIN_SPEED (a stalled or slow-loris server): retried, no progress."""
+
+
+def _refused(e: BaseException) -> bool:
+    """The host cannot be reached at all: its name does not resolve, or nothing listens. Waiting
+    does not mend either, so they are not retried."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, (socket.gaierror, ConnectionRefusedError)):
+            return True
+        text = str(cur)
+        if "Name or service not known" in text or "Connection refused" in text or "nodename nor servname" in text:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def deadline(nbytes: int) -> float:
+    """When a request for `nbytes` must be done (time.monotonic): one RESHARD_HUB_TIMEOUT to start,
+    then at least RESHARD_HUB_MIN_SPEED bytes per second (0: no floor)."""
+    speed = settings.HUB_MIN_SPEED.get()
+    return time.monotonic() + settings.HUB_TIMEOUT.get() + (nbytes / speed if speed else float("inf"))
 
 
 class Meter:
@@ -102,16 +135,28 @@ def with_retries(call: Callable[[], T], what: str, *, progress: Callable[[], int
             err: BaseException = e
         except (Transient, httpx2.HTTPError, OSError, ValueError) as e:
             err = e
+        msg = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        if _refused(err):
+            raise Unreachable(
+                f"{what}: cannot reach the Hub ({type(err).__name__}: {msg})",
+                "check the network or HF_ENDPOINT; a revision complete in the HF cache is used without the Hub",
+            ) from err
         now = progress() if progress else 0
-        failures = 1 if now > seen else failures + 1
+        failures = 1 if now > seen and not isinstance(err, TooSlow) else failures + 1
         seen = now
-        if failures > settings.HUB_RETRIES.get():
-            msg = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        retries = settings.HUB_RETRIES.get()
+        if failures > retries:
             raise Unreachable(
                 f"{what}: the download failed {failures} times in a row ({type(err).__name__}: {msg})",
                 "check the network or HF_ENDPOINT and run again (a cached save resumes where it stopped)",
             ) from err
-        time.sleep(min(30.0, settings.HUB_BACKOFF.get() * 2 ** (failures - 1)))
+        wait = min(30.0, settings.HUB_BACKOFF.get() * 2 ** (failures - 1))
+        # one write per line: print() writes the text and its newline apart, and connections retry at once
+        line = f"reshard: retrying in {wait:g} s ({failures}/{retries}): {what}: {type(err).__name__}: {msg}\n"
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        time.sleep(wait)
 
 
 class HubRepo:
@@ -196,6 +241,7 @@ class HubRepo:
             if pinned:  # the bytes of the version served so far, or 412
                 headers["If-Match"] = f'"{pinned}"'
         assert url is not None
+        due = deadline(n)
         try:
             with self.session.stream(
                 "GET", url, headers=headers, follow_redirects=True, timeout=settings.HUB_TIMEOUT.get()
@@ -228,6 +274,8 @@ class HubRepo:
                         count(m)
                     if k >= n:
                         break
+                    if time.monotonic() > due:
+                        raise TooSlow(f"{k} of {n} bytes, slower than RESHARD_HUB_MIN_SPEED")
                 if k < n:
                     raise Transient(f"connection closed after {k} of {n} bytes")
                 return remote

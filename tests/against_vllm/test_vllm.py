@@ -114,6 +114,8 @@ class Case:
             args += ["--dtype", lay.dtype]
         if lay.moe_backend != "auto":
             args += ["--moe-backend", lay.moe_backend]
+        if self.arch == "kimi-k2":  # its tokenizer is tokenization_kimi.py: copied only when asked
+            args.append("--trust-remote-code")
         return args
 
     def marks(self) -> list[pytest.MarkDecorator]:

@@ -1,0 +1,122 @@
+"""A newcomer's first runs (issue 24's papercuts): bare `reshard`, serve lines that paste into a shell,
+exit codes of --device and --pp-layer-partition, shell completion, the install's declared dependencies."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+from tests.fixtures.cli import run
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "reshard", *args], env={**os.environ, **(env or {})}, capture_output=True, text=True
+    )
+
+
+def test_bare_reshard_prints_the_help_and_exits_2():
+    """No command: the help laid out as `--help` does (not folded into one error line), on stderr, exit 2."""
+    p = cli()
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert p.stderr.startswith("Usage: reshard [OPTIONS] COMMAND [ARGS]...\n")
+    assert "\nCommands:\n" in p.stderr and not p.stderr.startswith("reshard: error")
+
+
+def test_serve_line_quotes_a_folder_with_spaces(tiny, tmp_path):
+    out = tmp_path / "my models" / "qwen3 tp2"
+    code, stdout, stderr = run("save", str(tiny("qwen3")), str(out), "--tp", "2", "--json")
+    assert code == 0, stderr
+    result = json.loads(stdout)
+    for line in (result["serve"], result["serve_reshard"]):
+        assert shlex.split(line)[:3] == ["vllm", "serve", str(out)], line
+    code, stdout, _ = run("plan", str(tiny("qwen3")), "--tp", "2", "--out-dir", "a b", "--json")
+    assert code == 0 and shlex.split(json.loads(stdout)["serve"])[2] == "a b"
+
+
+def test_device_without_it_is_unsupported_here(tiny, tmp_path):
+    """--device cuda on a machine without CUDA: exit 3 (not available here), nothing written."""
+    import torch
+
+    if torch.cuda.is_available():
+        return  # this machine has the device: nothing to refuse
+    out = tmp_path / "out"
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2", "--device", "cuda")
+    assert code == 3, err
+    assert "--device cuda is not available here" in err and "use --device cpu" in err
+    assert not out.exists()
+
+
+def test_pp_layer_partition_usage_is_2_and_a_misfit_is_3(tiny):
+    """Malformed or not one count per stage (known without the model): usage, exit 2; counts that do
+    not add up to the model's layers: unsupported, exit 3."""
+    src = str(tiny("llama"))
+    for bad in ("5,-1", "x", "1,1,1"):
+        code, _, err = run("plan", src, "--pp", "2", "--pp-layer-partition", bad)
+        assert code == 2 and "--pp-layer-partition" in err and err.count("\n") == 1, (bad, err)
+    code, _, err = run("plan", src, "--pp", "2", "--pp-layer-partition", "1,1")
+    assert code == 3 and "sums to 2, the model has" in err, err
+
+
+# A run in an install without torch: `import torch` fails as it would there.
+NO_TORCH = "import sys; sys.modules['torch'] = None; sys.argv[0] = 'reshard'; from reshard.__main__ import run; run()"
+
+
+def without_torch(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", NO_TORCH, *args]
+    return subprocess.run(cmd, env={**os.environ, "RESHARD_DISABLE_PROGRESS": "1"}, capture_output=True, text=True)
+
+
+def test_plan_save_verify_merge_need_no_torch(tiny, tmp_path):
+    """torch is the `reshard[torch]` extra: the commands that only move bytes never import it."""
+    src, out = str(tiny("qwen3")), tmp_path / "out"
+    for args in (
+        ["plan", src, "--tp", "2"],
+        ["save", src, str(out), "--tp", "2"],
+        ["verify", str(out), "--against", src, "--deep"],
+        ["save", str(out), str(tmp_path / "tp1"), "--tp", "1"],
+        ["merge", str(out), str(tmp_path / "hf")],
+    ):
+        p = without_torch(*args)
+        assert p.returncode == 0, (args, p.stderr)
+
+
+def test_a_cast_without_torch_says_how_to_install_it(tiny, tmp_path):
+    out = tmp_path / "out"
+    p = without_torch("save", str(tiny("qwen3")), str(out), "--tp", "2", "--dtype", "float16")
+    assert p.returncode == 3, p.stderr
+    assert p.stderr.count("\n") == 1 and "needs torch" in p.stderr, p.stderr
+    assert "pip install 'reshard[torch]'" in p.stderr and "download.pytorch.org/whl/cpu" in p.stderr
+    assert not out.exists()
+
+
+def test_declared_dependencies():
+    """torch is an extra (in `dev`, for the tests), huggingface_hub 2.x with the httpx2 reshard imports,
+    the license an SPDX string (no setuptools deprecation warning at install)."""
+    from pathlib import Path
+
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = meta["project"]
+    deps = project["dependencies"]
+    assert not [d for d in deps if d.startswith("torch")]
+    assert project["optional-dependencies"]["torch"] == ["torch>=2.1"]
+    assert "reshard[torch]" in project["optional-dependencies"]["dev"]
+    assert "huggingface_hub>=2.0,<3" in deps and "httpx2>=2.0,<3" in deps
+    assert project["license"] == "Apache-2.0"
+    assert meta["build-system"]["requires"] == ["setuptools>=77"]
+
+
+def test_shell_completion_as_the_readme_says():
+    """`eval "$(_RESHARD_COMPLETE=bash_source reshard)"` (README): the script, then its answers."""
+    p = cli(env={"_RESHARD_COMPLETE": "bash_source"})
+    assert p.returncode == 0 and "_reshard_completion()" in p.stdout and "complete " in p.stdout
+    p = cli(env={"_RESHARD_COMPLETE": "bash_complete", "COMP_WORDS": "reshard sa", "COMP_CWORD": "1"})
+    assert p.returncode == 0 and p.stdout.split() == ["plain,save"], p.stdout
+    p = cli(env={"_RESHARD_COMPLETE": "bash_complete", "COMP_WORDS": "reshard save --trust", "COMP_CWORD": "2"})
+    assert p.stdout.split() == ["plain,--trust-remote-code"], p.stdout
