@@ -94,6 +94,10 @@ def file_digests(path: Path) -> dict[str, str]:
 
 def run(tree: Path, work: Path, only: str | None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), RESHARD_DISABLE_PROGRESS="1")
+    save_help = [sys.executable, "-m", "reshard", "save", "--help"]
+    helptext = subprocess.run(save_help, capture_output=True, text=True, env=env, cwd=work).stdout
+    # Kimi-K2's tokenizer is its own code: reshard copies it only when asked (where the flag exists)
+    trust = ["--trust-remote-code"] if "--trust-remote-code" in helptext else []
     out: dict[str, dict] = {}
     for arch, args in CASES:
         case = " ".join([arch, *args])
@@ -102,7 +106,17 @@ def run(tree: Path, work: Path, only: str | None) -> dict:
         src = _source(work, arch)
         dst = work / "out" / case.replace(" ", "_").replace("/", "_")
         proc = subprocess.run(
-            [sys.executable, "-m", "reshard", "save", str(src), str(dst), "--overwrite", *args],
+            [
+                sys.executable,
+                "-m",
+                "reshard",
+                "save",
+                str(src),
+                str(dst),
+                "--overwrite",
+                *args,
+                *(trust if arch.startswith("kimi") else []),
+            ],
             capture_output=True,
             text=True,
             env=env,
