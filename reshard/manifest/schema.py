@@ -130,19 +130,7 @@ class Manifest:
             "run_id": self.run_id,
             "created": self.created,
             "source": self.source,
-            "layout": {
-                "vllm_layout": self.vllm_layout,
-                "architecture": self.architecture,
-                "tp": lay.tp,
-                "pp": lay.pp,
-                "ep": lay.ep,
-                "dtype": lay.dtype,
-                "quantization": lay.quantization,
-                "pattern": file_pattern(lay.pp),
-                "pp_layer_partition": list(lay.partition or ()),
-                "moe_backend": lay.moe_backend,
-                "moe_backend_pinned": lay.moe_pin,
-            },
+            "layout": layout_json(lay, self.architecture, self.vllm_layout),
             "vllm_versions": self.vllm_versions,
             "total_bytes": self.total_bytes,
             "files": [_file_json(f, self.checksum) for f in self.files],
@@ -163,6 +151,23 @@ class Manifest:
             out["ranks"] = list(self.ranks)
             out["all_files"] = list(self.all_files or ())
         return {**self.extra, **out}
+
+
+def layout_json(lay: Layout, architecture: str, vllm_layout: str = VLLM_LAYOUT) -> dict:
+    """The manifest's `layout` object (also what `plan --json` prints)."""
+    return {
+        "vllm_layout": vllm_layout,
+        "architecture": architecture,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "ep": lay.ep,
+        "dtype": lay.dtype,
+        "quantization": lay.quantization,
+        "pattern": file_pattern(lay.pp),
+        "pp_layer_partition": list(lay.partition or ()),
+        "moe_backend": lay.moe_backend,
+        "moe_backend_pinned": lay.moe_pin,
+    }
 
 
 def _digest(entry: dict, algorithm: str, digest: str | None) -> dict:

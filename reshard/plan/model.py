@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from reshard import VLLM_LAYOUT, __version__, names, serve
+from reshard import __version__, names, serve
 from reshard.errors import SourceError
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.layout import Layout
+from reshard.manifest.schema import layout_json
 from reshard.plan.remote import RemoteCode
 
 
@@ -129,21 +130,8 @@ class Plan:
         return self.layout.engine_rank(f.pp_rank, f.tp_rank)
 
     def layout_json(self) -> dict:
-        """The layout as `plan --json` prints it (the manifest's `layout` object)."""
-        lay = self.layout
-        return {
-            "vllm_layout": VLLM_LAYOUT,
-            "architecture": self.architecture,
-            "tp": lay.tp,
-            "pp": lay.pp,
-            "ep": lay.ep,
-            "dtype": lay.dtype,
-            "quantization": lay.quantization,
-            "pattern": self.pattern,
-            "pp_layer_partition": list(lay.partition or ()),
-            "moe_backend": lay.moe_backend,
-            "moe_backend_pinned": lay.moe_pin,
-        }
+        """The layout as `plan --json` prints it: the manifest's `layout` object."""
+        return layout_json(self.layout, self.architecture)
 
     def ranks(self) -> dict[tuple[int, int], list[OutFile]]:
         out: dict[tuple[int, int], list[OutFile]] = {}
