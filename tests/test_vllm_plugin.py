@@ -294,6 +294,22 @@ def test_a_file_that_shrank_since_the_check_is_a_read_error(out, monkeypatch, st
     assert not [t for t in threading.enumerate() if t.name.startswith("reshard-")]  # no thread left waiting
 
 
+@pytest.mark.parametrize("stripe_min", [4096, 1 << 40])  # striped reads, and one stream per file
+def test_a_file_swapped_for_a_link_since_the_check_is_not_read(out, tmp_path, monkeypatch, stripe_min):
+    """check_files refuses links; a rank file replaced by one after the check (another user on a shared
+    runner) is not followed by the reads either: a read error, nothing read through it."""
+    monkeypatch.setattr(reader, "STRIPE_MIN", stripe_min)
+    files = _files(out)
+    path = files[0].path
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.move(path, elsewhere)
+    path.symlink_to(elsewhere)
+    algo = read_manifest(out).checksum
+    with pytest.raises(reader.ReadError, match="symlink"):
+        reader.read_rank(files, _targets(files), algorithm=algo, threads=4, log=print, label="rank 1")
+    assert not [t for t in threading.enumerate() if t.name.startswith("reshard-")]
+
+
 def test_gpu_parameters_go_through_the_bounce_buffer(clean, monkeypatch):
     """Parameters the reads cannot land in (on a GPU: taken here as every one) are read front to
     back by one thread through a bounce buffer; the bytes and the checksum come out the same."""

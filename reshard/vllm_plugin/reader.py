@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from reshard.format import open_regular
 from reshard.hashing import new_hasher
 from reshard.vllm_plugin.checks import RankFile, fits_narrowed
 
@@ -99,7 +100,7 @@ class _Striped:
 
     def read_stripe(self, j: int, count: Count) -> None:
         try:
-            fd = os.open(self.rf.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = open_regular(self.rf.path, follow=False)  # what check_files checked, not a link put there since
             try:
                 with contextlib.suppress(AttributeError, OSError):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -188,7 +189,7 @@ def read_file(
     its checksum compared when `algorithm`."""
     hasher = _Hasher(algorithm) if algorithm and rf.digest else None
     try:
-        with open(rf.path, "rb", buffering=0) as f:
+        with os.fdopen(open_regular(rf.path, follow=False), "rb", buffering=0) as f:
             with contextlib.suppress(AttributeError, OSError):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             head = bytearray(rf.header_bytes)
