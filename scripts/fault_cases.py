@@ -84,6 +84,14 @@ def integrity(w: Path, sharded: Path) -> Section:
                 previous=good,
                 **env,
             )
+        case(
+            sec,
+            "then `verify GOOD --against REPO --deep` on the earlier good output (the cache still corrupt)",
+            ["verify", str(good), "--against", repo, "--deep"],
+            source=good,
+            allowed=[home],
+            env=hub_env(hub, home),
+        )
         for keeps, more in ((False, ()), (True, ()), (True, ("--stream",))):
             hub.swap_after, hub.swap_keeps_etag, hub.cdn_answers = 6, keeps, 0  # headers first, then tensors
             label = "under the old ETag (a lying CDN)" if keeps else "under a new ETag"
