@@ -6,7 +6,8 @@ Every case is a real `python -m reshard ...` process on a checkpoint this script
 records the exit code, the one-line message, whether the source was left byte-identical, and (for
 runs over an earlier output) whether a verifying output was still there afterwards. Interrupts are
 sent at many moments of a `save --overwrite`; disk full is a small tmpfs (needs root; skipped
-otherwise).
+otherwise). The chain-of-custody sections (source integrity against the project's own Hub server,
+hostile folders, shared runners) are scripts/fault_cases.py, run and checked by scripts/fault_run.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from scripts import fault_cases, fault_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
@@ -70,6 +73,8 @@ class Matrix:
     def __init__(self, work: Path) -> None:
         self.work = work
         self.rows: list[tuple] = []
+        self.sections: list[fault_run.Section] = []
+        self.atime_ok = False
 
     def case(self, name: str, args: list[str], *, source: Path | None, previous: Path | None = None) -> None:
         before = digest(source) if source and source.is_dir() else None
@@ -328,10 +333,22 @@ def write(m: Matrix, path: Path, argv: list[str]) -> None:
         "a signal in the first ~0.1 s lands while the Python interpreter itself starts, before any reshard code "
         "runs: Python answers it (exit 1 or -2, killed by the signal), and nothing has been touched yet.",
         "",
+        "The chain-of-custody sections below (issue 24) add what each run read or wrote outside the folders it "
+        "was given: a planted file (a secret, a file a symlink points at, the target of a `..` name) is hashed "
+        "and stat-ed before and after, its atime first set to 0 so any read moves it "
+        + (
+            "(checked on this filesystem)"
+            if m.atime_ok
+            else "(**this filesystem does not keep atimes: reads are not seen**)"
+        )
+        + ", and the work folder is listed before and after for anything new or changed beyond OUT_DIR and the "
+        "HF cache. Each process has a timeout (a hang is a row saying HUNG) and its wall time and peak memory.",
+        "",
         "| case | exit | message (last line of stderr) | source untouched | previous output kept |",
         "| --- | --- | --- | --- | --- |",
     ]
     lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in m.rows]
+    lines += fault_run.write_sections(m.sections)
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
 
@@ -354,16 +371,19 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True,
         )
         m = Matrix(w)
+        m.atime_ok = fault_run.atime_is_kept(w)
         source_faults(m, w, llama, sharded)
         layout_faults(m, w, llama)
         output_faults(m, w, llama)
         verify_faults(m, w, llama)
         disk_full(m, w, llama)
+        m.sections += [fault_cases.integrity(w, sharded), fault_cases.hostile(w, llama), fault_cases.shared(w, llama)]
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             interrupts(m, w, big, args.moments, sig)
         shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--out" and a != str(args.out)]
         write(m, args.out, shown)  # no path of the machine it ran on
     bad = [r for r in m.rows if "**NO**" in (r[3], r[4]) or r[1] == 1]
+    bad += [r for s in m.sections for r in s.rows if "**" in "".join(map(str, r[3:6])) or r[1] in (1, "HUNG")]
     return 1 if bad else 0
 
 
