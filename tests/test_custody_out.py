@@ -134,8 +134,10 @@ def test_assemble_does_not_follow_a_planted_manifest_temp_link(pieces, tmp_path)
 # ---- case 6: an interrupt after publishing is told as such ------------------------------------------
 
 
-def test_an_interrupt_that_comes_as_the_output_is_published_says_it_was_published(tiny, complete, monkeypatch):
-    """A real SIGINT, sent while signals are held for the swap: delivered right after it."""
+@pytest.fixture
+def ctrl_c_as_published(monkeypatch):
+    """A real SIGINT sent as the output (or a piece) is put in place, while signals are held: delivered
+    right after it."""
     import reshard.publish as pub
 
     real = pub._claim
@@ -145,6 +147,9 @@ def test_an_interrupt_that_comes_as_the_output_is_published_says_it_was_publishe
         os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(pub, "_claim", claim_then_ctrl_c)
+
+
+def test_an_interrupt_that_comes_as_the_output_is_published_says_it_was_published(tiny, complete, ctrl_c_as_published):
     code, _, err = run("save", str(tiny("llama")), str(complete), "--tp", "4", "--overwrite")
     assert code == 130, err
     assert "interrupted after publishing" in err and str(complete) in err and "nothing was published" not in err
@@ -153,16 +158,7 @@ def test_an_interrupt_that_comes_as_the_output_is_published_says_it_was_publishe
     assert beside(complete) == []
 
 
-def test_an_interrupt_as_a_piece_moves_in_says_the_piece_is_in(tiny, tmp_path, monkeypatch):
-    import reshard.publish as pub
-
-    real = pub._claim
-
-    def claim_then_ctrl_c(*args):
-        real(*args)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    monkeypatch.setattr(pub, "_claim", claim_then_ctrl_c)
+def test_an_interrupt_as_a_piece_moves_in_says_the_piece_is_in(tiny, tmp_path, ctrl_c_as_published):
     out = tmp_path / "pieces"
     code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2", "--ranks", "0")
     assert code == 130, err
