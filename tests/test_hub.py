@@ -6,19 +6,15 @@ Each run is a subprocess: huggingface_hub reads HF_ENDPOINT, HF_HOME and HF_HUB_
 from __future__ import annotations
 
 import json
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from reshard.plan import DEFAULT_MAX_PART
+from tests.fixtures.hubrun import REPO, one_line_error, rank_bytes, reshard
 from tests.fixtures.hubserver import HubServer
 from tests.fixtures.saving import save
-
-REPO = "acme/tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
@@ -41,26 +37,6 @@ def hub(source):
     server.stop()
 
 
-def reshard(hub: HubServer, home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    full = {
-        **{k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT")},
-        "HF_ENDPOINT": hub.endpoint,
-        "HF_HOME": str(home),
-        "RESHARD_DISABLE_PROGRESS": "1",
-        "RESHARD_HUB_BACKOFF": "0.01",
-        "RESHARD_HUB_RETRIES": "3",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        **env,
-    }
-    return subprocess.run([sys.executable, "-m", "reshard", *args], env=full, capture_output=True, text=True)
-
-
-def rank_bytes(folder: Path) -> dict[str, bytes]:
-    """Each rank file's bytes, the run id (the one thing that differs between runs) blanked."""
-    run = json.loads((folder / "reshard.json").read_text())["run_id"].encode()
-    return {p.name: p.read_bytes().replace(run, b"0" * len(run)) for p in sorted(folder.glob("model-rank-*"))}
-
-
 def weight_bytes(src: Path) -> int:
     return sum(p.stat().st_size for p in src.glob("*.safetensors"))
 
@@ -72,14 +48,6 @@ def header_bytes(src: Path) -> int:
 
 def cdn_gets(hub: HubServer) -> list[str]:
     return [path for method, path, status in hub.log if method == "GET" and path.startswith("/cdn/") and status == 206]
-
-
-def one_line_error(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
-    assert p.returncode == code, (p.returncode, p.stderr)
-    err = "".join(line for line in p.stderr.splitlines(True) if not line.startswith("reshard: retrying in "))
-    assert err.count("\n") == 1 and "Traceback" not in err and "internal error" not in err, p.stderr
-    for w in words:
-        assert w in p.stderr, p.stderr
 
 
 def test_plan_fetches_config_and_headers_only(hub, source, tmp_path):

@@ -14,11 +14,10 @@ import pytest
 
 from reshard.manifest.schema import parse
 from reshard.plan import DEFAULT_MAX_PART
+from tests.fixtures.hubrun import REPO, one_line_error, rank_bytes, reshard
 from tests.fixtures.hubserver import HubServer
 from tests.fixtures.saving import save
-from tests.test_hub import one_line_error, rank_bytes, reshard
 
-REPO = "acme/tiny-qwen3"
 HUB = "hub-lfs-sha256 verified"
 
 

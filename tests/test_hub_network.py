@@ -4,18 +4,15 @@ at once, say each retry on stderr, and bound every request in time."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures.hubrun import REPO, run_reshard
 from tests.fixtures.hubserver import HubServer
-
-REPO = "acme/tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +38,8 @@ def closed_endpoint() -> str:
 
 
 def reshard(endpoint: str, home: Path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    full = {
-        **{k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_ENDPOINT")},
-        "HF_ENDPOINT": endpoint,
-        "HF_HOME": str(home),
-        "RESHARD_DISABLE_PROGRESS": "1",
-        "RESHARD_HUB_BACKOFF": "2",  # the default count of retries would wait 2+4+...+30 s = 2 min
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        **env,
-    }
-    cmd = [sys.executable, "-m", "reshard", *args]
-    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
+    # RESHARD_HUB_BACKOFF 2: the default count of retries would wait 2+4+...+30 s = 2 min
+    return run_reshard(endpoint, home, *args, timeout=timeout, **{"RESHARD_HUB_BACKOFF": "2", **env})
 
 
 def test_refused_hub_uses_the_cached_commit_at_once(hub, tmp_path):

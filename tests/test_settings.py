@@ -15,7 +15,7 @@ import pytest
 
 from reshard import settings
 from reshard.errors import SettingError
-from tests.test_cli import run
+from tests.fixtures.cli import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
