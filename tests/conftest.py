@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.s3server import s3bucket, s3proxy, s3server  # noqa: F401 (fixtures: SeaweedFS, fault proxy)
+
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
