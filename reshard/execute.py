@@ -82,12 +82,30 @@ Progress = Callable[[int], None]  # called with the bytes written since the last
 
 
 def run_executor(
-    plan: Plan, source: Source, out: Path, options: WriteOptions, metadata: dict[str, str], progress: Progress | None
+    plan: Plan,
+    source: Source,
+    out: Path | None,
+    options: WriteOptions,
+    metadata: dict[str, str],
+    progress: Progress | None,
+    *,
+    sink: Callable[[OutFile, bytes, str], Sink] | None = None,
 ) -> list[Written]:
-    """Write `plan`'s files into `out`, reading through the source's own reader; then let the source
-    finish what it keeps of what it read (a Hub source completes its cache copy)."""
+    """Write `plan`'s files into the folder `out` (or each into `sink(file, header, checksum)`),
+    reading through the source's own reader; then let the source finish what it keeps of what it
+    read (a Hub source completes its cache copy)."""
+    opener = None
+    if sink is not None:
+        opener = lambda f, header: sink(f, header, options.checksum)  # noqa: E731
     written = Executor(
-        plan, source.open_reader(), source.checkpoint.tensors, out, options, metadata=metadata, progress=progress
+        plan,
+        source.open_reader(),
+        source.checkpoint.tensors,
+        out or Path(),
+        options,
+        metadata=metadata,
+        progress=progress,
+        sink=opener,
     ).run()
     source.finish()
     return written

@@ -38,6 +38,12 @@ OLD = ".reshard-old-"  # the previous OUT_DIR between two renames (no RENAME_EXC
 LOCK = ".reshard.lock"  # one run per OUT_DIR
 HIDDEN_PREFIX = ".reshard"  # anything above, or a temporary file of reshard's inside OUT_DIR
 
+# ---- object storage: `s3://bucket/prefix/` and reshard's objects beside it (reshard.store) ----------
+
+BUCKET_WORK_SUFFIX = ".reshard"  # `prefix.reshard/`: never under the prefix, which vLLM lists whole
+BUCKET_LOCK = "lock.json"  # one run per prefix (a conditional create)
+BUCKET_JOURNAL = "commit.json"  # the uploads a publish completes; a later run finishes an interrupted one
+
 # ---- Hugging Face checkpoints ----------------------------------------------------------------------
 
 INDEX = "model.safetensors.index.json"

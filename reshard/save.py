@@ -18,23 +18,23 @@ import datetime as _dt
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from fnmatch import fnmatch
 from pathlib import Path
 
 from reshard import __version__
 from reshard.checkpoint import Checkpoint, Source
+from reshard.destination import Destination, Staging, destination, refuse_on_bucket
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.execute import Progress, WriteOptions, run_executor
 from reshard.io.writer import Written
 from reshard.layout import Layout
-from reshard.manifest import Manifest, build_manifest, read_manifest, side_file_entries, write_manifest
+from reshard.manifest import Manifest, build_manifest, side_file_entries, write_manifest
 from reshard.manifest.pieces import assemble, same_job
-from reshard.names import CONFIG, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name, piece_manifest_name
+from reshard.names import CONFIG, MANIFEST, piece_manifest_name
 from reshard.optional import import_torch
 from reshard.outdir import make_dir, write_error
 from reshard.plan import OutFile, Plan, build_plan
-from reshard.publish import copy_files, move_into, side_files, staged, swap_in, write_config
+from reshard.publish import copy_files, move_into, side_files, write_config
 from reshard.sources import open_source
 
 
@@ -58,7 +58,7 @@ class Saved:
 
     plan: Plan
     manifest: Manifest
-    out_dir: Path
+    out_dir: str  # the folder, or s3://bucket/prefix/
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class PieceSaved:
     ranks: list[int]
     files: int
     manifest: Manifest | None
-    out_dir: Path
+    out_dir: str
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,17 @@ OnPlan = Callable[[Plan, Source], Progress | None]
 
 
 def save(
-    source: str, out_dir: Path, layout: Layout, options: SaveOptions, *, on_plan: OnPlan | None = None
+    source: str, out: str | Path, layout: Layout, options: SaveOptions, *, on_plan: OnPlan | None = None
 ) -> SaveResult:
-    """Write every rank's files of `source` for `layout` into `out_dir`; see `reshard save --help`."""
+    """Write every rank's files of `source` for `layout` into `out` (a folder, or s3://bucket/prefix/);
+    see `reshard save --help`."""
+    dest = destination(out)
     procs = Processes.from_env()
     try:
+        if procs.shared:
+            refuse_on_bucket(dest, "torchrun")
+        if options.ranks is not None:
+            refuse_on_bucket(dest, "--ranks")
         src = open_source(source, options.revision, stream=options.stream, sha256_file=options.sha256)
         plan = build_plan(
             src.checkpoint, layout, max_part_size=options.max_part_size, trust_remote_code=options.trust_remote_code
@@ -101,35 +107,44 @@ def save(
             run_id = shared_run_id(plan.source, plan.layout, tensors, __version__)
         with contextlib.ExitStack() as held:  # process 0 holds OUT_DIR (its lock) until it has published
 
-            def stage() -> Path:
-                overwrite = options.overwrite or target.joins(out_dir, run_id)
+            def stage() -> Staging:
+                overwrite = options.overwrite or (dest.local is not None and target.joins(dest.local, run_id))
                 tag, need = target.tag(run_id), sum(f.data_bytes for f in files)
-                folder = held.enter_context(
-                    staged(out_dir, tag, source=src.checkpoint.root, overwrite=overwrite, need=need)
+                staging = dest.stage(
+                    held,
+                    tag,
+                    source=src.checkpoint.root,
+                    overwrite=overwrite,
+                    need=need,
+                    plan=plan,
+                    max_part=options.max_part_size,
                 )
-                target.check(out_dir)
+                if dest.local is not None:
+                    target.check(dest.local)
                 if options.write.device != "cpu":
                     _check_device(options.write.device)
-                return folder
+                return staging
 
-            folder = procs.agree(stage)
+            staging = procs.agree(stage)
             mine = procs.share(plan, files)
             progress = on_plan(replace(plan, files=mine), src) if on_plan else None
             meta = {"format": "pt", "reshard_run": run_id, "reshard_layout": plan.layout.tag()}
             try:
                 written = procs.collect(
-                    lambda: run_executor(replace(plan, files=mine), src, folder, options.write, meta, progress)
+                    lambda: run_executor(
+                        replace(plan, files=mine), src, None, options.write, meta, progress, sink=staging.sink
+                    )
                 )
                 if not procs.leader:
                     return Helped(plan)
                 manifest = _manifest(
-                    src.checkpoint, plan, written, run_id, tensors, folder, out_dir, options.write.checksum
+                    src.checkpoint, plan, written, run_id, tensors, staging.folder, dest.display, options.write.checksum
                 )
                 if src.checkpoint.checked:  # checked by the source before this point (exit 4 otherwise)
                     manifest = replace(manifest, source_files=tuple(src.checkpoint.checked))
-                return target.publish(plan, manifest, folder, out_dir)
+                return target.publish(plan, manifest, staging, dest)
             except OSError as e:
-                raise write_error(out_dir, e) from e
+                raise write_error(Path(dest.display), e) from e
     finally:
         procs.close()
 
@@ -148,7 +163,7 @@ def _manifest(
     run_id: str,
     tensors: dict,
     folder: Path,
-    out_dir: Path,
+    out_dir: str,
     checksum: str,
 ) -> Manifest:
     """Copy the side files into the staging folder; the manifest of what was written."""
@@ -167,7 +182,7 @@ def _manifest(
         written,
         run_id=run_id,
         created=created,
-        out_dir=str(out_dir),
+        out_dir=out_dir,
         copied=copied,
         source_tensors=tensors,
         checksum=checksum,
@@ -189,7 +204,7 @@ class Processes:
         group = Group.from_env()
         return Torchrun(group) if group is not None else Solo()
 
-    def agree(self, fn: Callable[[], Path]) -> Path:
+    def agree(self, fn: Callable[[], Staging]) -> Staging:
         """Run `fn` (take and check OUT_DIR, make the staging folder) on the leader; every process
         gets its result or raises its error."""
         return fn()
@@ -217,8 +232,8 @@ class Torchrun(Processes):
         self.group = group
         self.leader = group.rank == 0
 
-    def agree(self, fn: Callable[[], Path]) -> Path:
-        result: Path | None = None
+    def agree(self, fn: Callable[[], Staging]) -> Staging:
+        result: Staging | None = None
         error: BaseException | None = None
         if self.leader:
             try:
@@ -274,15 +289,14 @@ class Target:
     def check(self, out_dir: Path) -> None:
         """Refuse OUT_DIR (with the lock held, before anything is written) where this target may not go."""
 
-    def publish(self, plan: Plan, manifest: Manifest, folder: Path, out_dir: Path) -> SaveResult:
+    def publish(self, plan: Plan, manifest: Manifest, staging: Staging, dest: Destination) -> SaveResult:
         raise NotImplementedError
 
 
 class Whole(Target):
-    def publish(self, plan: Plan, manifest: Manifest, folder: Path, out_dir: Path) -> Saved:
-        write_manifest(folder, manifest)
-        swap_in(folder, out_dir, ours=_ours(out_dir), synced=[f.name for f in plan.files])
-        return Saved(plan, manifest, out_dir)
+    def publish(self, plan: Plan, manifest: Manifest, staging: Staging, dest: Destination) -> Saved:
+        staging.publish(plan, manifest)
+        return Saved(plan, manifest, dest.display)
 
 
 @dataclass(frozen=True)
@@ -315,25 +329,15 @@ class Piece(Target):
                 "write the pieces into an empty folder (or another OUT_DIR), then `reshard assemble` it",
             )
 
-    def publish(self, plan: Plan, manifest: Manifest, folder: Path, out_dir: Path) -> PieceSaved:
+    def publish(self, plan: Plan, manifest: Manifest, staging: Staging, dest: Destination) -> PieceSaved:
+        assert dest.local is not None  # refused for buckets before anything was written
+        folder, out_dir = staging.folder, dest.local
         piece = replace(manifest, ranks=tuple(self.ranks), all_files=tuple(f.name for f in plan.files))
         make_dir(out_dir)
         last = write_manifest(folder, piece, name=piece_manifest_name(ranks_tag(self.ranks)))
         move_into(folder, out_dir, [f.name for f in manifest.files] + list(manifest.copied), last=last)
         whole = assemble(out_dir, quiet=True)
-        return PieceSaved(plan, self.ranks, len(manifest.files), whole, out_dir)
-
-
-def _ours(out_dir: Path) -> Callable[[str], bool]:
-    """The names of OUT_DIR that an earlier reshard run wrote (the rest is kept when overwriting)."""
-    copied: set[str] = set()
-    with contextlib.suppress(ReshardError, OSError):
-        copied = set(read_manifest(out_dir).copied)
-
-    def ours(name: str) -> bool:
-        return is_rank_file_name(name) or name == MANIFEST or name in copied or fnmatch(name, PIECE_MANIFEST_GLOB)
-
-    return ours
+        return PieceSaved(plan, self.ranks, len(manifest.files), whole, str(out_dir))
 
 
 def _check_device(device: str) -> None:

@@ -142,6 +142,30 @@ HUB_SMALL = Setting(
     "Hub tensors smaller than this, side by side in a file, are fetched together (0: each its own request)",
     _whole(0),
 )
+S3_CONCURRENCY = Setting(
+    "RESHARD_S3_CONCURRENCY",
+    8,
+    "a whole number >= 1",
+    "parts uploaded to object storage at once (each holds RESHARD_S3_PART_SIZE bytes in memory)",
+    _whole(1),
+)
+S3_PART_SIZE = Setting(
+    "RESHARD_S3_PART_SIZE",
+    16 << 20,
+    "a whole number of bytes >= 5242880 (S3's smallest part)",
+    "bytes per part of an object storage upload (grown for files over 10000 parts)",
+    _whole(5 << 20),
+)
+S3_RETRIES = Setting(
+    "RESHARD_S3_RETRIES", 8, "a whole number >= 0", "retries of a failing object storage request", _whole(0)
+)
+S3_TIMEOUT = Setting(
+    "RESHARD_S3_TIMEOUT",
+    60.0,
+    "seconds > 0",
+    "an object storage connection or read fails after this long without progress",
+    _seconds(positive=True),
+)
 
 ALL: tuple[Setting, ...] = (
     DEBUG,
@@ -154,6 +178,10 @@ ALL: tuple[Setting, ...] = (
     HUB_TIMEOUT,
     HUB_MIN_SPEED,
     HUB_SMALL,
+    S3_CONCURRENCY,
+    S3_PART_SIZE,
+    S3_RETRIES,
+    S3_TIMEOUT,
 )
 
 

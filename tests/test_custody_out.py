@@ -167,12 +167,12 @@ def test_an_interrupt_as_a_piece_moves_in_says_the_piece_is_in(tiny, tmp_path, c
 
 
 def test_an_interrupt_before_publishing_still_says_nothing_was_published(tiny, complete, monkeypatch):
-    import reshard.save as sv
+    import reshard.destination as dst
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sv, "swap_in", boom)
+    monkeypatch.setattr(dst.FolderStaging, "publish", boom)
     code, _, err = run("save", str(tiny("llama")), str(complete), "--tp", "4", "--overwrite")
     assert code == 130 and "nothing was published" in err
     assert json.loads((complete / "reshard.json").read_text())["layout"]["tp"] == 2

@@ -36,12 +36,12 @@ def siblings(out: Path) -> list[str]:
 def test_late_interrupt_keeps_the_previous_output(tiny, previous, monkeypatch, where):
     """Ctrl-C after every rank file is written (manifest, or just before the folders swap)."""
     out, before = previous
-    import reshard.save as sv
+    import reshard.destination as dst
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sv, "write_manifest" if where == "write_manifest" else "swap_in", boom)
+    monkeypatch.setattr(dst, "write_manifest" if where == "write_manifest" else "swap_in", boom)
     code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")
     assert code == 130 and "interrupted" in err
     assert snapshot(out) == before
@@ -53,13 +53,10 @@ def test_disk_full_while_writing_the_manifest_keeps_the_previous_output(tiny, pr
     out, before = previous
     import reshard.manifest as mf
 
-    real = mf.json.dump
-
-    def full(obj, f, **kw):
-        real({"partial": True}, f)
+    def full(manifest):  # called once the temporary manifest file is created
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(mf.json, "dump", full)
+    monkeypatch.setattr(mf, "manifest_bytes", full)
     code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")
     assert code == 5 and "disk full" in err
     assert snapshot(out) == before

@@ -31,6 +31,10 @@ BAD = {
     "RESHARD_HUB_TIMEOUT": ["abc", "0", "inf"],
     "RESHARD_HUB_MIN_SPEED": ["64KiB", "-1", "2.5"],
     "RESHARD_HUB_SMALL": ["1MiB", "-1"],
+    "RESHARD_S3_CONCURRENCY": ["many", "0"],
+    "RESHARD_S3_PART_SIZE": ["16MiB", "1048576"],
+    "RESHARD_S3_RETRIES": ["abc", "-1"],
+    "RESHARD_S3_TIMEOUT": ["abc", "0"],
 }
 
 

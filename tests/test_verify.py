@@ -203,7 +203,7 @@ def test_manifest_with_hostile_file_name(out):
 
 def test_two_runs_mixed(clean, out, tmp_path):
     other = save(str(clean[0]), tmp_path / "other", tp=2, max_part_size=DEFAULT_MAX_PART)
-    shutil.copy(other.out_dir / RANK1, out / RANK1)
+    shutil.copy(Path(other.out_dir) / RANK1, out / RANK1)
     code, rep = run(out)
     assert code == 7
     f = one(rep, "run-mix", file=RANK1)

@@ -38,7 +38,9 @@ __all__ = [
     "SideRecord",
     "TensorRecord",
     "build_manifest",
+    "manifest_bytes",
     "parse",
+    "parse_manifest",
     "read_json",
     "read_manifest",
     "side_file_entries",
@@ -108,14 +110,18 @@ def write_manifest(out_dir: Path, manifest: Manifest, name: str = MANIFEST) -> P
     to), so nothing planted there makes the manifest be written outside `out_dir`."""
     path = out_dir / name
     tmp = out_dir / f".{name}.tmp"
-    with os.fdopen(_create_new(tmp), "w") as f:
-        json.dump(manifest.to_json(), f, indent=1)
-        f.write("\n")
+    with os.fdopen(_create_new(tmp), "wb") as f:
+        f.write(manifest_bytes(manifest))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(out_dir)
     return path
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The manifest as written to a file or an object."""
+    return (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
 
 
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -166,6 +172,16 @@ def read_manifest(out_dir: Path, name: str = MANIFEST) -> Manifest:
     except ManifestProblem as e:
         what = "not a reshard manifest" if str(e) == "not a reshard manifest" else f"malformed manifest ({e})"
         raise CorruptError(f"{path}: {what}", "rerun `reshard save`") from None
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """A manifest read from elsewhere (an object in a bucket: `where`), validated like `read_manifest`."""
+    try:
+        if len(raw) > MAX_MANIFEST:
+            raise ValueError(f"larger than {MAX_MANIFEST} bytes")
+        return parse(json.loads(raw))
+    except (ValueError, RecursionError, ManifestProblem) as e:
+        raise CorruptError(f"{where}: malformed manifest ({e})", "rerun `reshard save`") from None
 
 
 def piece_paths(out_dir: Path) -> list[Path]:

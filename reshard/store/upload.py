@@ -1,0 +1,249 @@
+"""Streaming multipart uploads, each part checked by the store, kept open until the run publishes.
+
+An output file goes to the bucket as a multipart upload while it is computed: its bytes fill a part
+buffer (RESHARD_S3_PART_SIZE, grown for files over 10000 parts), and each full part is uploaded by a
+shared pool (RESHARD_S3_CONCURRENCY parts at once) with its SHA256 in `x-amz-checksum-sha256`,
+which the store checks (BadDigest otherwise; retried from memory). Nothing is staged on local disk.
+
+An upload is not an object until it is completed, so the run's uploads stay open, invisible to
+readers, until every file is uploaded: `reshard.store.publish` then completes them all, the
+manifest last, and compares each object's checksum as the store reports it (the composite SHA256 of
+the parts) with the one computed here. A failure or an interrupt aborts them (`Uploads.abort_all`).
+
+Memory: each open file holds one part buffer, and at most RESHARD_S3_CONCURRENCY parts are in flight.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from reshard import settings
+from reshard.errors import ReshardError
+from reshard.hashing import new_hasher
+from reshard.io.writer import Sink, Written
+from reshard.store.bucket import Bucket
+from reshard.store.client import error_code, store_error
+
+if TYPE_CHECKING:
+    from reshard.plan import OutTensor
+
+MAX_PARTS = 10000  # S3's limit per upload
+_MIB = 1 << 20
+_BAD_DIGEST_RETRIES = 2
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+@dataclass
+class OpenUpload:
+    """A multipart upload whose parts are all in, not yet completed."""
+
+    key: str
+    upload_id: str
+    size: int = 0
+    parts: dict[int, tuple[str, bytes]] = field(default_factory=dict)  # number -> (ETag, sha256)
+
+    def part_list(self) -> list[dict[str, Any]]:
+        return [
+            {"PartNumber": n, "ETag": etag, "ChecksumSHA256": _b64(digest)}
+            for n, (etag, digest) in sorted(self.parts.items())
+        ]
+
+    def checksum(self) -> str:
+        """The object's SHA256 as S3 reports a multipart object's: the SHA256 of the parts' SHA256s, "-" parts."""
+        joined = b"".join(d for _, (_, d) in sorted(self.parts.items()))
+        return f"{_b64(hashlib.sha256(joined).digest())}-{len(self.parts)}"
+
+
+class Uploads:
+    """The run's multipart uploads into one bucket folder: a pool of part uploads, and every upload
+    still open (to complete at publish, or to abort)."""
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.client = bucket.client
+        self.url = bucket.url
+        self.error = bucket.error
+        self.concurrency = settings.S3_CONCURRENCY.get()
+        self.part_size = settings.S3_PART_SIZE.get()
+        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="reshard-s3")
+        self.slots = threading.Semaphore(self.concurrency)
+        self.lock = threading.Lock()
+        self.open: dict[str, OpenUpload] = {}
+        self.unchecked: set[str] = set()  # keys whose parts the store did not echo a checksum for
+
+    def fail(self, e: BaseException, doing: str) -> ReshardError:
+        return store_error(e, str(self.url), doing, self.error)
+
+    def start(self, key: str) -> OpenUpload:
+        try:
+            r = self.client.create_multipart_upload(Bucket=self.url.bucket, Key=key, ChecksumAlgorithm="SHA256")
+        except Exception as e:
+            raise self.fail(e, f"starting the upload of {key}") from e
+        up = OpenUpload(key, r["UploadId"])
+        with self.lock:
+            self.open[key] = up
+        return up
+
+    def part_size_for(self, size: int) -> int:
+        """Parts of at least RESHARD_S3_PART_SIZE, and few enough for a `size`-byte object."""
+        return max(self.part_size, math.ceil(size / MAX_PARTS / _MIB) * _MIB)
+
+    def submit(self, up: OpenUpload, number: int, data: bytes | bytearray | memoryview) -> Future:
+        """Upload part `number` of `up` (waits while RESHARD_S3_CONCURRENCY parts are in flight)."""
+        self.slots.acquire()
+        try:
+            return self.pool.submit(self._put_part, up, number, data)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def _put_part(self, up: OpenUpload, number: int, data: bytes | bytearray | memoryview) -> None:
+        try:
+            body = memoryview(data)
+            digest = hashlib.sha256(body).digest()
+            for attempt in range(_BAD_DIGEST_RETRIES + 1):
+                try:
+                    r = self.client.upload_part(
+                        Bucket=self.url.bucket,
+                        Key=up.key,
+                        UploadId=up.upload_id,
+                        PartNumber=number,
+                        Body=body,
+                        ChecksumAlgorithm="SHA256",
+                        ChecksumSHA256=_b64(digest),
+                    )
+                    break
+                except Exception as e:
+                    if error_code(e) == "BadDigest" and attempt < _BAD_DIGEST_RETRIES:
+                        continue
+                    raise self.fail(e, f"uploading part {number} of {self.url.name(up.key)}") from e
+            echoed = r.get("ChecksumSHA256")
+            if echoed is not None and echoed != _b64(digest):
+                raise self.error(
+                    f"the object store recorded another checksum for part {number} of {self.url.name(up.key)}",
+                    "a proxy or the store altered the upload; rerun",
+                )
+            with self.lock:
+                if echoed is None:
+                    self.unchecked.add(up.key)
+                up.parts[number] = (r["ETag"], digest)
+        finally:
+            self.slots.release()
+
+    def put_bytes(self, key: str, data: bytes) -> OpenUpload:
+        """A small object (a side file, the manifest) as a one-part upload, left open like the rest."""
+        up = self.start(key)
+        self.submit(up, 1, data).result()
+        up.size = len(data)
+        return up
+
+    def complete(self, up: OpenUpload, *, create_only: bool) -> None:
+        """Make `up` an object; `create_only`: only if none exists under its key (If-None-Match: *).
+        The checksum the store reports for the object must be the one computed here."""
+        kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
+        try:
+            r = self.client.complete_multipart_upload(
+                Bucket=self.url.bucket,
+                Key=up.key,
+                UploadId=up.upload_id,
+                MultipartUpload={"Parts": up.part_list()},
+                **kwargs,
+            )
+        except Exception as e:
+            raise self.fail(e, f"completing {self.url.name(up.key)}") from e
+        with self.lock:
+            self.open.pop(up.key, None)
+        reported = r.get("ChecksumSHA256")
+        if reported is not None and reported != up.checksum():
+            raise self.error(
+                f"the object store reports checksum {reported} for {self.url.name(up.key)}, "
+                f"not the {up.checksum()} of the parts reshard uploaded",
+                "the store assembled other bytes; rerun, and check the store",
+            )
+
+    def abort_all(self) -> None:
+        """Abort every upload still open (best effort: a failure here is not the error to report)."""
+        with self.lock:
+            ups, self.open = list(self.open.values()), {}
+        for up in ups:
+            # best effort: the next run lists and aborts what is left (reshard.store.publish)
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=up.key, UploadId=up.upload_id)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class ObjectWriter(Sink):
+    """An output file streamed into a multipart upload (a `Sink`): hashed for the manifest as it
+    comes, cut into parts, each uploaded with its SHA256 while the next fills."""
+
+    def __init__(self, uploads: Uploads, name: str, header: bytes, checksum: str, size: int) -> None:
+        self.uploads = uploads
+        self.name = name
+        self.up = uploads.start(uploads.url.key(name))
+        self.part_size = uploads.part_size_for(size)
+        self.hasher = new_hasher(checksum)
+        self.buf = bytearray(self.part_size)
+        self.fill = 0
+        self.number = 0
+        self.size = 0
+        self.pending: list[Future] = []
+        self.write(header)
+
+    def begin(self, tensor: OutTensor) -> None:
+        pass
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        self.hasher.update(view)
+        n, pos = view.nbytes, 0
+        self.size += n
+        while pos < n:
+            k = min(n - pos, self.part_size - self.fill)
+            self.buf[self.fill : self.fill + k] = view[pos : pos + k]
+            self.fill += k
+            pos += k
+            if self.fill == self.part_size:
+                self._send()
+
+    def _send(self) -> None:
+        """Upload the part buffer (a new one takes its place); raise the first failed part's error."""
+        self._check()
+        self.number += 1
+        data = self.buf if self.fill == len(self.buf) else bytes(memoryview(self.buf)[: self.fill])
+        self.pending.append(self.uploads.submit(self.up, self.number, data))
+        self.buf = bytearray(self.part_size) if self.fill == len(self.buf) else self.buf
+        self.fill = 0
+
+    def _check(self) -> None:
+        done = [f for f in self.pending if f.done()]
+        for f in done:
+            f.result()
+        self.pending = [f for f in self.pending if not f.done()]
+
+    def close(self, sync: bool) -> Written:
+        if self.fill or self.number == 0:
+            self._send()
+        for f in self.pending:
+            f.result()
+        self.pending = []
+        self.up.size = self.size
+        self.buf = bytearray()
+        return Written(self.name, self.size, self.hasher.hexdigest())
+
+    def abort(self) -> None:
+        for f in self.pending:
+            f.cancel()
+        self.buf = bytearray()
