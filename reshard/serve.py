@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
 
 from reshard.layout import Layout
@@ -12,6 +14,30 @@ PLUGIN_NOTE = (
     "or `--load-format reshard` (reshard's vLLM plugin, installed with reshard): it checks the folder against "
     "the engine before reading and verifies every checksum while loading"
 )
+
+
+# vLLM's load format for pre-sharded outputs in object storage (the same ShardedStateLoader, reading
+# with the Run:ai streamer); vLLM refuses every other format, reshard's included, for an s3:// model
+RUNAI_LOAD_FORMAT = "runai_streamer_sharded"
+STORE_SCHEME = "s3://"
+# where `--load-format reshard` takes an s3:// output's weights from (the model: a local copy of its
+# config and tokenizer files)
+PLUGIN_WEIGHTS_KEY = "weights"
+
+
+def store_env() -> list[str]:
+    """The environment the Run:ai streamer needs to read what reshard wrote: the custom endpoint
+    (path-style addressing, as reshard used) and region, never credentials."""
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    env = []
+    if url:
+        env.append(f"AWS_ENDPOINT_URL={shlex.quote(url)}")
+        if "amazonaws.com" not in url:
+            env.append("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        env.append(f"AWS_REGION={shlex.quote(region)}")
+    return env
 
 
 def serve_command(
@@ -25,7 +51,13 @@ def serve_command(
     """The `vllm serve` line that loads `out_dir` as written: the planned `layout` (its dtype, and the
     MoE backend pinned where the experts' layout depends on it); trust_remote_code: the checkpoint
     ships its own config/tokenizer code and `save --trust-remote-code` was asked (Kimi-K2's tokenizer).
-    The folder is shell-quoted: the line pastes into a shell as it is, spaces and all."""
+    The folder is shell-quoted: the line pastes into a shell as it is, spaces and all.
+
+    An s3:// output is served by vLLM's runai_streamer_sharded, with the endpoint reshard wrote to;
+    reshard's plugin cannot take an s3:// model (vLLM refuses it), so its line copies the small files
+    to a local folder and names the bucket as the plugin's `weights`."""
+    if out_dir.startswith(STORE_SCHEME):
+        return _store_command(out_dir, layout, load_format, extra, trust_remote_code)
     parts = [f"vllm serve {shlex.quote(out_dir)} --load-format {load_format}", f"--tensor-parallel-size {layout.tp}"]
     if layout.pp > 1:
         parts.append(f"--pipeline-parallel-size {layout.pp}")
@@ -38,3 +70,17 @@ def serve_command(
     if trust_remote_code:
         parts.append("--trust-remote-code")
     return " ".join(parts)
+
+
+def _store_command(url: str, layout: Layout, load_format: str, extra: tuple[str, ...], trust: bool) -> str:
+    env = " ".join(store_env())
+    env = env + " " if env else ""
+    if load_format != PLUGIN_LOAD_FORMAT:
+        return env + serve_command(
+            "@", layout, load_format=RUNAI_LOAD_FORMAT, extra=extra, trust_remote_code=trust
+        ).replace("vllm serve @", f"vllm serve {shlex.quote(url)}", 1)
+    local = url[len(STORE_SCHEME) :].rstrip("/").rsplit("/", 1)[-1] + "-config"
+    weights = json.dumps({PLUGIN_WEIGHTS_KEY: url})
+    line = serve_command(local, layout, load_format=PLUGIN_LOAD_FORMAT, extra=extra, trust_remote_code=trust)
+    pull = f"aws s3 cp --recursive --exclude '*.safetensors' {shlex.quote(url)} {shlex.quote(local)}"
+    return f"{pull} && {env}{line} --model-loader-extra-config {shlex.quote(weights)}"

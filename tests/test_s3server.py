@@ -26,7 +26,9 @@ def _code(exc: pytest.ExceptionInfo) -> tuple[str, int]:
 def test_weed_listens_only_on_the_ports_given_to_it(s3server):
     given = {flag: port for flag, port in s3server.ports.items() if flag != "debug.port"}  # -debug is off
     listening = s3server.listening_ports()
-    assert listening <= set(given.values()), f"weed listens on ports it was not given: {listening - set(given.values())}"
+    assert listening <= set(given.values()), (
+        f"weed listens on ports it was not given: {listening - set(given.values())}"
+    )
     assert s3server.ports["s3.port"] in listening
     assert s3server.ports["admin.port.grpc"] == s3server.ports["admin.port"] + 10000
 

@@ -27,7 +27,7 @@ from reshard.vllm_versions import serve_note
 
 @click.command("save")
 @click.argument("source")
-@click.argument("out_dir", type=click.Path(path_type=Path))  # a file: refused by reshard (exit 5)
+@click.argument("out_dir")  # a folder (a file: refused, exit 5) or s3://bucket/prefix/
 @layout_options
 @click.option(
     "--max-part-size",
@@ -98,7 +98,8 @@ def save_cmd(
     source_sha256,
     trust_remote_code,
 ):
-    """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR.
+    """Write every rank's vLLM sharded_state files for SOURCE into OUT_DIR (a folder, or
+    s3://bucket/prefix/).
 
     SOURCE is a local checkpoint folder, a Hugging Face repo id (fetched as the rank files are
     written, kept once in the HF cache unless --stream; HF_HOME, HF_TOKEN, HF_ENDPOINT and
@@ -136,7 +137,7 @@ def save_cmd(
         _piece(result, as_json)
     elif isinstance(result, (Saved, PieceSaved)):  # a piece that was the last one: the whole output
         assert result.manifest is not None
-        _saved(result.manifest, out_dir, seconds, as_json)
+        _saved(result.manifest, result.out_dir, seconds, as_json)
     # else a torchrun process other than 0: process 0 reports
 
 
@@ -164,13 +165,13 @@ def _piece(result, as_json: bool) -> None:
         )
 
 
-def _saved(m, out_dir: Path, seconds: float, as_json: bool) -> None:
+def _saved(m, out_dir: str, seconds: float, as_json: bool) -> None:
     if as_json:
         emit_json(
             {
                 "ok": True,
-                "out_dir": str(out_dir),
-                "manifest": str(out_dir / MANIFEST),
+                "out_dir": out_dir,
+                "manifest": out_dir + MANIFEST if out_dir.endswith("/") else str(Path(out_dir) / MANIFEST),
                 "layout": m.to_json()["layout"],
                 "files": len(m.files),
                 "bytes": m.total_bytes,

@@ -108,7 +108,7 @@ class Uploads:
 
     def _put_part(self, up: OpenUpload, number: int, data: bytes | bytearray | memoryview) -> None:
         try:
-            body = memoryview(data)
+            body = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # botocore takes no memoryview
             digest = hashlib.sha256(body).digest()
             for attempt in range(_BAD_DIGEST_RETRIES + 1):
                 try:
