@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,6 +167,28 @@ def test_etag_swapping_cdn_is_exit_4(server, tmp_path, mode, keeps_etag):
     one_line_error(p, 4, "safetensors", "sha256" if keeps_etag else "other bytes")
     assert not (tmp_path / "out").exists()
     assert not list((tmp_path / "hf").rglob("snapshots/*/*.safetensors"))  # nothing wrong in the cache
+
+
+def test_the_benchmarks_check_off_baseline_hashes_nothing_and_writes_the_same_files(server, checkpoint, tmp_path):
+    """`python -m scripts.bench_check off` (make bench's section 6 baseline) is the same save with the
+    source hashing replaced by nothing: same rank files, every file `unchecked`, in the three modes it
+    times; `on` is the save as shipped. Fails when reshard's hashing moves and the baseline no longer
+    turns it off."""
+    src, ref = checkpoint
+    bench = [sys.executable, "-m", "scripts.bench_check"]
+    root = str(Path(__file__).resolve().parents[1])
+    for home, more in ((tmp_path / "hf", []), (tmp_path / "hf2", ["--stream"]), (tmp_path / "hf", [])):
+        for check, want in (("off", (None, "unchecked")), ("on", None)):
+            out = tmp_path / f"out-{check}"
+            shutil.rmtree(out, ignore_errors=True)
+            args = [*bench, check, "save", REPO, str(out), "--tp", "2", *more]
+            env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE")}
+            env.update(HF_ENDPOINT=server.endpoint, HF_HOME=str(home), RESHARD_DISABLE_PROGRESS="1")
+            p = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=120)
+            assert p.returncode == 0, (check, more, p.stderr)
+            assert rank_bytes(out) == rank_bytes(ref)
+            expect = {n: want or (h, HUB) for n, h in sha256s(src).items()}
+            assert source_files(out) == expect, (check, more)
 
 
 # ---- local folders ------------------------------------------------------------------------------
