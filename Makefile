@@ -64,7 +64,8 @@ format: $(VENV)/.stamp
 	$(VENV)/bin/ruff check --fix .
 
 # 20-30 minutes: 4 GB llama and MoE (30B- and 235B-shaped) checkpoints, cache dropped and warm, vs cp -r;
-# peak RSS on 2/4/16 GB; rewrites docs/benchmarks.md (`python -m scripts.bench --report-only` re-renders it)
+# peak RSS on 2/4/16 GB; the source check's cost (sha256 on / off, from a local Hub server); rewrites
+# docs/benchmarks.md (`python -m scripts.bench --report-only` re-renders it)
 bench: $(VENV)/.stamp
 	$(PY) -m scripts.bench
 

@@ -70,7 +70,7 @@ class Reader(Protocol):
 
 class Source(Protocol):
     """A checkpoint to read: its metadata, and a way to read its bytes. Sources subclass `Source`;
-    `downloads` and `finish` are optional, with their defaults here."""
+    `downloads`, `check` and `finish` are optional, with their defaults here."""
 
     @property
     def checkpoint(self) -> Checkpoint: ...
@@ -83,6 +83,12 @@ class Source(Protocol):
     def downloads(self) -> Downloads | None:
         """What the source downloads during a save, for the progress display. Default: nothing."""
         return None
+
+    def check(self) -> None:
+        """Check the files against the sha256 their publisher commits to, before any byte is read,
+        filling `checkpoint.checked` (exit 4 on a mismatch). Called by the save before reading (once,
+        under torchrun, by process 0), and by `open_reader` where it was not. Default: nothing (a
+        source that checks as it reads)."""
 
     def finish(self) -> None:
         """Called once a save has read everything it needed: a source that keeps a copy of what it

@@ -4,7 +4,9 @@ user's problem they are (disk full, the open-files limit), shared by `save`, `me
 
 One run at a time per OUT_DIR: `lock` takes an exclusive lock beside it and names the holder to a
 second run, which fails with exit 5. The lock is opened without following a symbolic link, and only
-a regular file of this user is used as one.
+a regular file of this user is used as one. The folder it lies in (OUT_DIR's parent, where the staging
+folder goes too) must not be open to everyone's renames: one that others may write (o+w) without the
+sticky bit is refused unless this user or root owns it (a sticky /tmp is fine).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def lock(out_dir: Path) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create {path.parent}: {e.strerror or e}", "choose another OUT_DIR") from e
+    check_holder(path.parent)
     while True:
         try:
             fd = os.open(path, _LOCK_FLAGS, 0o644)
@@ -119,6 +122,26 @@ def lock(out_dir: Path) -> Iterator[None]:
         with contextlib.suppress(OSError):
             path.unlink()
         os.close(fd)
+
+
+def check_holder(folder: Path) -> None:
+    """Refuse a folder to hold the lock and staging folder that anyone may write (rename, replace our
+    files in) without the sticky bit, unless this user or root owns it (it was opened up on purpose)."""
+    try:
+        st = os.stat(folder)
+    except OSError as e:
+        raise OutputError(f"cannot read {folder}: {e.strerror or e}", "choose another OUT_DIR") from e
+    if open_to_others(st.st_mode, st.st_uid, os.geteuid()):
+        raise OutputError(
+            f"the folder holding OUT_DIR, {folder}, is writable by every user without the sticky bit and "
+            f"belongs to uid {st.st_uid}: another user could replace reshard's lock and staging folder there",
+            f"choose OUT_DIR in a folder of yours, or have its owner run `chmod +t {folder}` (or `chmod o-w`)",
+        )
+
+
+def open_to_others(mode: int, owner: int, me: int) -> bool:
+    """A folder anyone may write (o+w) without the sticky bit, owned by neither `me` nor root."""
+    return bool(mode & stat.S_IWOTH) and not mode & stat.S_ISVTX and owner not in (me, 0)
 
 
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)

@@ -3,7 +3,8 @@
 Two choices are made once per run, each a small strategy:
 
 - who writes (`Processes`): this process alone (`Solo`), or, under torchrun (WORLD_SIZE > 1), every
-  process a disjoint share of the files while process 0 holds OUT_DIR and publishes (`Torchrun`);
+  process a disjoint share of the files while process 0 holds OUT_DIR, checks the source's files
+  against their sha256 (once, for all: the others wait and take its records) and publishes (`Torchrun`);
 - what is published (`Target`): the whole output, swapped in with its manifest (`Whole`), or, with
   `--ranks`, those engine ranks' files and a partial manifest, moved into OUT_DIR beside the other
   pieces; the full manifest appears when every piece is in (`Piece`, reshard.manifest.pieces).
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from reshard import __version__
 from reshard.checkpoint import Checkpoint, Source
@@ -80,6 +82,7 @@ class Helped:
 
 
 SaveResult = Saved | PieceSaved | Helped
+T = TypeVar("T")
 OnPlan = Callable[[Plan, Source], Progress | None]
 
 
@@ -126,6 +129,7 @@ def save(
                 return staging
 
             staging = procs.agree(stage)
+            src.checkpoint.checked = procs.agree(lambda: _checked(src))  # under torchrun, hashed once
             mine = procs.share(plan, files)
             progress = on_plan(replace(plan, files=mine), src) if on_plan else None
             meta = {"format": "pt", "reshard_run": run_id, "reshard_layout": plan.layout.tag()}
@@ -147,6 +151,13 @@ def save(
                 raise write_error(Path(dest.display), e) from e
     finally:
         procs.close()
+
+
+def _checked(src: Source) -> list:
+    """The source's files checked against their sha256 before any is read (exit 4 on a mismatch);
+    their records. A source that checks while it reads (a Hub stream) records them at `finish`."""
+    src.check()
+    return src.checkpoint.checked
 
 
 def _source_tensors(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -204,9 +215,9 @@ class Processes:
         group = Group.from_env()
         return Torchrun(group) if group is not None else Solo()
 
-    def agree(self, fn: Callable[[], Staging]) -> Staging:
-        """Run `fn` (take and check OUT_DIR, make the staging folder) on the leader; every process
-        gets its result or raises its error."""
+    def agree(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (take and check OUT_DIR, make the staging folder; check the source) on the
+        leader; every process gets its result or raises its error."""
         return fn()
 
     def share(self, plan: Plan, files: list[OutFile]) -> list[OutFile]:
@@ -232,8 +243,8 @@ class Torchrun(Processes):
         self.group = group
         self.leader = group.rank == 0
 
-    def agree(self, fn: Callable[[], Staging]) -> Staging:
-        result: Staging | None = None
+    def agree(self, fn: Callable[[], T]) -> T:
+        result: T | None = None
         error: BaseException | None = None
         if self.leader:
             try:

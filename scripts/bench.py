@@ -20,6 +20,10 @@
    checkpoint as vLLM's default loader does (every rank reads every shard).
 4. With .venv-vllm (a vLLM build): vLLM's own "Loading weights took" for load_format
    "sharded_state" against the default loader, at T=2.
+5. `build_plan`'s time from headers alone.
+6. What checking the source costs (scripts/bench_check.py): `reshard save REPO` of the --small-size
+   checkpoint from a local Hub server, cached download, --stream and from a complete cache, each with
+   the sha256 check on and off (CPU s/GB, wall on / off). `python -m scripts.bench check` runs it alone.
 
 `python -m scripts.bench loaders` (scripts/bench_loaders.py) measures vLLM's load time for
 `--load-format reshard` (reshard's plugin) against sharded_state and the default loader, cold and
@@ -30,7 +34,7 @@ unless --keep. Internal sub-commands (_naive, _load) run the measured pieces in 
 processes.
 
 Modules: scripts/benchlib.py (measuring, formatting, the run's settings), one per section
-(bench_save.py: 1 and 2, bench_rank.py: 3, bench_vllm.py: 4, bench_plan.py: 5), bench_report.py
+(bench_save.py: 1 and 2, bench_rank.py: 3, bench_vllm.py: 4, bench_plan.py: 5, bench_check.py: 6), bench_report.py
 (docs/benchmarks.md from the results), and this one: the run in order and the command line.
 """
 
@@ -44,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts import bench_plan, bench_rank, bench_save, bench_vllm
+from scripts import bench_check, bench_plan, bench_rank, bench_save, bench_vllm
 from scripts.bench_report import keep_hub_section, report
 from scripts.benchlib import GB, ROOT, Bench, disk_speeds, machine, timed_alone
 from scripts.make_synthetic import parse_size
@@ -79,8 +83,12 @@ def run(b: Bench) -> None:
             b.results["vllm"] = bench_vllm.vllm(b, llama, 2)
         b.say("5. planning time")
         b.results["plan"] = bench_plan.plan_times()
-        b.say("2. peak RSS")
         small = b.make("llama-small", "llama", a.small_size)
+        if a.check:
+            b.say("6. source check cost")
+            reps, rate = min(a.reps, 3), parse_size("500MB")
+            b.results["source_check"] = bench_check.source_check(b.work, Path(small["path"]), a.tp, reps, rate)
+        b.say("2. peak RSS")
         rss = [bench_save.rss(b, small, a.tp)]
         shutil.rmtree(small["path"])
         rss.append(bench_save.rss(b, llama, a.tp))
@@ -122,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         from scripts.bench_hub import main as hub_main
 
         return hub_main(argv[1:])
+    if argv and argv[0] == "check":  # what checking the source costs, alone (scripts/bench_check.py)
+        return bench_check.main(argv[1:])
     if argv and argv[0] == "loaders":  # vLLM load time by loader, reshard's plugin included
         from scripts import bench_loaders
 
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-vllm", dest="vllm", action="store_false")
     ap.add_argument("--skip-moe", dest="moe", action="store_false")
     ap.add_argument("--skip-naive", dest="naive", action="store_false")
+    ap.add_argument("--skip-check", dest="check", action="store_false", help="no section 6 (source check cost)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and logs under --work")

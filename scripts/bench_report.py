@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scripts import bench_check
 from scripts.bench_hub import MARK
 from scripts.benchlib import GB, GIB, fmt_b, fmt_s
 
@@ -13,7 +14,15 @@ from scripts.benchlib import GB, GIB, fmt_b, fmt_s
 def report(r: dict) -> str:
     """docs/benchmarks.md up to the hub section, from a run's results (results.json)."""
     L = _machine(r)
-    measured = {"disk": _disk, "compare": _compare, "rss": _rss, "per_rank": _per_rank, "vllm": _vllm, "plan": _plan}
+    measured = {
+        "disk": _disk,
+        "compare": _compare,
+        "rss": _rss,
+        "per_rank": _per_rank,
+        "vllm": _vllm,
+        "plan": _plan,
+        "source_check": lambda r: bench_check.section(r["source_check"]),
+    }
     for key, section in measured.items():
         if r.get(key):  # the sections a run measured
             L += section(r)

@@ -75,22 +75,29 @@ def integrity(w: Path, sharded: Path) -> Section:
         assert run(["save", repo, str(good), "--tp", "2"], hub_env(hub, home)).code == 0
         blob = sorted(p for p in (home / "hub").rglob("blobs/*") if len(p.name) == 64)[-1]
         flip(blob, blob.stat().st_size - 1)
-        for mode, env in (("online", {}), ("offline", {"HF_HUB_OFFLINE": "1"})):
-            save(
-                f"cached Hub blob with one flipped byte, `save REPO --overwrite` {mode} over the good output",
-                home,
-                good,
-                "--overwrite",
-                previous=good,
-                **env,
-            )
+        save(
+            "cached Hub blob with one flipped byte, `save REPO --overwrite` offline over the good output",
+            home,
+            good,
+            "--overwrite",
+            previous=good,
+            HF_HUB_OFFLINE="1",
+        )
         case(
             sec,
-            "then `verify GOOD --against REPO --deep` on the earlier good output (the cache still corrupt)",
+            "then `verify GOOD --against REPO --deep` offline on the earlier good output (the cache still corrupt)",
             ["verify", str(good), "--against", repo, "--deep"],
             source=good,
             allowed=[home],
-            env=hub_env(hub, home),
+            env=hub_env(hub, home, HF_HUB_OFFLINE="1"),
+        )
+        save(
+            "then `save REPO --overwrite` online over the good output: the corrupt blob fetched again, checked, "
+            "renamed over it",
+            home,
+            good,
+            "--overwrite",
+            previous=good,
         )
         for keeps, more in ((False, ()), (True, ()), (True, ("--stream",))):
             hub.swap_after, hub.swap_keeps_etag, hub.cdn_answers = 6, keeps, 0  # headers first, then tensors
@@ -243,6 +250,19 @@ def shared(w: Path, llama: Path) -> Section:
         allowed=[out],
         after=lambda r: "OUT_DIR not created" if not out.exists() else "OUT_DIR exists",
     )
+
+    if os.geteuid() == 0:  # a folder of another user that everyone may write, no sticky bit
+        open_dir = w / "open-to-all"
+        open_dir.mkdir()
+        os.chown(open_dir, 65534, 65534)
+        open_dir.chmod(0o777)
+        case(
+            sec,
+            "OUT_DIR in a folder of another user that every user may write, without the sticky bit",
+            ["save", str(llama), str(open_dir / "out"), "--tp", "2"],
+            source=llama,
+            after=lambda r: "nothing created in it" if not any(open_dir.iterdir()) else "**files created in it**",
+        )
 
     pieces, held = w / "pieces", w / "pieces-held"
     assert run(["save", str(llama), str(pieces), "--tp", "2", "--ranks", "0"]).code == 0

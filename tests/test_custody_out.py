@@ -264,6 +264,38 @@ def test_a_lock_path_that_is_not_a_regular_file_is_refused(tiny, tmp_path):
     assert code == 5 and "not a regular file" in err, err
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")
+def test_a_folder_others_may_write_without_sticky_bit_is_refused_to_hold_the_lock(tiny, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 65534, 65534)  # nobody's folder, open to every user's renames
+    shared.chmod(0o777)
+    out = shared / "out"
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
+    assert code == 5, err
+    assert len(err.splitlines()) == 1 and "without the sticky bit" in err and "chmod +t" in err, err
+    assert list(shared.iterdir()) == []  # no lock, no staging folder, no OUT_DIR
+    shared.chmod(0o1777)  # sticky, as /tmp: others cannot rename or remove our files
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+    shutil.rmtree(out)
+    os.chown(shared, os.geteuid(), os.getegid())  # our own folder, opened up on purpose
+    shared.chmod(0o777)
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+
+
+def test_which_folders_are_open_to_others():
+    from reshard.outdir import open_to_others
+
+    me, other = 1000, 1001
+    assert open_to_others(0o40777, other, me)
+    assert open_to_others(0o40773, other, me)
+    assert not open_to_others(0o41777, other, me)  # sticky: /tmp
+    assert not open_to_others(0o40777, me, me)
+    assert not open_to_others(0o40777, 0, me)
+    assert not open_to_others(0o40775, other, me)  # group-writable: the group is trusted
+    assert not open_to_others(0o40755, other, me)
+
+
 # ---- papercuts ---------------------------------------------------------------------------------------
 
 

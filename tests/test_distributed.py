@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,6 +97,70 @@ def test_torchrun_into_a_locked_folder_fails_on_every_process(tiny, tmp_path):
         assert not out.exists()
     finally:
         os.close(fd)
+
+
+COUNTING = """
+import os, sys
+from pathlib import Path
+import reshard.hashing as hashing
+
+plain = hashing.hash_file
+
+def counted(path, algorithm, **kw):  # each source file hashed (sha256), by this process's RANK
+    if algorithm == "sha256":
+        with open(Path(sys.argv[1]) / os.environ["RANK"], "a") as f:
+            f.write(Path(path).name + "\\n")
+    return plain(path, algorithm, **kw)
+
+hashing.hash_file = counted
+from reshard.cli import main
+main(sys.argv[2:])
+"""
+
+
+def torchrun_counting(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, list[str]]]:
+    """`reshard ARGS` under a 2-process torchrun; what each process (by RANK) hashed with sha256."""
+    script, log = tmp_path / "counting.py", tmp_path / "hashed"
+    script.write_text(COUNTING)
+    log.mkdir()
+    env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+    p = subprocess.run([*torchrun, str(script), str(log), *args], env=env, capture_output=True, text=True, timeout=300)
+    return p, {f.name: sorted(f.read_text().split()) for f in log.iterdir()}
+
+
+def test_torchrun_hashes_a_checked_source_once_in_process_0(tiny, tmp_path):
+    """With sha256s for the source (--source-sha256), process 0 checks every file before any process
+    reads one; the others take its records instead of hashing everything again."""
+    import hashlib
+    import shutil
+
+    src = Path(shutil.copytree(tiny("qwen3-moe"), tmp_path / "src"))
+    names = sorted(p.name for p in src.glob("*.safetensors"))
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text("".join(f"{hashlib.sha256((src / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+    p, hashed = torchrun_counting(
+        tmp_path, "save", str(src), str(tmp_path / "out"), "--tp", "4", "--source-sha256", str(sums)
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert hashed == {"0": names}  # process 1 hashed nothing
+    manifest = json.loads((tmp_path / "out" / "reshard.json").read_text())
+    assert {f["name"]: f["check"] for f in manifest["source_files"]} == dict.fromkeys(names, "sha256-file verified")
+
+    data = bytearray((src / names[-1]).read_bytes())
+    data[-1] ^= 1
+    (src / names[-1]).write_bytes(bytes(data))
+    shutil.rmtree(tmp_path / "hashed")
+    p, hashed = torchrun_counting(
+        tmp_path, "save", str(src), str(tmp_path / "bad"), "--tp", "4", "--source-sha256", str(sums)
+    )
+    assert p.returncode != 0 and names[-1] in p.stderr and "sha256" in p.stderr, p.stderr[-2000:]
+    assert "0" in hashed and "1" not in hashed  # every process stops on process 0's error
+    assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("damage", ["not json {", '{"format": "reshard-sharded-state", "format_version": 1}', "[]"])

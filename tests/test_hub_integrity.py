@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,19 +76,58 @@ def test_hub_save_records_each_source_files_lfs_sha256(server, checkpoint, tmp_p
     assert source_files(tmp_path / "out") == {n: (h, HUB) for n, h in sha256s(src).items()}
 
 
-def test_corrupt_cached_blob_is_exit_4_online_and_offline(server, checkpoint, tmp_path):
-    src, ref = checkpoint
+@pytest.fixture
+def corrupt_cache(server, checkpoint, tmp_path):
+    """A cached-mode save, then one bit of the last tensor of a complete cached blob flipped (a bad
+    persistent CI cache): (HF_HOME, the blob, its file name, the corrupt bytes)."""
+    src, _ = checkpoint
     home = tmp_path / "hf"
     p = reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2")
     assert p.returncode == 0, p.stderr
     blob = blobs(home)[-1]
     name = next(n for n, h in sha256s(src).items() if h == blob.name)
-    flip(blob, blob.stat().st_size - 1)  # a bit of the last tensor: a bad persistent CI cache
-    for env in ({}, {"HF_HUB_OFFLINE": "1"}):
-        p = reshard(server, home, "save", REPO, str(tmp_path / "bad"), "--tp", "2", **env)
-        one_line_error(p, 4, name, "sha256")
-        assert not (tmp_path / "bad").exists()  # nothing published
-    assert rank_bytes(tmp_path / "good") == rank_bytes(ref)  # the earlier good output untouched
+    flip(blob, blob.stat().st_size - 1)
+    return home, blob, name, blob.read_bytes()
+
+
+def test_corrupt_cached_blob_offline_is_exit_4_saying_how_to_download_it_again(server, corrupt_cache, tmp_path):
+    home, blob, name, bad = corrupt_cache
+    p = reshard(server, home, "save", REPO, str(tmp_path / "bad"), "--tp", "2", HF_HUB_OFFLINE="1")
+    one_line_error(p, 4, name, "sha256", "HF_HUB_OFFLINE unset", f"hf download {REPO} {name}", "--force-download")
+    assert not (tmp_path / "bad").exists()  # nothing published
+    assert blob.read_bytes() == bad  # the cache is not touched offline
+
+
+def test_corrupt_cached_blob_online_is_fetched_again_checked_and_used(server, checkpoint, corrupt_cache, tmp_path):
+    src, ref = checkpoint
+    home, blob, name, bad = corrupt_cache
+    held = os.open(blob, os.O_RDONLY)  # a reader that had the blob open before
+    try:
+        inode = os.fstat(held).st_ino
+        p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+        assert p.returncode == 0, p.stderr
+        assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+        assert f"the cached copy of {REPO}/{name}@" in p.stderr and "fetched it again" in p.stderr, p.stderr
+        assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+        assert source_files(tmp_path / "out") == {n: (h, HUB) for n, h in sha256s(src).items()}
+        assert blob.read_bytes() == (src / name).read_bytes()  # the cache mended
+        # renamed over the blob, not written into it: the open reader still sees the old file whole
+        assert os.stat(blob).st_ino != inode and os.pread(held, len(bad) + 1, 0) == bad
+    finally:
+        os.close(held)
+    assert [p.name for p in blob.parent.iterdir() if "." in p.name] == []  # no temp file left
+    p = reshard(server, home, "save", REPO, str(tmp_path / "again"), "--tp", "2", HF_HUB_OFFLINE="1")
+    assert p.returncode == 0 and p.stderr == "", p.stderr  # offline now finds it good
+
+
+def test_corrupt_cached_blob_online_with_a_hub_serving_other_bytes_too_is_exit_4(server, corrupt_cache, tmp_path):
+    home, blob, name, bad = corrupt_cache
+    server.swap_after, server.swap_keeps_etag = server.cdn_answers, True  # every answer from now on wrong
+    p = reshard(server, home, "save", REPO, str(tmp_path / "bad"), "--tp", "2")
+    one_line_error(p, 4, name, "sha256", "other bytes too")
+    assert not (tmp_path / "bad").exists()
+    assert blob.read_bytes() == bad  # left as it was: no wrong copy swapped in
+    assert [p.name for p in blob.parent.iterdir() if "." in p.name] == []
 
 
 def test_corrupt_partial_blob_is_exit_4_then_downloaded_anew(server, checkpoint, tmp_path):
@@ -124,6 +167,28 @@ def test_etag_swapping_cdn_is_exit_4(server, tmp_path, mode, keeps_etag):
     one_line_error(p, 4, "safetensors", "sha256" if keeps_etag else "other bytes")
     assert not (tmp_path / "out").exists()
     assert not list((tmp_path / "hf").rglob("snapshots/*/*.safetensors"))  # nothing wrong in the cache
+
+
+def test_the_benchmarks_check_off_baseline_hashes_nothing_and_writes_the_same_files(server, checkpoint, tmp_path):
+    """`python -m scripts.bench_check off` (make bench's section 6 baseline) is the same save with the
+    source hashing replaced by nothing: same rank files, every file `unchecked`, in the three modes it
+    times; `on` is the save as shipped. Fails when reshard's hashing moves and the baseline no longer
+    turns it off."""
+    src, ref = checkpoint
+    bench = [sys.executable, "-m", "scripts.bench_check"]
+    root = str(Path(__file__).resolve().parents[1])
+    for home, more in ((tmp_path / "hf", []), (tmp_path / "hf2", ["--stream"]), (tmp_path / "hf", [])):
+        for check, want in (("off", (None, "unchecked")), ("on", None)):
+            out = tmp_path / f"out-{check}"
+            shutil.rmtree(out, ignore_errors=True)
+            args = [*bench, check, "save", REPO, str(out), "--tp", "2", *more]
+            env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE")}
+            env.update(HF_ENDPOINT=server.endpoint, HF_HOME=str(home), RESHARD_DISABLE_PROGRESS="1")
+            p = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=120)
+            assert p.returncode == 0, (check, more, p.stderr)
+            assert rank_bytes(out) == rank_bytes(ref)
+            expect = {n: want or (h, HUB) for n, h in sha256s(src).items()}
+            assert source_files(out) == expect, (check, more)
 
 
 # ---- local folders ------------------------------------------------------------------------------

@@ -6,10 +6,16 @@
   config.json and headers fetched by range, and streams the weights (`reshard.sources.hubsource`):
   cached as it goes (default) or not stored at all (`stream`).
 - The Hub unreachable (after retries): the cache, if it has the revision.
+
+A cached file that does not hash to the sha256 the commit holds (a bad persistent CI cache) is
+fetched again when the Hub is reachable (`refetch`: into a file of its own, checked, then renamed
+over the blob, as huggingface_hub downloads: a reader sees the old blob or the new one, whole);
+from the cache alone it is exit 4 saying how to download it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -70,7 +76,7 @@ def _online(repo, *, headers_only: bool, stream: bool):
 
         expected = cache_expected(root, files)  # the blob names, unless the commit says otherwise:
         expected.update({f: (repo.lfs[f], HUB) for f in files if f in repo.lfs})
-        return LocalSource(root, ref, expected)
+        return LocalSource(root, ref, expected, fix=lambda name, got, want: refetch(repo, root, name, got, want))
     return HubSource(repo, root, files, stream=stream)
 
 
@@ -88,9 +94,83 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
             f"{at} is not in the Hugging Face cache and the Hub is unreachable or HF_HUB_OFFLINE is set",
             "download it first (`hf download REPO`), unset HF_HUB_OFFLINE, or point HF_HOME at the cache",
         ) from e
-    from reshard.sources.integrity import cache_expected
+    from reshard.sources.integrity import CACHE, cache_expected, mismatch
     from reshard.sources.local import weight_files
 
     root = Path(folder)  # offline: each file checked against the sha256 its blob is named by
     ref = {"repo_id": repo_id, "revision": revision or "main", "commit": root.name}
-    return LocalSource(root, ref, cache_expected(root, weight_files(root)))
+
+    def fix(name: str, got: str, want: str) -> None:
+        raise mismatch(
+            f"{repo_id}/{name}@{root.name[:12]} in the Hugging Face cache",
+            got,
+            want,
+            CACHE,
+            "the cached copy is corrupt: run with the Hub reachable (HF_HUB_OFFLINE unset) and reshard fetches "
+            f"it again, or `hf download {repo_id} {name} --revision {root.name} --force-download`",
+        )
+
+    return LocalSource(root, ref, cache_expected(root, weight_files(root)), fix=fix)
+
+
+_CHUNK = 16 * 1024 * 1024  # bytes per request when fetching a cached file again
+
+
+def refetch(repo, root: Path, name: str, got: str, want: str) -> None:
+    """Online, `name` of the complete cached snapshot `root` hashed to `got`, not the commit's `want`:
+    fetch it again (RESHARD_HUB_CONNECTIONS ranges at once) into a file of its own beside its blob,
+    hashing as it arrives, and rename that over the blob once it hashes to `want` (fsynced first).
+    One line on stderr says so. Exit 4 if the Hub's bytes do not hash to `want` either (the cached
+    copy is left as it was)."""
+    import sys
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    from reshard import settings
+    from reshard.sources.integrity import HUB, PrefixHasher, mismatch
+
+    link = root / name  # snapshots/<commit>/<name> -> ../../blobs/<sha256>: replace the blob, not the link
+    blob = Path(os.path.normpath(link.parent / os.readlink(link))) if link.is_symlink() else link
+    where = f"{repo.repo_id}/{name}@{repo.commit[:12]}"
+    tmp = blob.with_name(f"{blob.name}.{uuid.uuid4().hex[:8]}.reshard-refetch")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            head = memoryview(bytearray(8))
+            size = repo.fetch(name, 0, head).size
+            hasher = PrefixHasher(size)
+
+            def one(pos: int) -> None:
+                buf = memoryview(bytearray(min(_CHUNK, size - pos)))
+                repo.fetch(name, pos, buf)
+                done = 0
+                while done < len(buf):
+                    done += os.pwrite(fd, buf[done:], pos + done)
+                hasher.feed(pos, buf)
+
+            with ThreadPoolExecutor(settings.HUB_CONNECTIONS.get()) as pool:
+                list(pool.map(one, range(0, size, _CHUNK)))
+            digest = hasher.rest(lambda pos, buf: os.preadv(fd, [buf], pos))
+            if digest != want:
+                raise mismatch(where, digest, want, HUB, "the Hub served other bytes too; run again later")
+            os.fsync(fd)
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, os.stat(blob).st_mode & 0o777)
+        finally:
+            os.close(fd)
+        os.replace(tmp, blob)
+    except OSError as e:
+        raise SourceError(
+            f"cannot write the Hugging Face cache while fetching {where} again (its cached copy is corrupt): {e}",
+            f"set HF_HOME to a cache you can write, or delete {blob}",
+        ) from e
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    line = (
+        f"reshard: the cached copy of {where} was corrupt (sha256 {got[:12]}…, the commit's is {want[:12]}…); "
+        "fetched it again from the Hub and checked it\n"
+    )
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(line)
+        sys.stderr.flush()

@@ -8,7 +8,9 @@ Where the expected sha256 comes from, and the `check` the manifest records for t
   `.cache/huggingface/download/<name>.metadata` that `hf download --local-dir` leaves -> HF_METADATA;
   else nothing is checked -> UNCHECKED.
 
-A mismatch is a SourceError (exit 4) naming the file, raised before the save publishes anything.
+A mismatch is a SourceError (exit 4) naming the file, raised before the save publishes anything;
+a source that can mend one (a Hub cache online: `reshard.sources.hub.refetch`) passes `check_files`
+a `Fix`, which fetches the file again or raises the error that says what to do.
 `PrefixHasher` hashes a file from the ranges a save reads, in any order: what arrives at its
 position is hashed at once, what arrives ahead of it waits in a bounded buffer, and the rest is
 read again at the end (`rest`).
@@ -37,6 +39,9 @@ _PENDING = 256 * 1024 * 1024  # bytes held out of order, per file, before they a
 _BLOCK = 16 * 1024 * 1024
 
 Expected = dict[str, tuple[str, str]]  # file -> (sha256, the check it counts as)
+# (file, the sha256 it hashed to, the one expected): put bytes that hash to the expected sha256 in its
+# place (checked before they replace the file), or raise the SourceError that says what to do
+Fix = Callable[[str, str, str], None]
 
 
 def is_sha256(text: str | None) -> bool:
@@ -161,8 +166,11 @@ def cache_expected(root: Path, files: list[str]) -> Expected:
     return out
 
 
-def check_files(root: Path, files: list[str], sizes: dict[str, int], expected: Expected) -> list[SourceFileRecord]:
-    """Hash each file that has an expected sha256 (one sequential read each); exit 4 on a mismatch."""
+def check_files(
+    root: Path, files: list[str], sizes: dict[str, int], expected: Expected, fix: Fix | None = None
+) -> list[SourceFileRecord]:
+    """Hash each file that has an expected sha256 (one sequential read each); on a mismatch `fix` it,
+    or without one exit 4."""
     from reshard.hashing import hash_file
 
     out = []
@@ -176,6 +184,9 @@ def check_files(root: Path, files: list[str], sizes: dict[str, int], expected: E
         except OSError as e:
             raise SourceError(f"{root / name}: cannot read ({e.strerror})") from e
         assert got is not None
+        if got != want and fix is not None:
+            fix(name, got, want)  # raised, or put a checked copy in place
+            got = want
         if got != want:
             path = os.path.realpath(root / name)
             raise mismatch(

@@ -10,7 +10,7 @@ from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.format import TensorInfo, open_regular, read_header
 from reshard.names import CONFIG, INDEX, SINGLE
-from reshard.sources.integrity import Expected, check_files, local_expected
+from reshard.sources.integrity import Expected, Fix, check_files, local_expected
 from reshard.sources.validate import check_config, check_index
 
 
@@ -18,15 +18,22 @@ class LocalSource(Source):
     """A checkpoint folder; its metadata is read once, here (headers only)."""
 
     def __init__(
-        self, root: Path, ref: dict, expected: Expected | None = None, sha256_file: Path | None = None
+        self,
+        root: Path,
+        ref: dict,
+        expected: Expected | None = None,
+        sha256_file: Path | None = None,
+        fix: Fix | None = None,
     ) -> None:
         """`expected`: each file's sha256 and the check it counts as; None: the local folder's own
         (`reshard.sources.integrity.local_expected`: `sha256_file` (--source-sha256), else
-        .cache/huggingface metadata)."""
+        .cache/huggingface metadata). `fix`: what a file that does not hash to it gets (a Hub
+        cache: fetched again online, told how offline); None: exit 4."""
         self.root = root
         self._checkpoint = read_local(root, ref)
         self.expected = expected
         self.sha256_file = sha256_file
+        self.fix = fix
 
     def check(self) -> None:
         """Hash each file that has an expected sha256 (exit 4 on a mismatch); record them all."""
@@ -36,7 +43,7 @@ class LocalSource(Source):
         expected = self.expected
         if expected is None:
             expected = local_expected(self.root, ckpt.files, self.sha256_file)
-        ckpt.checked = check_files(self.root, ckpt.files, ckpt.file_sizes, expected)
+        ckpt.checked = check_files(self.root, ckpt.files, ckpt.file_sizes, expected, self.fix)
 
     @property
     def checkpoint(self) -> Checkpoint:
