@@ -214,9 +214,19 @@ def _claim(out: Path, path: Path, inode: int, what: str = _WHOLE) -> None:
     _claims.append((out, path, inode, what))
 
 
+_checked_claims: list[tuple[str, Callable[[], bool]]] = []
+
+
+def claim_checked(text: str, still: Callable[[], bool]) -> None:
+    """This run published `text` ("<where> holds <what>") somewhere not on this disk (a bucket);
+    `still()` says whether it is still there."""
+    _checked_claims.append((text, still))
+
+
 def forget() -> None:
     """A new run starts in this process: nothing published yet."""
     _claims.clear()
+    _checked_claims.clear()
 
 
 def published() -> list[str]:
@@ -227,6 +237,10 @@ def published() -> list[str]:
         with contextlib.suppress(OSError):
             if os.stat(path, follow_symlinks=False).st_ino == inode and f"{folder} holds {what}" not in out:
                 out.append(f"{folder} holds {what}")
+    for text, still in _checked_claims:
+        with contextlib.suppress(Exception):
+            if still() and text not in out:
+                out.append(text)
     return out
 
 

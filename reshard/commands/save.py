@@ -107,6 +107,14 @@ def save_cmd(
     without the original). Files are written under temporary names and published at the end, the
     manifest reshard.json last: a folder without it is incomplete.
 
+    OUT_DIR s3://bucket/prefix/ (any S3-compatible store; AWS_ENDPOINT_URL, AWS_PROFILE or
+    AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY as for the aws CLI): each rank file streams into a
+    multipart upload, every part's SHA256 checked by the store, nothing staged on local disk; the
+    uploads stay invisible until all are in, then are completed with reshard.json last. Served by
+    `vllm serve s3://... --load-format runai_streamer_sharded` (the line is printed). Refused before
+    anything is written: a prefix inside another output, other objects vLLM's listing would load, or
+    more than the 1000 keys vLLM's listing sees.
+
     Under torchrun (e.g. `torchrun --nproc-per-node 4 -m reshard save ...`) the processes split the
     files between them and process 0 writes the manifest once all have finished.
     """

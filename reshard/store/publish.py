@@ -36,7 +36,7 @@ from fnmatch import fnmatch
 from reshard.errors import OutputError, UnsupportedError
 from reshard.manifest import Manifest, parse_manifest
 from reshard.names import BUCKET_JOURNAL, BUCKET_LOCK, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
-from reshard.publish import signals_held
+from reshard.publish import claim_checked, signals_held
 from reshard.store.bucket import Bucket, Conflict
 from reshard.store.upload import OpenUpload, Uploads
 
@@ -212,7 +212,13 @@ class BucketPublisher:
                 uploads.complete(up, create_only=up.key not in prior.keys)
             self.bucket.delete(remove)
             uploads.complete(manifest, create_only=True)
+            claim_checked(f"{self.url} holds this run's new output, complete", lambda: self._holds(run))
             self.bucket.delete([self.journal_key])
+
+    def _holds(self, run: str) -> bool:
+        """The prefix's manifest is this run's."""
+        raw = self.bucket.get(self.url.key(MANIFEST), limit=MAX_SMALL)
+        return raw is not None and parse_manifest(raw, str(self.url)).run_id == run
 
 
 def _fit_hint(rank_bytes: int, room: int, max_part: int, foreign: int) -> str:
