@@ -16,7 +16,9 @@ from reshard.vllm_versions import serve_note
 @layout_options
 @revision_option
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor of every rank.")
-@click.option("--out-dir", default="OUT_DIR", show_default=True, help="Folder name used in the serve line.")
+@click.option(
+    "--out-dir", default="OUT_DIR", show_default=True, help="Folder (or s3://bucket/prefix/) named in the serve lines."
+)
 @trust_remote_code_option
 @json_option
 def plan_cmd(source, layout, revision, show_tensors, out_dir, trust_remote_code, as_json):

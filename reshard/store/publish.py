@@ -28,9 +28,11 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from fnmatch import fnmatch
 
 from reshard.errors import OutputError, UnsupportedError
@@ -44,6 +46,8 @@ VLLM_MAX_KEYS = 1000  # vLLM lists the prefix with one list_objects_v2 call: its
 # what vLLM's runai_streamer_sharded matches against whole keys (fnmatch: `*` crosses "/")
 VLLM_KEY_PATTERNS = ("*model-rank-*-part-*.safetensors", "*model-pp-*-tp-*-part-*.safetensors")
 MAX_SMALL = 1 << 30  # bytes: a manifest, a lock or a journal read back
+LOCK_BEAT = 30  # seconds: a running save rewrites its lock object this often
+LOCK_STALE = 300  # seconds: a lock not rewritten for this long is a dead run's
 
 
 @dataclass
@@ -82,6 +86,8 @@ class BucketPublisher:
 
     @contextlib.contextmanager
     def locked(self, run_id: str) -> Iterator[None]:
+        """Hold the prefix's lock object; it is rewritten every LOCK_BEAT seconds, so that a lock
+        not rewritten for LOCK_STALE seconds (by the store's clock) is a dead run's, taken over."""
         body = json.dumps(
             {"host": socket.gethostname(), "pid": os.getpid(), "run": run_id, "since": int(time.time())}
         ).encode()
@@ -89,11 +95,32 @@ class BucketPublisher:
             self.bucket.put(self.lock_key, body, create_only=True)
         except Conflict:
             self._take_dead_lock(body)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(LOCK_BEAT):
+                with contextlib.suppress(Exception):
+                    self.bucket.put(self.lock_key, body)
+
+        beater = threading.Thread(target=beat, name="reshard-s3-lock", daemon=True)
+        beater.start()
         try:
             yield
         finally:
+            stop.set()
+            beater.join()
             with contextlib.suppress(Exception):
                 self.bucket.delete([self.lock_key])
+
+    def _lock_age(self) -> float | None:
+        """Seconds since the lock object was last written, by the store's own clock."""
+        head = self.bucket.head(self.lock_key)
+        if head is None:
+            return None
+        with contextlib.suppress(Exception):
+            now = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+            return (now - head["LastModified"]).total_seconds()
+        return None
 
     def _take_dead_lock(self, body: bytes) -> None:
         raw = self.bucket.get(self.lock_key, limit=MAX_SMALL)
@@ -102,7 +129,9 @@ class BucketPublisher:
             host, pid, since = str(held["host"]), int(held["pid"]), int(held["since"])
         except (ValueError, KeyError, TypeError):
             host, pid, since = "?", 0, 0
-        if host == socket.gethostname() and pid and not _alive(pid):
+        age = self._lock_age()
+        dead = host == socket.gethostname() and pid and not _alive(pid)
+        if dead or age is None or age > LOCK_STALE:
             self.bucket.delete([self.lock_key])
             try:
                 self.bucket.put(self.lock_key, body, create_only=True)
@@ -112,7 +141,8 @@ class BucketPublisher:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "an unknown time"
         raise OutputError(
             f"another reshard run (host {host}, pid {pid}, since {when}) is writing {self.url}",
-            f"wait for it; if it is dead, delete s3://{self.url.bucket}/{self.lock_key} and rerun",
+            f"wait for it: a run that died leaves a lock that is taken over {LOCK_STALE // 60} minutes after its "
+            f"last sign of life (or delete s3://{self.url.bucket}/{self.lock_key})",
         )
 
     # ---- 2. what interrupted runs left ---------------------------------------------------------

@@ -1,0 +1,69 @@
+"""The lock object of an s3:// output (reshard/store/publish.py): one run per prefix; a lock whose
+run is gone (same host, pid dead) or that nobody rewrote for LOCK_STALE seconds is taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from reshard.errors import OutputError
+from reshard.store import parse_bucket_url
+from reshard.store import publish as pub
+from reshard.store.bucket import Bucket
+
+
+@pytest.fixture
+def publisher(s3server, s3bucket, monkeypatch):
+    for k, v in s3server.env().items():
+        monkeypatch.setenv(k, v)
+    return pub.BucketPublisher(Bucket(parse_bucket_url(f"s3://{s3bucket}/model/")))
+
+
+def plant(p: pub.BucketPublisher, host: str, pid: int) -> None:
+    body = {"host": host, "pid": pid, "run": "other", "since": 0}
+    p.bucket.put(p.lock_key, json.dumps(body).encode())
+
+
+def held_by(p: pub.BucketPublisher) -> str:
+    return json.loads(p.bucket.get(p.lock_key, limit=1 << 20))["run"]
+
+
+def test_a_live_run_elsewhere_is_refused_naming_it(publisher):
+    plant(publisher, "ci-runner-7", 4242)
+    with pytest.raises(OutputError, match="host ci-runner-7, pid 4242") as e, publisher.locked("mine"):
+        pass
+    assert "taken over 5 minutes" in str(e.value)
+    assert held_by(publisher) == "other"  # untouched
+
+
+def test_a_dead_run_of_this_host_is_taken_over_and_released(publisher):
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    plant(publisher, socket.gethostname(), dead)
+    with publisher.locked("mine"):
+        assert held_by(publisher) == "mine"
+    assert publisher.bucket.head(publisher.lock_key) is None
+
+
+def test_a_lock_nobody_rewrites_goes_stale(publisher, monkeypatch):
+    plant(publisher, "ci-runner-7", 4242)
+    monkeypatch.setattr(pub, "LOCK_STALE", -1)  # every lock is older than this
+    with publisher.locked("mine"):
+        assert held_by(publisher) == "mine"
+
+
+def test_the_lock_is_rewritten_while_held(publisher, monkeypatch):
+    monkeypatch.setattr(pub, "LOCK_BEAT", 0.05)
+    writes = []
+    real = publisher.bucket.put
+    monkeypatch.setattr(publisher.bucket, "put", lambda key, data, **kw: (writes.append(key), real(key, data, **kw)))
+    import time
+
+    with publisher.locked("mine"):
+        time.sleep(0.5)
+    assert writes.count(publisher.lock_key) >= 3
