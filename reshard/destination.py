@@ -14,6 +14,7 @@ run's `Staging`: the sink each output file is written to, the local folder for s
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 from reshard.errors import ReshardError, UnsupportedError
 from reshard.io.writer import FileWriter, Sink
 from reshard.manifest import Manifest, manifest_bytes, read_manifest, write_manifest
-from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
+from reshard.names import BUCKET_HANDOVER, BUCKET_HANDOVER_GLOB, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
 from reshard.publish import side_files, staged, swap_in
 from reshard.store import BucketURL, is_bucket_url, parse_bucket_url
 
@@ -44,6 +45,12 @@ class Staging:
 
     def publish(self, plan: Plan, manifest: Manifest) -> None:
         raise NotImplementedError
+
+    def hand_over(self) -> None:
+        """A torchrun process other than 0 has written its files: process 0 publishes them."""
+
+    def close(self) -> None:
+        """The run is over (published or failed): free what the staging holds."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,13 @@ class Bucket(Destination):
 
 
 class BucketStaging(Staging):
-    def __init__(self, folder: Path, publisher: BucketPublisher, uploads: Uploads, prior: Prior, run: str) -> None:
+    """Under torchrun, process 0 makes it (lock, checks) and the others get a copy (pickled: the
+    folder, URL, prior listing and run) with uploads of their own, which they leave open for
+    process 0 to commit: it finds them on the store (`_adopt`)."""
+
+    def __init__(
+        self, folder: Path, publisher: BucketPublisher | None, uploads: Uploads, prior: Prior, run: str
+    ) -> None:
         self.folder = folder
         self.publisher = publisher
         self.uploads = uploads
@@ -156,22 +169,68 @@ class BucketStaging(Staging):
         self.run = run
         self.committing = False
 
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder, "url": self.uploads.url, "prior": self.prior, "run": self.run}
+
+    def __setstate__(self, state: dict) -> None:
+        from reshard.store.bucket import Bucket as Objects
+        from reshard.store.upload import Uploads
+
+        self.__init__(state["folder"], None, Uploads(Objects(state["url"])), state["prior"], state["run"])  # type: ignore[misc]
+
+    def hand_over(self) -> None:
+        """A torchrun process other than 0 is done: its uploads are process 0's to commit (their
+        parts and checksums in `prefix.reshard/uploads-<process>.json`; stores do not all list part
+        checksums)."""
+        import json
+
+        from reshard.store.bucket import Bucket as Objects
+
+        ups = [up.to_json() for up in self.uploads.open.values()]
+        key = self.uploads.url.work + BUCKET_HANDOVER.format(rank=os.environ.get("RANK", "0"))
+        Objects(self.uploads.url, client=self.uploads.client).put(key, json.dumps(ups).encode())
+        self.committing = True
+
     def sink(self, f: OutFile, header: bytes, checksum: str) -> Sink:
         from reshard.store.upload import ObjectWriter
 
         return ObjectWriter(self.uploads, f.name, header, checksum, len(header) + f.data_bytes)
 
     def publish(self, plan: Plan, manifest: Manifest) -> None:
-        ups: list[OpenUpload] = [self.uploads.open[self.uploads.url.key(f.name)] for f in manifest.files]
+        assert self.publisher is not None
+        ups: list[OpenUpload] = self._adopt([self.uploads.url.key(f.name) for f in manifest.files])
         for side in manifest.copied_files:
             ups.append(self.uploads.put_bytes(self.uploads.url.key(side.name), (self.folder / side.name).read_bytes()))
         last = self.uploads.put_bytes(self.uploads.url.key(MANIFEST), manifest_bytes(manifest))
         self.committing = True  # from here on, the uploads are the journal's: never aborted
         self.publisher.commit(self.uploads, ups, last, self.prior, self.run)
 
+    def _adopt(self, keys: list[str]) -> list[OpenUpload]:
+        """This process's open uploads of `keys`, and those the other torchrun processes handed over."""
+        import json
+
+        from reshard.store.upload import OpenUpload
+
+        if any(k not in self.uploads.open for k in keys):
+            assert self.publisher is not None
+            bucket = self.publisher.bucket
+            notes = [o.key for o in bucket.list(self.uploads.url.work) if fnmatch(o.key, "*" + BUCKET_HANDOVER_GLOB)]
+            for note in notes:
+                for obj in json.loads(bucket.get(note, limit=1 << 30) or b"[]"):
+                    self.uploads.adopt(OpenUpload.from_json(obj))
+            bucket.delete(notes)
+        missing = [k for k in keys if k not in self.uploads.open]
+        if missing:
+            raise ReshardError(f"{missing[0]}: no process handed over its upload")
+        return [self.uploads.open[k] for k in keys]
+
     def close(self) -> None:
         if not self.committing:
             self.uploads.abort_all()
+            if self.publisher is not None:  # process 0 (or alone): the other processes' uploads too
+                with contextlib.suppress(Exception):
+                    for key, upload_id in self.publisher.bucket.open_uploads(self.uploads.url.prefix):
+                        self.publisher.bucket.abort(key, upload_id)
         self.uploads.close()
 
 
@@ -182,7 +241,7 @@ def destination(spec: str | Path) -> Destination:
     return Folder(Path(spec))
 
 
-def refuse_on_bucket(dest: Destination, what: str) -> None:
+def refuse_on_bucket(dest: Destination, what: str) -> None:  # for --ranks pieces
     if isinstance(dest, Bucket):
         raise UnsupportedError(
             f"{what} cannot write to object storage yet ({dest.display})",

@@ -43,6 +43,8 @@ HIDDEN_PREFIX = ".reshard"  # anything above, or a temporary file of reshard's i
 BUCKET_WORK_SUFFIX = ".reshard"  # `prefix.reshard/`: never under the prefix, which vLLM lists whole
 BUCKET_LOCK = "lock.json"  # one run per prefix (a conditional create)
 BUCKET_JOURNAL = "commit.json"  # the uploads a publish completes; a later run finishes an interrupted one
+BUCKET_HANDOVER = "uploads-{rank}.json"  # a torchrun process's open uploads, for process 0 to commit
+BUCKET_HANDOVER_GLOB = "uploads-*.json"
 
 # ---- Hugging Face checkpoints ----------------------------------------------------------------------
 

@@ -94,8 +94,6 @@ def save(
     dest = destination(out)
     procs = Processes.from_env()
     try:
-        if procs.shared:
-            refuse_on_bucket(dest, "torchrun")
         if options.ranks is not None:
             refuse_on_bucket(dest, "--ranks")
         src = open_source(source, options.revision, stream=options.stream, sha256_file=options.sha256)
@@ -129,6 +127,8 @@ def save(
                 return staging
 
             staging = procs.agree(stage)
+            if not procs.leader:
+                held.callback(staging.close)  # process 0's was registered by `stage`
             src.checkpoint.checked = procs.agree(lambda: _checked(src))  # under torchrun, hashed once
             mine = procs.share(plan, files)
             progress = on_plan(replace(plan, files=mine), src) if on_plan else None
@@ -140,6 +140,7 @@ def save(
                     )
                 )
                 if not procs.leader:
+                    staging.hand_over()
                     return Helped(plan)
                 manifest = _manifest(
                     src.checkpoint, plan, written, run_id, tensors, staging.folder, dest.display, options.write.checksum

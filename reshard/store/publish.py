@@ -159,27 +159,26 @@ class BucketPublisher:
                 self.bucket.abort(key, upload_id)
 
     def _finish(self, journal: dict) -> None:
-        key, upload_id = journal["manifest"]
-        if self.bucket.parts(key, upload_id) is None:  # the manifest was completed: only the journal is left
+        manifest = OpenUpload.from_json(journal["manifest"])
+        if not self._open(manifest):  # the manifest was completed: only the journal is left
             self.bucket.delete([self.journal_key])
             return
-        if journal.get("drop_manifest"):
-            self.bucket.delete([self.url.key(MANIFEST)])
-        for k, uid in journal["uploads"]:
-            parts = self.bucket.parts(k, uid)
-            if parts is not None:
-                self._complete(k, uid, parts)
-        self.bucket.delete(list(journal["remove"]))
-        self._complete(key, upload_id, self.bucket.parts(key, upload_id) or [])
-        self.bucket.delete([self.journal_key])
-
-    def _complete(self, key: str, upload_id: str, parts: list[dict]) -> None:
+        uploads = Uploads(self.bucket)
         try:
-            self.bucket.client.complete_multipart_upload(
-                Bucket=self.url.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
-            )
-        except Exception as e:
-            raise self.bucket.fail(e, f"completing {key} (an interrupted run's publish)") from e
+            if journal.get("drop_manifest"):
+                self.bucket.delete([self.url.key(MANIFEST)])
+            for obj in journal["uploads"]:
+                up = OpenUpload.from_json(obj)
+                if self._open(up):  # else completed before the interrupt
+                    uploads.complete(up, create_only=False)
+            self.bucket.delete(list(journal["remove"]))
+            uploads.complete(manifest, create_only=False)
+            self.bucket.delete([self.journal_key])
+        finally:
+            uploads.close()
+
+    def _open(self, up: OpenUpload) -> bool:
+        return self.bucket.parts(up.key, up.upload_id) is not None
 
     # ---- 3. before anything is uploaded --------------------------------------------------------
 
@@ -230,9 +229,9 @@ class BucketPublisher:
         journal = {
             "run": run,
             "drop_manifest": prior.manifest is not None or self.url.key(MANIFEST) in prior.keys,
-            "uploads": [[up.key, up.upload_id] for up in files],
+            "uploads": [up.to_json() for up in files],
             "remove": remove,
-            "manifest": [manifest.key, manifest.upload_id],
+            "manifest": manifest.to_json(),
         }
         with signals_held():
             self.bucket.put(self.journal_key, json.dumps(journal).encode())

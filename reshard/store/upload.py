@@ -58,6 +58,18 @@ class OpenUpload:
             for n, (etag, digest) in sorted(self.parts.items())
         ]
 
+    def to_json(self) -> dict[str, Any]:
+        """What completing it needs (a commit journal, or a torchrun process handing it over)."""
+        parts = [[n, etag, _b64(digest)] for n, (etag, digest) in sorted(self.parts.items())]
+        return {"key": self.key, "upload_id": self.upload_id, "size": self.size, "parts": parts}
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> OpenUpload:
+        up = OpenUpload(str(obj["key"]), str(obj["upload_id"]), int(obj["size"]))
+        for n, etag, digest in obj["parts"]:
+            up.parts[int(n)] = (str(etag), base64.b64decode(digest))
+        return up
+
     def checksum(self) -> str:
         """The object's SHA256 as S3 reports a multipart object's: the SHA256 of the parts' SHA256s, "-" parts."""
         joined = b"".join(d for _, (_, d) in sorted(self.parts.items()))
@@ -92,6 +104,11 @@ class Uploads:
         with self.lock:
             self.open[key] = up
         return up
+
+    def adopt(self, up: OpenUpload) -> None:
+        """An upload another process left open (torchrun), to complete with this run's."""
+        with self.lock:
+            self.open[up.key] = up
 
     def part_size_for(self, size: int) -> int:
         """Parts of at least RESHARD_S3_PART_SIZE, and few enough for a `size`-byte object."""
