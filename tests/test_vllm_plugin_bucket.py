@@ -212,3 +212,39 @@ def test_files_message_and_fix_name_the_bucket(clean):
     assert msg.endswith(
         "To fix: re-save the output to s3://b/p/ (`reshard save SOURCE s3://b/p/ --overwrite`), or restore the objects"
     )
+
+
+def test_the_listing_reads_every_page(stored, s3server):
+    """vLLM's own listing reads one page (1000 keys); the plugin's every page: with one key per page, a
+    stray on a page of its own is still found, and the rank's objects on theirs."""
+    url, local = stored
+    bucket, s3 = url.split("/")[2], s3server.client()
+    pages = []
+
+    class OneKeyPages:
+        def __init__(self, client):
+            self.client = client
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+        def get_paginator(self, name):
+            real = self.client.get_paginator(name)
+
+            class Paginator:
+                def paginate(self, **kw):
+                    for page in real.paginate(**kw, PaginationConfig={"PageSize": 1}):
+                        pages.append(len(page.get("Contents", [])))
+                        yield page
+
+            return Paginator()
+
+    w = BucketWeights(url, client=OneKeyPages(s3server.client()))
+    m = w.manifest()
+    e = _engine(local)
+    assert [f.path.name for f in w.check_objects(m, checks.rank_entries(m, e), e)] == [RANK1]
+    n = len(pages)
+    assert n == len([p for p in local.rglob("*") if p.is_file()]) and set(pages) == {1}, pages
+    s3.put_object(Bucket=bucket, Key="m/model-rank-1-part-9.safetensors", Body=b"x")
+    with pytest.raises(ReshardLoadError, match=r"model-rank-1-part-9\.safetensors is not in the manifest"):
+        w.check_objects(m, checks.rank_entries(m, e), e)
