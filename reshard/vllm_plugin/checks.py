@@ -8,14 +8,17 @@ differences into one message that says what to run instead.
 from __future__ import annotations
 
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from reshard.errors import SourceError
+from reshard.errors import ReshardError, SourceError
 from reshard.format import DTYPE_CODES, TensorInfo, kind, read_header
 from reshard.layout import Layout
 from reshard.manifest import FileRecord, Manifest
 from reshard.names import MANIFEST, file_pattern
+from reshard.serve import PLUGIN_WEIGHTS_KEY, STORE_SCHEME
+from reshard.store.url import parse_bucket_url
 from reshard.vllm_versions import in_range
 
 SHOWN = 3  # differences named in a message
@@ -32,6 +35,7 @@ class Options:
     checksums: bool = True  # verify every file's checksum while reading
     threads: int = 4  # read streams per rank (files, and stripes of a file read into CPU memory)
     strict: bool = True  # False: parameters the folder lacks are logged (WARNING) and left as initialised
+    weights: str | None = None  # s3://bucket/prefix/: the rank files are there, the model folder holds the rest
 
 
 def parse_options(extra: dict | None) -> Options:
@@ -41,18 +45,31 @@ def parse_options(extra: dict | None) -> Options:
     checksums = extra.pop("checksums", True)
     threads = extra.pop("threads", Options.threads)
     strict = extra.pop("strict", True)
+    weights = extra.pop(PLUGIN_WEIGHTS_KEY, None)
     if extra:
         raise ValueError(
             f"--load-format reshard: unknown --model-loader-extra-config key(s) {sorted(extra)}; "
-            'it takes {"checksums": false} (skip checksum verification), {"threads": N} and '
-            '{"strict": false} (load a folder that lacks some parameters, leaving them as initialised)'
+            'it takes {"checksums": false} (skip checksum verification), {"threads": N}, '
+            '{"strict": false} (load a folder that lacks some parameters, leaving them as initialised) and '
+            f'{{"{PLUGIN_WEIGHTS_KEY}": "s3://bucket/prefix/"}} (the rank files are in a bucket, the model '
+            "folder holds their config and tokenizer)"
         )
     for key, value in (("checksums", checksums), ("strict", strict)):
         if not isinstance(value, bool):
             raise ValueError(f'--load-format reshard: "{key}" must be true or false, not {value!r}')
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise ValueError(f'--load-format reshard: "threads" must be a positive integer, not {threads!r}')
-    return Options(checksums=checksums, threads=threads, strict=strict)
+    if weights is not None:
+        if not isinstance(weights, str) or not weights.startswith(STORE_SCHEME):
+            raise ValueError(
+                f'--load-format reshard: "{PLUGIN_WEIGHTS_KEY}" must be an {STORE_SCHEME}bucket/prefix/ URL, '
+                f"not {weights!r}"
+            )
+        try:
+            weights = str(parse_bucket_url(weights))
+        except ReshardError as e:
+            raise ValueError(f"--load-format reshard: {e}") from None
+    return Options(checksums=checksums, threads=threads, strict=strict, weights=weights)
 
 
 @dataclass(frozen=True)
@@ -157,7 +174,7 @@ def missing_keys(
     return [k for k in model if k not in recorded]
 
 
-def missing_message(folder: Path, engine: Engine, missing: list[str]) -> str:
+def missing_message(folder: Path | str, engine: Engine, missing: list[str]) -> str:
     """The WARNING a non-strict load logs: how many parameters the folder lacks, the first named."""
     names = ", ".join(missing[:SHOWN]) + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else "")
     return (
@@ -214,34 +231,56 @@ def check_files(folder: Path, manifest: Manifest, entries: list[FileRecord], eng
         except SourceError as err:
             problems.append(err.message)
             continue
-        run = meta.get("reshard_run")
-        if run is not None and run != manifest.run_id:
-            problems.append(
-                f"{e.name} was written by reshard run {run}, {MANIFEST} by run {manifest.run_id}: "
-                "the manifest comes from another run"
-            )
+        problem = header_problem(e, manifest, infos, meta)
+        if problem:
+            problems.append(problem)
             continue
-        tensors = sorted(infos.values(), key=lambda t: t.offset)
-        got = [(t.name, t.dtype, list(t.shape)) for t in tensors]
-        want = [(t.name, t.dtype, list(t.shape)) for t in e.tensors]
-        if got != want:
-            first = next(
-                (f"{g} != {w}" for g, w in zip(got, want, strict=False) if g != w), f"{len(got)} != {len(want)} tensors"
-            )
-            problems.append(f"{e.name}: its header does not hold the tensors the manifest lists ({first})")
-            continue
-        header = tensors[0].offset if tensors else size
-        out.append(RankFile(path, size, header, tensors, e.digest))
-    listed = {e.name for e in entries}
-    glob = file_pattern(engine.layout.pp).format(
-        rank=engine.tp_rank, tp_rank=engine.tp_rank, pp_rank=engine.pp_rank, part="*"
-    )
-    for p in sorted(folder.glob(glob)):
-        if p.name not in listed:
-            problems.append(f"{p.name} is not in the manifest (a stray file sharded_state would also load)")
+        out.append(rank_file(path, size, e, infos))
+    problems += stray_problems((p.name for p in folder.glob(rank_glob(engine))), entries)
     if problems:
         raise ReshardLoadError(files_message(folder, engine, problems))
     return out
+
+
+def header_problem(e: FileRecord, manifest: Manifest, infos: dict[str, TensorInfo], meta: dict) -> str | None:
+    """How a rank file's header differs from its manifest entry (another run, other tensors), or None."""
+    run = meta.get("reshard_run")
+    if run is not None and run != manifest.run_id:
+        return (
+            f"{e.name} was written by reshard run {run}, {MANIFEST} by run {manifest.run_id}: "
+            "the manifest comes from another run"
+        )
+    tensors = sorted(infos.values(), key=lambda t: t.offset)
+    got = [(t.name, t.dtype, list(t.shape)) for t in tensors]
+    want = [(t.name, t.dtype, list(t.shape)) for t in e.tensors]
+    if got != want:
+        first = next(
+            (f"{g} != {w}" for g, w in zip(got, want, strict=False) if g != w), f"{len(got)} != {len(want)} tensors"
+        )
+        return f"{e.name}: its header does not hold the tensors the manifest lists ({first})"
+    return None
+
+
+def rank_file(path: Path, size: int, e: FileRecord, infos: dict[str, TensorInfo]) -> RankFile:
+    tensors = sorted(infos.values(), key=lambda t: t.offset)
+    return RankFile(path, size, tensors[0].offset if tensors else size, tensors, e.digest)
+
+
+def rank_glob(engine: Engine) -> str:
+    """The names vLLM's sharded_state loader takes for the engine's rank."""
+    return file_pattern(engine.layout.pp).format(
+        rank=engine.tp_rank, tp_rank=engine.tp_rank, pp_rank=engine.pp_rank, part="*"
+    )
+
+
+def stray_problems(names: Iterable[str], entries: list[FileRecord]) -> list[str]:
+    """`names` (the rank's files in the folder) the manifest does not list."""
+    listed = {e.name for e in entries}
+    return [
+        f"{n} is not in the manifest (a stray file sharded_state would also load)"
+        for n in sorted(names)
+        if n not in listed
+    ]
 
 
 # ---- messages ------------------------------------------------------------------------------------------
@@ -280,7 +319,7 @@ def backend_note(manifest: Manifest, engine: Engine) -> str | None:
     return None
 
 
-def mismatch_message(folder: Path, manifest: Manifest, engine: Engine, problems: list[str]) -> str:
+def mismatch_message(folder: Path | str, manifest: Manifest, engine: Engine, problems: list[str]) -> str:
     """One message for a folder made for another engine or model: the first differences, then what to do."""
     head = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
     if (note := backend_note(manifest, engine)) and note not in head:
@@ -292,9 +331,13 @@ def mismatch_message(folder: Path, manifest: Manifest, engine: Engine, problems:
     return f"--load-format reshard: {folder} does not fit this engine ({engine.label}): {head}. To fix: {fix}"
 
 
-def files_message(folder: Path, engine: Engine, problems: list[str]) -> str:
+def files_message(folder: Path | str, engine: Engine, problems: list[str]) -> str:
     head = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
-    return (
-        f"--load-format reshard: {folder} ({engine.label}): {head}. Nothing was loaded. "
-        f"To fix: `reshard verify {folder}` tells every damaged file; re-save the folder (or restore the files)"
-    )
+    return f"--load-format reshard: {folder} ({engine.label}): {head}. Nothing was loaded. To fix: {damage_fix(folder)}"
+
+
+def damage_fix(where: Path | str) -> str:
+    """What to do about damaged or missing rank files in a folder, or in a bucket prefix."""
+    if str(where).startswith(STORE_SCHEME):
+        return f"re-save the output to {where} (`reshard save SOURCE {where} --overwrite`), or restore the objects"
+    return f"`reshard verify {where}` tells every damaged file; re-save the folder (or restore the files)"

@@ -8,6 +8,9 @@ the files are read in parallel straight into the parameters, each file's checksu
 (`--model-loader-extra-config '{"checksums": false}'` skips that). With `{"strict": false}` the
 parameters the folder lacks are logged at WARNING, named, and left as initialised (vLLM PR "[Core][V1]
 Support sharded state loading" proposed that switch for sharded_state); anything else still refuses.
+
+With `{"weights": "s3://bucket/prefix/"}` the model folder holds the output's config and tokenizer
+only, and the manifest and rank files come from the bucket (`remote`), checked and verified the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from reshard.manifest import read_manifest
 from reshard.vllm_plugin import checks
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 from reshard.vllm_plugin.reader import ReadError, read_rank
+from reshard.vllm_plugin.remote import BucketWeights
 
 # a logger under "vllm." so that the lines appear in vLLM's log, formatted as vLLM's own
 logger = init_logger("vllm.reshard")
@@ -59,14 +63,22 @@ class ReshardModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         folder = _folder(model_config)
-        try:
-            manifest = read_manifest(folder)
-        except ReshardError as e:
-            raise ReshardLoadError(f"--load-format reshard: {e}") from None
+        bucket = BucketWeights(self.options.weights) if self.options.weights else None
+        where: Path | str = folder
+        if bucket is not None:  # the model folder: the config; the bucket: the manifest and the weights
+            where = str(bucket)
+            manifest = bucket.manifest()
+            if problems := bucket.config_problems(folder, manifest):
+                raise ReshardLoadError(bucket.config_message(folder, problems))
+        else:
+            try:
+                manifest = read_manifest(folder)
+            except ReshardError as e:
+                raise ReshardLoadError(f"--load-format reshard: {e}") from None
         engine = self._engine(model_config)
         problems = checks.engine_problems(manifest, engine)
         if problems:
-            raise ReshardLoadError(checks.mismatch_message(folder, manifest, engine, problems))
+            raise ReshardLoadError(checks.mismatch_message(where, manifest, engine, problems))
         entries = checks.rank_entries(manifest, engine)
         _retie_word_embeddings(model, model_config)
         state = ShardedStateLoader._filter_subtensors(model.state_dict())
@@ -74,10 +86,13 @@ class ReshardModelLoader(BaseModelLoader):
         recorded = checks.expected_state(entries)
         problems = checks.state_problems(recorded, model_state, lora=engine.lora, strict=self.options.strict)
         if problems:
-            raise ReshardLoadError(checks.mismatch_message(folder, manifest, engine, problems))
+            raise ReshardLoadError(checks.mismatch_message(where, manifest, engine, problems))
         missing = [] if self.options.strict else checks.missing_keys(recorded, model_state)
         algorithm = manifest.checksum
-        files = checks.check_files(folder, manifest, entries, engine)
+        if bucket is not None:
+            files = bucket.check_objects(manifest, entries, engine)
+        else:
+            files = checks.check_files(folder, manifest, entries, engine)
         verify = self.options.checksums and algorithm != "none"
         logger.info(
             "reshard: %s: reading %d file(s), %s, checksums %s",
@@ -94,6 +109,7 @@ class ReshardModelLoader(BaseModelLoader):
                 threads=self.options.threads,
                 log=logger.info,
                 label=engine.label,
+                source=bucket,
             )
         except ReadError as e:
             raise ReshardLoadError(
@@ -102,10 +118,10 @@ class ReshardModelLoader(BaseModelLoader):
         if bad:
             first = bad[0]
             raise ReshardLoadError(
-                f"--load-format reshard: {folder} ({engine.label}): {len(bad)} file(s) differ from their recorded "
+                f"--load-format reshard: {where} ({engine.label}): {len(bad)} file(s) differ from their recorded "
                 f"checksum, e.g. {first.name} ({algorithm} {first.got[:16]}..., recorded {first.want[:16]}...): "
                 f"the files changed after reshard wrote them; nothing may be served from them. "
-                f"To fix: `reshard verify {folder}` tells every damaged file; re-save the folder (or restore the files)"
+                f"To fix: {checks.damage_fix(where)}"
             )
         logger.info(
             "reshard: %s: %s in %.2f s (%s/s), %s",
@@ -116,7 +132,7 @@ class ReshardModelLoader(BaseModelLoader):
             f"{algorithm} verified" if verify else "checksums not verified",
         )
         if missing:  # read_rank fills only what the files hold: these keep their initial values
-            logger.warning(checks.missing_message(folder, engine, missing))
+            logger.warning(checks.missing_message(where, engine, missing))
         # vLLM's own line, logged as its loaders log it (rank 0); every rank's figure is in the line above
         logger.info_once("Loading weights took %.2f seconds", seconds)
 
@@ -173,7 +189,8 @@ def _folder(model_config: ModelConfig) -> Path:
     path = Path(model_config.model_weights or model_config.model)
     if not path.is_dir():
         raise ReshardLoadError(
-            f"--load-format reshard: {path} is not a local folder; it loads a folder `reshard save` wrote"
+            f"--load-format reshard: {path} is not a local folder; it loads a folder `reshard save` wrote (for an "
+            'output in a bucket: a local copy of its config and tokenizer, with {"weights": "s3://bucket/prefix/"})'
         )
     return path
 

@@ -10,6 +10,9 @@ follows the stripes chunk by chunk, hashing from the parameters' memory.
 
 Other files (a GPU parameter, a LoRA-padded one) are read front to back by one thread, through a
 bounce buffer of at most `CHUNK` bytes (a narrowed LoRA view: one tensor), and hashed as read.
+
+The files come from a local folder, or from a `Source` (the objects of a bucket prefix: each stripe
+one ranged GET, each other file one GET), read the same way into the same memory.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import BinaryIO, Protocol
 
 import torch
 
@@ -51,6 +55,19 @@ class ReadError(Exception):
 Count = Callable[[int], None]
 
 
+class Source(Protocol):
+    """Where rank files are read from when not a local folder."""
+
+    def open(self, rf: RankFile, start: int = 0, end: int | None = None) -> BinaryIO:
+        """Bytes [start, end) of `rf` as a stream (readinto, name, a context manager); its failures
+        are OSError, a premature end EOFError."""
+        ...
+
+    def where(self, rf: RankFile) -> str:
+        """`rf` as messages name it."""
+        ...
+
+
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
@@ -63,8 +80,16 @@ class _Striped:
     """A file read straight into CPU parameters by `streams` threads, one contiguous stripe each,
     and hashed in order by a thread of its own (when `algorithm`)."""
 
-    def __init__(self, rf: RankFile, targets: dict[str, torch.Tensor], algorithm: str | None, streams: int) -> None:
+    def __init__(
+        self,
+        rf: RankFile,
+        targets: dict[str, torch.Tensor],
+        algorithm: str | None,
+        streams: int,
+        source: Source | None = None,
+    ) -> None:
         self.rf = rf
+        self.source = source
         # the file as (offset, memory) segments, back to back: the header, then every tensor
         self.segments: list[tuple[int, memoryview]] = [(0, memoryview(bytearray(rf.header_bytes)))]
         for info in rf.tensors:
@@ -100,6 +125,9 @@ class _Striped:
 
     def read_stripe(self, j: int, count: Count) -> None:
         try:
+            if self.source is not None:
+                self._stream_stripe(j, count)
+                return
             fd = open_regular(self.rf.path, follow=False)  # what check_files checked, not a link put there since
             try:
                 with contextlib.suppress(AttributeError, OSError):
@@ -126,6 +154,17 @@ class _Striped:
             for e in self.ready:
                 e.set()
             raise
+
+    def _stream_stripe(self, j: int, count: Count) -> None:
+        assert self.source is not None
+        first, end = self.bounds[j], self.bounds[j + 1]
+        with self.source.open(self.rf, first * CHUNK, min(self.rf.size, end * CHUNK)) as f:
+            for c in range(first, end):
+                if self.failed:
+                    return
+                for view in self._views(c):
+                    _read_exact(f, view, None, count)
+                self.ready[c].set()
 
     def _hash(self) -> None:
         assert self.hasher is not None
@@ -182,16 +221,26 @@ def _read_exact(f, view: memoryview, hasher: _Hasher | None, count: Count) -> No
         pos += got
 
 
+def _open_local(rf: RankFile) -> BinaryIO:
+    f = os.fdopen(open_regular(rf.path, follow=False), "rb", buffering=0)
+    with contextlib.suppress(AttributeError, OSError):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return f
+
+
 def read_file(
-    rf: RankFile, targets: dict[str, torch.Tensor], *, algorithm: str | None, count: Count
+    rf: RankFile,
+    targets: dict[str, torch.Tensor],
+    *,
+    algorithm: str | None,
+    count: Count,
+    source: Source | None = None,
 ) -> BadChecksum | None:
     """Read `rf` into `targets` front to back on this thread (any parameter: CPU, GPU, LoRA-padded);
     its checksum compared when `algorithm`."""
     hasher = _Hasher(algorithm) if algorithm and rf.digest else None
     try:
-        with os.fdopen(open_regular(rf.path, follow=False), "rb", buffering=0) as f:
-            with contextlib.suppress(AttributeError, OSError):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with source.open(rf) if source is not None else _open_local(rf) as f:
             head = bytearray(rf.header_bytes)
             _read_exact(f, memoryview(head), hasher, count)
             for info in rf.tensors:
@@ -244,10 +293,12 @@ def read_rank(
     threads: int,
     log: Callable[[str], None],
     label: str,
+    source: Source | None = None,
 ) -> tuple[int, float, list[BadChecksum]]:
     """Read every file of a rank with `threads` read streams at a time (largest files first; a file
     that goes straight into CPU parameters is cut in up to `threads` stripes). Returns (bytes,
-    seconds, files whose checksum differs from the manifest's). Logs progress every few seconds."""
+    seconds, files whose checksum differs from the manifest's). Logs progress every few seconds.
+    `source`: where the files are read from (None: the local paths `files` name)."""
     total = sum(f.size for f in files)
     done = [0]
     lock = threading.Lock()
@@ -267,18 +318,19 @@ def read_rank(
     for rf in sorted(files, key=lambda f: -f.size):
         if all(_direct(targets[t.name], t.shape) for t in rf.tensors if t.nbytes):
             streams = max(1, min(threads, rf.size // STRIPE_MIN))
-            s = _Striped(rf, targets, algorithm, streams)
+            s = _Striped(rf, targets, algorithm, streams, source)
             striped.append(s)
             jobs += [(rf, lambda s=s, j=j: s.read_stripe(j, count)) for j in s.stripes()]
         else:
-            jobs.append((rf, lambda rf=rf: read_file(rf, targets, algorithm=algorithm, count=count)))
+            jobs.append((rf, lambda rf=rf: read_file(rf, targets, algorithm=algorithm, count=count, source=source)))
 
     def run(job: tuple[RankFile, Callable[[], BadChecksum | None]]) -> BadChecksum | None:
         rf, fn = job
         try:
             return fn()
         except (OSError, EOFError) as e:
-            raise ReadError(f"{rf.path}: cannot read ({getattr(e, 'strerror', None) or e})") from e
+            where = source.where(rf) if source is not None else rf.path
+            raise ReadError(f"{where}: cannot read ({getattr(e, 'strerror', None) or e})") from e
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs))), thread_name_prefix="reshard-read") as pool:

@@ -106,17 +106,23 @@ def greedy_tokens_many(
 ) -> list[list[list[int]]]:
     """Several engines one after another in one subprocess (one vLLM import).
 
-    runs: dicts with ``model_dir`` and optional ``load_format`` and ``tp`` (default: ``tp``).
+    runs: dicts with ``model_dir`` (a folder, or an ``s3://`` prefix: then ``config_dir``, a local copy of
+    its config and tokenizer, tells whether it has a tokenizer), and optional ``load_format``, ``tp``
+    (default: ``tp``) and ``model_loader_extra_config``.
     """
     specs = []
     for r in runs:
-        d = Path(r["model_dir"]).resolve()
+        remote = str(r["model_dir"]).startswith("s3://")
+        d = Path(r["config_dir"] if remote else r["model_dir"]).resolve()
         skip = skip_tokenizer_init
         if skip is None:
             skip = not any((d / f).exists() for f in _TOKENIZER_FILES)
+        extra = (
+            {"model_loader_extra_config": r["model_loader_extra_config"]} if "model_loader_extra_config" in r else {}
+        )
         specs.append(
             dict(
-                model=str(d),
+                model=str(r["model_dir"]) if remote else str(d),
                 load_format=r.get("load_format", "auto"),
                 tensor_parallel_size=r.get("tp", tp),
                 pipeline_parallel_size=pp,
@@ -124,6 +130,7 @@ def greedy_tokens_many(
                 skip_tokenizer_init=skip,
                 dtype=dtype,
                 language_model_only=textonly.language_model_only(d),
+                **extra,
             )
         )
     with tempfile.TemporaryDirectory(prefix="vllm-gen-") as tmp:

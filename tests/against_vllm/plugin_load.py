@@ -5,8 +5,8 @@
 
 Each case is a dict: ``folder`` (a reshard output), ``tp``, and optionally ``ep``, ``pp``, ``dtype``,
 ``moe_backend`` (forced as in vllm_state), ``extra`` (``model_loader_extra_config``) and
-``compare`` (after a good load, also load the folder with vLLM's own ShardedStateLoader into a second
-model and compare every tensor byte for byte). The engine is built from the folder's config.json with
+``compare`` (after a good load, also load the folder, or the folder ``reference`` names, with vLLM's own
+ShardedStateLoader into a second model and compare every tensor byte for byte). The engine is built from the folder's config.json with
 ``load_format="reshard"``, after ``vllm.plugins.load_general_plugins()``: the loader must come from
 reshard's ``vllm.general_plugins`` entry point (``registered`` says whether it did). Each rank builds
 the model exactly as a vLLM worker does and calls the loader's ``load_weights``; what it raises is
@@ -15,6 +15,7 @@ the result. All cases run in one subprocess (one vLLM import), ranks forked as i
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -30,7 +31,13 @@ ROOT = HERE.parents[2]
 
 def load_cases(cases: list[dict], *, timeout: float = 900) -> list[list[dict]]:
     with tempfile.TemporaryDirectory(prefix="reshard-plugin-") as tmp:
-        spec = {"cases": [dict(c, folder=str(Path(c["folder"]).resolve())) for c in cases], "out": tmp}
+        spec = {
+            "cases": [
+                dict(c, folder=str(Path(c["folder"]).resolve()), reference=str(Path(c.get("reference") or c["folder"])))
+                for c in cases
+            ],
+            "out": tmp,
+        }
         log = Path(tmp) / "log.txt"
         from tests.against_vllm.vllm_state import vllm_env
 
@@ -109,9 +116,9 @@ def _rank(rank: int, world: int, port: int, cfg, case: dict, out: Path) -> None:
             res["traceback"] = traceback.format_exc()[-3000:]
         if res["ok"] and case.get("compare"):
             ref = build()
-            ShardedStateLoader(cfg.load_config.__class__(load_format="sharded_state")).load_weights(
-                ref, cfg.model_config
-            )
+            ref_config = copy.copy(cfg.model_config)  # the folder sharded_state loads (the reference's)
+            ref_config.model = ref_config.model_weights = case["reference"]
+            ShardedStateLoader(cfg.load_config.__class__(load_format="sharded_state")).load_weights(ref, ref_config)
             got = ShardedStateLoader._filter_subtensors(model.state_dict())
             want = ShardedStateLoader._filter_subtensors(ref.state_dict())
             if sorted(got) != sorted(want):

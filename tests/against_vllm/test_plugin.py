@@ -9,6 +9,13 @@
   serving with one message saying what to run instead; ``{"checksums": false}`` skips the checksums; a
   folder lacking one parameter is refused by default and loads with ``{"strict": false}``, which names
   the parameter in a WARNING.
+* Object storage (issue 25; SeaweedFS from tests/fixtures/s3server.py, outputs `reshard save`d to
+  ``s3://``): ``test_bucket_generation``: vLLM's ``runai_streamer_sharded`` from the bucket and the
+  plugin with ``{"weights": "s3://..."}`` beside a local copy of the config give the greedy tokens of
+  ``sharded_state`` on the local folder, dense and MoE (the references ``test_plugin_generation``
+  computed, when it ran first); ``test_bucket_loads_and_refuses``: the plugin loads the bucket's rank
+  objects byte-identical to sharded_state's load of the local folder, and refuses a flipped byte in
+  the bucket, naming the object.
 
 The loader must come through reshard's ``vllm.general_plugins`` entry point: the venv needs reshard
 installed with its metadata (``pip install --no-deps -e .``, as ``make test-vllm`` does).
@@ -81,8 +88,8 @@ def _drop_key(folder: Path, name: str, key: str) -> None:
     write_manifest(folder, replace(m, files=files, total_bytes=sum(e.size for e in files)))
 
 
-def _save(src: Path, out: Path, *args: str) -> Path:
-    env = dict(os.environ, RESHARD_DISABLE_PROGRESS="1", NO_COLOR="1")
+def _save(src: Path, out: Path | str, *args: str, env: dict[str, str] | None = None) -> Path | str:
+    env = dict(os.environ, RESHARD_DISABLE_PROGRESS="1", NO_COLOR="1", **(env or {}))
     proc = subprocess.run(
         [sys.executable, "-m", "reshard", "save", str(src), str(out), "--overwrite", *args],
         capture_output=True,
@@ -226,3 +233,90 @@ def test_plugin_generation(folders: dict[str, Path]):
         ref, got = tokens[i], tokens[i + 1]
         assert got == ref, f"{runs[i]['model_dir']}: reshard {got} != sharded_state {ref}"
         assert len(ref) == len(generate.PROMPTS) and all(len(t) == 16 for t in ref)
+        _REFERENCE[Path(runs[i]["model_dir"]).name] = ref
+
+
+# sharded_state's greedy tokens on the local TP 2 folders (by folder name), from test_plugin_generation:
+# the bucket tests compare with them rather than start those engines again
+_REFERENCE: dict[str, list[list[int]]] = {}
+BUCKET_CASES = {"dense": "qwen3", "moe": "qwen3-moe"}
+
+
+def _download_config(client, url: str, dest: Path) -> Path:
+    """What the plugin's serve line copies (`aws s3 cp --recursive --exclude '*.safetensors'`)."""
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            name = obj["Key"][len(prefix) :]
+            if not name.endswith(".safetensors"):
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                (dest / name).write_bytes(client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
+    return dest
+
+
+@pytest.fixture(scope="module")
+def stored(folders, s3server, tmp_path_factory) -> dict[str, tuple[str, Path]]:
+    """name -> (s3:// URL, local copy of its config): the dense and MoE sources saved to a bucket at TP 2
+    by `reshard save`, and "flipped": the dense output's objects with a bit of rank 1's last tensor flipped."""
+    client, bucket = s3server.client(), s3server.bucket()
+    root = folders["dense"].parent
+    out = {}
+    for name, arch in BUCKET_CASES.items():
+        url = _save(root / "src" / arch, f"s3://{bucket}/{name}/", "--tp", "2", env=s3server.env())
+        out[name] = (url, _download_config(client, url, tmp_path_factory.mktemp(f"{name}-config")))
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="dense/"):
+        for obj in page.get("Contents", []):
+            data = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            if obj["Key"].endswith("model-rank-1-part-0.safetensors"):
+                data = bytearray(data)
+                data[-100] ^= 0x01  # a bit of the last tensor's data: size and header unchanged
+            client.put_object(Bucket=bucket, Key="flipped/" + obj["Key"][len("dense/") :], Body=bytes(data))
+    out["flipped"] = (f"s3://{bucket}/flipped/", out["dense"][1])
+    return out
+
+
+@pytest.fixture
+def store_env(s3server, monkeypatch):
+    """The AWS_* variables of the test server, for vLLM's subprocesses (boto3 and the Run:ai streamer)."""
+    for k, v in s3server.env().items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.generation
+def test_bucket_generation(folders, stored, store_env):
+    runs = [dict(model_dir=folders[n], load_format="sharded_state") for n in BUCKET_CASES if n not in _REFERENCE]
+    for name in BUCKET_CASES:
+        url, config = stored[name]
+        runs.append(dict(model_dir=url, config_dir=config, load_format="runai_streamer_sharded"))
+        runs.append(dict(model_dir=config, load_format="reshard", model_loader_extra_config={"weights": url}))
+    t0 = time.perf_counter()
+    tokens = generate.greedy_tokens_many(runs, 2)
+    print(f"bucket generation ({len(runs)} engines): {time.perf_counter() - t0:.1f}s")
+    got = iter(tokens)
+    for name in BUCKET_CASES:
+        if name not in _REFERENCE:
+            _REFERENCE[name] = next(got)
+    for name in BUCKET_CASES:
+        ref, runai, plugin = _REFERENCE[name], next(got), next(got)
+        assert len(ref) == len(generate.PROMPTS) and all(len(t) == 16 for t in ref)
+        assert runai == ref, f"{name}: runai_streamer_sharded from {stored[name][0]} {runai} != sharded_state {ref}"
+        assert plugin == ref, f"{name}: reshard from {stored[name][0]} {plugin} != sharded_state {ref}"
+
+
+def test_bucket_loads_and_refuses(folders, stored, store_env):
+    url, config = stored["dense"]
+    flipped, _ = stored["flipped"]
+    cases = {
+        "bucket": dict(folder=config, tp=2, extra={"weights": url}, compare=True, reference=folders["dense"]),
+        "bucket-flipped": dict(folder=config, tp=2, extra={"weights": flipped}),
+    }
+    t0 = time.perf_counter()
+    results = dict(zip(cases, plugin_load.load_cases(list(cases.values())), strict=True))
+    print(f"bucket load cases: {time.perf_counter() - t0:.1f}s")
+    for r in results["bucket"]:
+        assert r.get("loader") == LOADER, r
+        assert r["ok"] and not r["mismatch"] and r["compared"] > 0, f"{r.get('error')} {r['mismatch']}"
+    assert results["bucket-flipped"][0]["ok"], results["bucket-flipped"][0].get("error")
+    e = results["bucket-flipped"][1]["error"]
+    assert e.startswith(f"ReshardLoadError: --load-format reshard: {flipped} (rank 1): 1 file(s) differ"), e
+    assert "model-rank-1-part-0.safetensors (" in e and f"To fix: re-save the output to {flipped}" in e, e
