@@ -91,4 +91,3 @@ def _hash(report: Report, folder: Folder, todo: list[CheckedFile], progress: Pro
     if total:
         report.stats["hashed_bytes"] = total
         report.stats["hash_seconds"] = round(time.monotonic() - t0, 3)
-
