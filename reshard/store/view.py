@@ -43,6 +43,7 @@ class BucketView(FolderView):
         self._listing: dict[str, ObjectInfo] | None = None
         self._lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(settings.S3_CONCURRENCY.get())  # GETs in flight
+        self._headers: dict[tuple[str, int | None], Header] = {}
 
     # ---- the listing ------------------------------------------------------------------------------
 
@@ -84,6 +85,12 @@ class BucketView(FolderView):
     # ---- reading ----------------------------------------------------------------------------------
 
     def header(self, name: str, *, size: int | None = None) -> Header:
+        """Read once (cached: a rank file's header is read by the checks and again by the reader's setup)."""
+        if (name, size) not in self._headers:
+            self._headers[(name, size)] = self._header(name, size)
+        return self._headers[(name, size)]
+
+    def _header(self, name: str, size: int | None) -> Header:
         where = self.where(name)
         have = self.size(name)
         size = have if size is None else size
