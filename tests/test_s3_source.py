@@ -10,7 +10,7 @@ import pytest
 
 from tests.fixtures.cli import run
 from tests.fixtures.hubrun import rank_bytes
-from tests.fixtures.s3out import bucket_output
+from tests.fixtures.s3out import BucketOut, bucket_output
 from tests.fixtures.saving import save
 
 RANK0 = "model-rank-0-part-0.safetensors"
@@ -44,7 +44,7 @@ def local_tp4(tiny, tmp_path):
 
 def test_reshard_from_the_bucket_to_a_local_folder(saved, local_tp4, tmp_path):
     dst = tmp_path / "tp4"
-    code, out, err = run("save", saved.url, str(dst), "--tp", "4")
+    code, _, err = run("save", saved.url, str(dst), "--tp", "4")
     assert code == 0, err
     assert rank_bytes(dst) == rank_bytes(local_tp4)
     m = json.loads((dst / "reshard.json").read_text())
@@ -54,7 +54,7 @@ def test_reshard_from_the_bucket_to_a_local_folder(saved, local_tp4, tmp_path):
 
 
 def test_reshard_from_one_bucket_prefix_to_another(s3env, saved, local_tp4):
-    new = bucket_output.__globals__["BucketOut"](saved.bucket, "tp4/", saved.client)
+    new = BucketOut(saved.bucket, "tp4/", saved.client)
     code, _, err = run("save", saved.url, new.url, "--tp", "4")
     assert code == 0, err
     assert _bucket_rank_bytes(new) == rank_bytes(local_tp4)
