@@ -106,6 +106,8 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
         raise click.UsageError("--deep needs --against SOURCE (on a folder; on s3:// it hashes every object)")
     if not is_bucket_url(out_dir):
         out_dir = Path(out_dir)
+        if out_dir.exists() and not out_dir.is_dir():
+            raise click.BadParameter(f"Directory '{out_dir}' is a file.", param_hint="'OUT_DIR'")
     t0 = time.monotonic()
     with ExitStack() as stack:
         current: list[ExitStack] = []
