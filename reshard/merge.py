@@ -24,6 +24,8 @@ from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_
 from reshard.publish import copy_files, side_files, staged, swap_in, write_config
 from reshard.rules import get_architecture
 from reshard.sources import OutputSource
+from reshard.sources.bucket_output import BucketOutputSource
+from reshard.store import is_bucket_url, parse_bucket_url
 
 DEFAULT_SHARD = 5 * 1024**3
 
@@ -62,7 +64,7 @@ def lossy_tensors(ckpt: Checkpoint) -> list[dict]:
 
 
 def merge(
-    out_dir: Path,
+    out_dir: Path | str,
     hf_dir: Path,
     *,
     max_shard_size: int = DEFAULT_SHARD,
@@ -73,13 +75,23 @@ def merge(
 ) -> dict:
     """Write the Hugging Face checkpoint that `out_dir` was made from into `hf_dir`.
 
+    `out_dir`: a local output folder, or `s3://bucket/prefix/` (read with ranged GETs; its side
+    files fetched into a temporary folder).
+
     Refuses (exit 3) when the output holds tensors in a dtype that lost precision against the
     original, unless `allow_lossy`; the result lists them either way.
     """
-    if not (out_dir / MANIFEST).is_file():
-        raise SourceError(f"{out_dir} has no {MANIFEST}: not a complete reshard output")
-    source = OutputSource(out_dir)
+    source: OutputSource | BucketOutputSource
+    if isinstance(out_dir, str) and is_bucket_url(out_dir):
+        source = BucketOutputSource(parse_bucket_url(out_dir))
+    else:
+        out_dir = Path(out_dir)
+        if not (out_dir / MANIFEST).is_file():
+            raise SourceError(f"{out_dir} has no {MANIFEST}: not a complete reshard output")
+        source = OutputSource(out_dir)
     ckpt = source.checkpoint
+    root = ckpt.root
+    assert root is not None
     plan = merge_plan(ckpt, max_shard_size)
     lossy = lossy_tensors(ckpt)
     if lossy and not allow_lossy:
@@ -92,7 +104,7 @@ def merge(
             "output saved with --dtype auto",
         )
     config_patch = _spec_layers_patch(ckpt)
-    with staged(hf_dir, uuid.uuid4().hex, source=out_dir, overwrite=overwrite, need=plan.total_bytes) as folder:
+    with staged(hf_dir, uuid.uuid4().hex, source=root, overwrite=overwrite, need=plan.total_bytes) as folder:
         progress = on_plan(plan) if on_plan else None
         # Hub shards record no checksum: hashing them would only cost CPU
         options = WriteOptions(checksum=NONE, max_memory=max_memory)
@@ -103,7 +115,7 @@ def merge(
                 "weight_map": {t.name: f.name for f in plan.files for t in f.tensors},
             }
             (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        copy_files(out_dir, side_files(out_dir), folder)
+        copy_files(root, side_files(root), folder)
         if config_patch and (folder / CONFIG).is_file():
             write_config(folder, json.loads((folder / CONFIG).read_text()), config_patch)
         swap_in(

@@ -89,6 +89,17 @@ def test_lower_layers_do_not_import_upper_ones():
             assert not bad, f"{mod} imports {bad}"
 
 
+def test_store_and_folder_views_sit_below_sources_and_verify():
+    """reshard.store (object storage) and reshard.folderview are read by sources and verify, never the other way."""
+    above = ("reshard.sources", "reshard.verify", "reshard.commands", "reshard.cli", "reshard.save", "reshard.merge")
+    for mod, deps in _imports().items():
+        if mod.startswith(("reshard.store", "reshard.folderview")):
+            bad = sorted(d for d in deps if d.startswith(above))
+            assert not bad, f"{mod} imports {bad}"
+        if mod == "reshard.folderview":
+            assert not any(d.startswith("reshard.store") for d in deps), deps
+
+
 def test_modules_stay_small():
     big = {_module_name(p): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, big

@@ -12,7 +12,7 @@ from reshard.console import byte_progress, emit_json, human_bytes, stdout
 
 
 @click.command("merge")
-@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out_dir")  # a folder, or s3://bucket/prefix/
 @click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--max-shard-size",
@@ -35,8 +35,19 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
     Original tensor names, shapes and dtypes (FP8 scales on their original blocks), shards with a
     model.safetensors.index.json as the Hub lays them out, config and tokenizer copied. The output's
     checksums are checked first.
+
+    OUT_DIR may be s3://bucket/prefix/ (endpoint and credentials from AWS_ENDPOINT_URL, AWS_PROFILE,
+    ...): the rank files are read with ranged GETs, nothing of them stored locally; sizes and the
+    store's checksums are checked first, and a rank file read whole in order is hashed as it streams
+    (the others are said to be unchecked byte for byte). Exit 4 when the bucket cannot be read.
     """
     from reshard.merge import merge
+    from reshard.store import is_bucket_url
+
+    if not is_bucket_url(out_dir):
+        out_dir = Path(out_dir)
+        if not out_dir.is_dir():
+            raise click.BadParameter(f"Directory '{out_dir}' does not exist.", param_hint="'OUT_DIR'")
 
     with ExitStack() as stack:
 

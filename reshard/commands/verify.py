@@ -21,7 +21,7 @@ PER_KIND = 6  # of one kind
 
 
 @click.command("verify")
-@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out_dir")  # a folder, or s3://bucket/prefix/
 @click.option(
     "--strict/--lax",
     default=True,
@@ -63,13 +63,17 @@ PER_KIND = 6  # of one kind
     "without reshard.json, e.g. written by vLLM's save_sharded_state.",
 )
 @click.option(
-    "--deep", is_flag=True, help="With --against: regenerate every tensor from SOURCE and compare it byte for byte."
+    "--deep",
+    is_flag=True,
+    help="With --against: regenerate every tensor from SOURCE and compare it byte for byte. On s3://: also "
+    "stream every object and hash it against the manifest (default there: the store's checksums, from HEADs).",
 )
 @revision_option
 @json_option
 @click.pass_context
 def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revision, as_json):
-    """Check OUT_DIR before it ships: complete, uncorrupted, and the layout vLLM will load.
+    """Check OUT_DIR (a folder, or s3://bucket/prefix/) before it ships: complete, uncorrupted, and the
+    layout vLLM will load.
 
     \b
     Checks:
@@ -82,15 +86,28 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
       checksums  every file's checksum against the manifest (blake3, or sha256 as it names)
       deep       (--against SOURCE --deep) every byte against what SOURCE produces
 
+    \b
+    s3://bucket/prefix/ (endpoint and credentials from AWS_ENDPOINT_URL, AWS_PROFILE, ...):
+      the same checks, reading headers with ranged GETs; the listing as vLLM's runai_streamer_sharded
+      makes it (over 1000 keys, rank-file keys nested under the prefix, an output above it: errors);
+      instead of hashing, each object's SHA256 as the store reports it (HEAD) against the one the
+      manifest recorded at upload; --deep streams every object and hashes it too. Exit 4: the bucket
+      cannot be read (credentials, endpoint, missing bucket).
+
     Exit codes: 0 ok (warnings allowed), 6 the layout differs from the recorded or asked one
     (missing/unexpected keys, shapes, dtypes, --tp/--pp/--ep), 7 corrupt or incomplete
     (missing manifest or files, truncation, checksum, mixed runs, stray files). 7 wins over 6.
     The report goes to stdout; a failure also ends with one `reshard: error: ...` line on stderr.
     """
+    from reshard.store import is_bucket_url
     from reshard.verify import verify
 
-    if deep and not against:
-        raise click.UsageError("--deep needs --against SOURCE")
+    if deep and not against and not is_bucket_url(out_dir):
+        raise click.UsageError("--deep needs --against SOURCE (on a folder; on s3:// it hashes every object)")
+    if not is_bucket_url(out_dir):
+        out_dir = Path(out_dir)
+        if out_dir.exists() and not out_dir.is_dir():
+            raise click.BadParameter(f"Directory '{out_dir}' is a file.", param_hint="'OUT_DIR'")
     t0 = time.monotonic()
     with ExitStack() as stack:
         current: list[ExitStack] = []

@@ -109,6 +109,9 @@ class Manifest:
     all_files: tuple[str, ...] | None = None  # a piece: every file of the whole job
     extra: dict = field(default_factory=dict)  # keys of a newer reshard, kept when rewritten
     source_files: tuple[SourceFileRecord, ...] | None = None  # None in manifests of older releases
+    # an s3:// output: each object's SHA256 as the store reports it (HEAD, ChecksumMode=ENABLED), by file
+    # name: "<base64>-<parts>" for a multipart object. `verify s3://` compares it without reading the object.
+    store_sha256: dict[str, str] | None = None
 
     @property
     def origin(self) -> dict:
@@ -147,6 +150,8 @@ class Manifest:
             out["source_files"] = [
                 {"name": f.name, "size": f.size, "sha256": f.sha256, "check": f.check} for f in self.source_files
             ]
+        if self.store_sha256 is not None:
+            out["store_sha256"] = dict(self.store_sha256)
         if self.ranks is not None:
             out["ranks"] = list(self.ranks)
             out["all_files"] = list(self.all_files or ())
@@ -190,7 +195,7 @@ def _file_json(f: FileRecord, algorithm: str) -> dict:
 
 _KNOWN = {"format", "format_version", "reshard_version", FIELD, "run_id", "created", "source", "layout",
           "vllm_versions", "total_bytes", "files", "copied", "copied_files", "source_tensors", "serve",
-          "serve_reshard", "notes", "ranks", "all_files", "source_files"}  # fmt: skip
+          "serve_reshard", "notes", "ranks", "all_files", "source_files", "store_sha256"}  # fmt: skip
 
 
 def parse(obj: object) -> Manifest:
@@ -245,6 +250,7 @@ def parse(obj: object) -> Manifest:
         all_files=tuple(_strings(obj.get("all_files") or [], "all_files")) if "ranks" in obj else None,
         extra={k: v for k, v in obj.items() if k not in _KNOWN},
         source_files=_source_files(obj["source_files"]) if "source_files" in obj else None,
+        store_sha256=_store_sums(obj["store_sha256"]) if obj.get("store_sha256") is not None else None,
     )
 
 
@@ -346,6 +352,13 @@ def _source_files(v: object) -> tuple[SourceFileRecord, ...]:
         _need(ok, f"source_files[{i}] is malformed")
         out.append(SourceFileRecord(e["name"], e["size"], e.get("sha256"), e["check"]))  # type: ignore[index,union-attr]
     return tuple(out)
+
+
+def _store_sums(v: object) -> dict[str, str]:
+    ok = isinstance(v, dict) and len(v) <= MAX_FILES
+    ok = ok and all(isinstance(k, str) and isinstance(x, str) and len(x) < 200 for k, x in v.items())  # type: ignore[union-attr]
+    _need(ok, "store_sha256 is not an object of names and checksums")
+    return dict(v)  # type: ignore[arg-type]
 
 
 def _optional(obj: dict, key: str) -> object:

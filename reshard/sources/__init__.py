@@ -11,9 +11,11 @@ from pathlib import Path
 from reshard.checkpoint import Source
 from reshard.errors import SourceError
 from reshard.names import MANIFEST
+from reshard.sources.bucket_output import BucketOutputSource
 from reshard.sources.hub import is_repo_id, open_hub
 from reshard.sources.local import LocalSource, read_config
 from reshard.sources.output import OutputSource
+from reshard.store import is_bucket_url, parse_bucket_url
 
 __all__ = ["LocalSource", "OutputSource", "Source", "is_repo_id", "open_source", "read_config"]
 
@@ -30,7 +32,7 @@ def open_source(
 
     Args:
         spec: a local folder (a Hugging Face checkpoint, or a reshard output: its `reshard.json`
-            says so), or a Hub repo id (resolved through huggingface_hub's cache, which honours
+            says so), a reshard output in a bucket (`s3://bucket/prefix/`), or a Hub repo id (resolved through huggingface_hub's cache, which honours
             HF_HOME and HF_HUB_OFFLINE).
         revision: Hub branch, tag or commit.
         headers_only: for a repo id, fetch config.json and the safetensors headers without
@@ -40,6 +42,11 @@ def open_source(
         sha256_file: for a local folder, a `sha256sum` file its safetensors files are checked
             against before they are read (`save --source-sha256`).
     """
+    if is_bucket_url(spec):
+        if revision or sha256_file is not None:
+            flag = "--revision" if revision else "--source-sha256"
+            raise SourceError(f"{flag} does not apply to {spec}, a reshard output in a bucket")
+        return BucketOutputSource(parse_bucket_url(spec))
     path = Path(spec)
     if path.is_dir():
         if revision:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
+from reshard.folderview import FolderView
 from reshard.format import TensorInfo, open_regular, read_header
 from reshard.names import CONFIG, INDEX, SINGLE
 from reshard.sources.integrity import Expected, Fix, check_files, local_expected
@@ -82,7 +83,19 @@ def read_json(path: Path) -> object:
         return json.loads(f.read(MAX_JSON))
 
 
-def read_config(root: Path) -> dict:
+def read_config(root: Path | FolderView) -> dict:
+    """config.json of a checkpoint or output folder (local, or a bucket folder's view)."""
+    if isinstance(root, FolderView) and root.local is None:
+        try:
+            raw = root.read_small(CONFIG, MAX_JSON)
+            config = json.loads(raw)
+        except FileNotFoundError:
+            raise SourceError(f"{root.display}: no {CONFIG}", "the output is incomplete") from None
+        except (ValueError, RecursionError) as e:
+            raise SourceError(f"{root.where(CONFIG)}: cannot parse ({str(e)[:200]})") from e
+        return check_config(config, root.display)
+    root = root.local if isinstance(root, FolderView) and root.local is not None else root
+    assert isinstance(root, Path)
     try:
         config = read_json(root / CONFIG)
     except FileNotFoundError:

@@ -5,6 +5,9 @@ again tells, for every piece of every output tensor, which region of which sourc
 From those regions any row range of a source tensor can be read back out of the rank files (KV
 replicas and replicated tensors are read once; up-sampled FP8 scales are taken back down). This
 serves `save` with an output as SOURCE (re-shard without the original) and `merge` (back to HF).
+
+The output is read through a `FolderView`: a local folder here, a bucket folder (`s3://...`) in
+`reshard.sources.bucket_output`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import CorruptError, SourceError, UnsupportedError
-from reshard.format import ITEMSIZE, TensorInfo, open_regular, read_header
+from reshard.folderview import FolderView, LocalView, view_manifest
+from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
-from reshard.manifest import FileRecord, Manifest, read_manifest
+from reshard.manifest import FileRecord, Manifest
 from reshard.plan import Slice, build_plan
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import OutputReader, Region
@@ -32,7 +36,13 @@ class OutputSource(Source):
 
     def __init__(self, path: Path, *, checksums: bool = True) -> None:
         self.path = path
-        self._checkpoint, self.regions = read_output(path, checksums=checksums)
+        view = LocalView(path)
+        manifest = view_manifest(view)
+        check_complete(str(path), manifest, None)
+        if checksums:
+            check_files(path, manifest)
+        ref = {"path": str(path.resolve())}
+        self._checkpoint, self.regions = read_output(view, manifest, path, ref)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -42,13 +52,14 @@ class OutputSource(Source):
         return OutputReader(self.path, self.regions)
 
 
-def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict[str, list[Region]]]:
-    """The original checkpoint's metadata, and where each of its tensors lies in the rank files."""
-    manifest = read_manifest(path)
-    _check_complete(path, manifest, None)
-    if checksums:
-        check_files(path, manifest)
-    config = read_config(path)
+def read_output(
+    view: FolderView, manifest: Manifest, root: Path, ref: dict
+) -> tuple[Checkpoint, dict[str, list[Region]]]:
+    """The original checkpoint's metadata, and where each of its tensors lies in the rank files.
+
+    root: a local folder holding the output's side files (config.json, tokenizer, ...)."""
+    path = view.display
+    config = read_config(root)
     # --dtype auto on a re-shard means the dtype the output holds, not the original's
     config = {**config, "torch_dtype": manifest.layout.dtype}
     if manifest.source_tensors is None:
@@ -60,14 +71,14 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
         n: TensorInfo(n, d, s, VIRTUAL, 0, math.prod(s) * ITEMSIZE[d]) for n, (d, s) in manifest.source_tensors.items()
     }
     old = build_plan(Checkpoint(None, config, original, [VIRTUAL], manifest.source), manifest.layout)
-    _check_complete(path, manifest, [f.name for f in old.files])
+    check_complete(path, manifest, [f.name for f in old.files])
     regions: dict[str, list[Region]] = {}
     dtypes: dict[str, str] = {}
     for f in old.files:
-        header, _, _ = read_header(path / f.name, follow=False)
+        header, _, _ = view.header(f.name)
         for t in f.tensors:
             if t.name not in header:
-                raise CorruptError(f"{path / f.name}: tensor {t.name} is missing", "the output is damaged")
+                raise CorruptError(f"{view.where(f.name)}: tensor {t.name} is missing", "the output is damaged")
             pos = header[t.name].offset
             for p in t.pieces:
                 nbytes = p.numel * ITEMSIZE[t.dtype]
@@ -88,8 +99,8 @@ def read_output(path: Path, *, checksums: bool = True) -> tuple[Checkpoint, dict
         shape = original[name].shape
         tensors[name] = TensorInfo(name, dtypes[name], shape, VIRTUAL, 0, math.prod(shape) * ITEMSIZE[dtypes[name]])
         regions[name] = _tile(name, shape, regs)
-    ref = {"path": str(path.resolve()), "resharded_from": manifest.source, "from_run": manifest.run_id}
-    ckpt = Checkpoint(path, config, tensors, [], ref, manifest=manifest, missing=sorted(set(original) - set(tensors)))
+    ref = {**ref, "resharded_from": manifest.source, "from_run": manifest.run_id}
+    ckpt = Checkpoint(root, config, tensors, [], ref, manifest=manifest, missing=sorted(set(original) - set(tensors)))
     return ckpt, regions
 
 
@@ -107,7 +118,7 @@ def _tile(name: str, shape: tuple[int, ...], regs: list[Region]) -> list[Region]
     return unique
 
 
-def _check_complete(path: Path, manifest: Manifest, planned: list[str] | None) -> None:
+def check_complete(path: str, manifest: Manifest, planned: list[str] | None) -> None:
     """Refuse what `verify` calls incomplete: a piece's manifest, a rank of the layout without files,
     or (once planned again) a planned file the manifest does not list."""
     lay = manifest.layout

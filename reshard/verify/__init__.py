@@ -13,6 +13,10 @@ Four layers of checks, cheapest first:
 - deep (`deep.py`, `--against SOURCE --deep`): every output byte regenerated from the source by the
   executor and compared with the file, naming the first differing tensor of each file.
 
+A bucket folder (`s3://bucket/prefix/`, `bucket.py`) gets the same checks through ranged reads, plus
+vLLM's listing (1000 keys, nested keys) and, instead of hashing every object, the store's checksum of
+each (a HEAD) against the manifest's; `deep` (alone) streams and hashes every object.
+
 Findings, not exceptions: `verify()` returns a `Report` (`report.py`) whose exit code is 0 (ok),
 6 (the layout differs from the recorded or requested one) or 7 (corrupt or incomplete; wins over 6).
 """
@@ -23,11 +27,14 @@ import json
 from pathlib import Path
 
 from reshard import vllm_versions
+from reshard.folderview import FolderView, LocalView
 from reshard.hashing import NONE
 from reshard.manifest import Manifest
 from reshard.serve import PLUGIN_LOAD_FORMAT
 from reshard.sources import open_source
-from reshard.verify import integrity, keys, structure
+from reshard.store import is_bucket_url, parse_bucket_url
+from reshard.store.view import BucketView
+from reshard.verify import bucket, integrity, keys, structure
 from reshard.verify.deep import compare, locate
 from reshard.verify.report import CORRUPT, LAX_EXTRA_CONFIG, LAX_LOADER, CheckedFile, Finding, Progress, Report
 
@@ -35,7 +42,7 @@ __all__ = ["CheckedFile", "Finding", "Progress", "Report", "verify"]
 
 
 def verify(
-    out_dir: Path,
+    out_dir: Path | str,
     *,
     strict: bool = True,
     tp: int | None = None,
@@ -50,28 +57,32 @@ def verify(
     """Check OUT_DIR; see the module docstring and `reshard verify --help`.
 
     Args:
-        out_dir: a `reshard save` output (or, with `against`, any sharded_state folder).
+        out_dir: a `reshard save` output (or, with `against`, any sharded_state folder), or
+            `s3://bucket/prefix/` (str).
         strict: missing keys are errors (vLLM refuses them); False: warnings when the folder loads
             with `--load-format reshard` and {"strict": false} (it has a manifest), said in `loads_with`.
         tp, ep, pp: the layout it will be served with; None: the recorded one.
         checksums: hash every file against the manifest (with the algorithm it names).
         against: SOURCE checkpoint (folder or repo id) to derive the expected keys from.
-        deep: with `against`, regenerate every tensor from the source and compare its bytes.
+        deep: with `against`, regenerate every tensor from the source and compare its bytes; a
+            bucket without `against`: stream and hash every object (default: the store's checksums).
         revision: Hub revision of `against`.
         progress: progress(label, total_bytes) -> advance(n) callback, once per byte-heavy phase.
 
     Raises:
-        ValueError: deep without against.
-        SourceError: `against` cannot be opened.
+        ValueError: deep without against (a local folder).
+        SourceError: `against` cannot be opened, or the bucket cannot be listed.
     """
-    if deep and not against:
+    view = open_view(out_dir)
+    if deep and not against and view.local is not None:
         raise ValueError("deep needs against")
-    out_dir = Path(out_dir)
-    report = Report(out_dir, source=against)
-    if not out_dir.is_dir():
-        report.add("missing", f"{out_dir}: no such folder", code=CORRUPT)
+    report = Report(view.local or view.display, source=against)
+    if view.local is not None and not view.local.is_dir():
+        report.add("missing", f"{view.local}: no such folder", code=CORRUPT)
         return report
-    folder = structure.read_folder(report, out_dir, tp=tp, pp=pp, ep=ep, against=against)
+    folder = structure.read_folder(report, view, tp=tp, pp=pp, ep=ep, against=against)
+    if isinstance(view, BucketView):
+        bucket.check_listing(report, view)
     if folder is None:
         return report
     report.layout = folder.layout
@@ -94,6 +105,10 @@ def verify(
     # header-vs-manifest differences the key check did not already tell
     report.findings += [f for f in pending if (f.file, f.tensor) not in told]
     hash_too = checksums and folder.manifest is not None
+    if hash_too and isinstance(view, BucketView):
+        bucket.check_store_sums(report, folder, view)
+        hash_too = deep  # every byte read only when asked: --deep
+        deep = deep and against is not None
     if deep and source is not None and plan is not None:
         report.checked.append("deep")
         files = [f for f in folder.files if f.ok]
@@ -107,6 +122,13 @@ def verify(
     _fill_stats(report.stats)
     _loads_with(report, folder.manifest)
     return report
+
+
+def open_view(out_dir: Path | str) -> FolderView:
+    """The folder verify checks: `s3://bucket/prefix/` or a local path."""
+    if isinstance(out_dir, str) and is_bucket_url(out_dir):
+        return BucketView(parse_bucket_url(out_dir))
+    return LocalView(Path(out_dir))
 
 
 def _loads_with(report: Report, manifest: Manifest | None) -> None:

@@ -11,12 +11,12 @@ import contextlib
 import os
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
 from reshard.checkpoint import Source
 from reshard.execute import Executor, WriteOptions
+from reshard.folderview import FolderView
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.hashing import NONE, new_hasher
 from reshard.io import Sink, Written
@@ -52,7 +52,7 @@ def compare(
     def sink(of: OutFile, header: bytes) -> _CompareSink:
         f = infos[of.name]
         s = sinks[f.name] = _CompareSink(
-            folder.out / f.name, f, diffs.setdefault(f.name, []), checksum=folder.checksum if hash_too else None
+            folder.view, f, diffs.setdefault(f.name, []), checksum=folder.checksum if hash_too else None
         )
         return s
 
@@ -135,12 +135,12 @@ class _CompareSink(Sink):
     effect, and the checksum pass skips the file.
     """
 
-    def __init__(self, path: Path, f: CheckedFile, diffs: list, *, checksum: str | None) -> None:
-        self.path = path
+    def __init__(self, view: FolderView, f: CheckedFile, diffs: list, *, checksum: str | None) -> None:
+        self.view = view
         self.file = f
         self.diffs = diffs
-        self.fd = os.open(path, os.O_RDONLY)
-        if hasattr(os, "posix_fadvise"):
+        self.fd = os.open(view.local / f.name, os.O_RDONLY) if view.local is not None else -1
+        if self.fd >= 0 and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.info: TensorInfo | None = None
         self.pos = 0
@@ -154,7 +154,7 @@ class _CompareSink(Sink):
         self.digest: str | None = None
         if checksum is not None:
             start = min((t.offset for t in f.tensors.values()), default=f.size)
-            head = os.pread(self.fd, start, 0)
+            head = os.pread(self.fd, start, 0) if self.fd >= 0 else view.read_range(f.name, 0, start)
             self.sha = new_hasher(checksum)
             self.sha.update(head)
             self.sha_pos = len(head)
@@ -194,6 +194,10 @@ class _CompareSink(Sink):
             self.bufs[i] = bytearray(n)
         view = memoryview(self.bufs[i])[:n]
         done = 0
+        if self.fd < 0:  # a bucket folder: one ranged read
+            data = self.view.read_range(self.file.name, off, n)
+            view[: len(data)] = data
+            return i, view, len(data)
         while done < n:
             k = os.preadv(self.fd, [view[done:]], off + done)
             if k == 0:
@@ -227,7 +231,8 @@ class _CompareSink(Sink):
             self.hasher = None
         if self.sha is not None and self.sha_pos == self.file.size:
             self.digest = self.sha.hexdigest()
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
         return Written(self.file.name, self.file.size or 0, self.digest)
 
     def abort(self) -> None:
@@ -235,4 +240,5 @@ class _CompareSink(Sink):
             self.hasher.shutdown(wait=True, cancel_futures=True)
             self.hasher = None
         with contextlib.suppress(OSError):
-            os.close(self.fd)
+            if self.fd >= 0:
+                os.close(self.fd)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import time
-from collections.abc import Callable
-from pathlib import Path
 
-from reshard.format import NotRegular, open_inside
-from reshard.hashing import NONE, hash_fd
+from reshard.errors import ReshardError
+from reshard.format import NotRegular
+from reshard.hashing import NONE
 from reshard.verify.report import CORRUPT, RERUN, CheckedFile, Progress, Report, advance_for
 from reshard.verify.structure import Folder
 
@@ -45,18 +44,21 @@ def check_side_files(report: Report, folder: Folder) -> None:
     edited config.json changes what vLLM builds as surely as a changed weight."""
     algorithm = folder.checksum
     entries = folder.manifest.copied_files if folder.manifest else ()
+    view = folder.view
     for e in entries:
-        path = folder.out / e.name
         try:
-            digest = hash_inside(folder.out, e.name, algorithm, size=e.size)
+            digest = view.digest(e.name, algorithm, size=e.size)
         except NotRegular as err:
             msg = f"{e.name} (copied from the source) is {err.strerror}: not read ({RERUN})"
             report.add("not-regular", msg, code=CORRUPT, file=e.name)
             continue
-        except OSError as err:
-            if not os.path.lexists(path):
-                continue  # told by the structure check (a copied file is missing)
-            report.add("checksum", f"{e.name}: cannot read ({err.strerror})", code=CORRUPT, file=e.name)
+        except FileNotFoundError:
+            continue  # told by the structure check (a copied file is missing)
+        except (OSError, ReshardError) as err:
+            if not view.exists(e.name):
+                continue
+            why = err.strerror if isinstance(err, OSError) else err.message
+            report.add("checksum", f"{e.name}: cannot read ({why})", code=CORRUPT, file=e.name)
             continue
         if digest != e.digest:
             msg = (
@@ -76,29 +78,16 @@ def _hash(report: Report, folder: Folder, todo: list[CheckedFile], progress: Pro
     workers = max(1, min(len(todo), os.cpu_count() or 4, MAX_THREADS))
     with cf.ThreadPoolExecutor(workers, thread_name_prefix="reshard-hash") as pool:
         futures = {
-            pool.submit(hash_inside, folder.out, f.name, algorithm, size=f.size, advance=advance): f
+            pool.submit(folder.view.digest, f.name, algorithm, size=f.size, advance=advance): f
             for f in sorted(todo, key=lambda f: -f.size)
         }
         for fut in cf.as_completed(futures):
             f = futures[fut]
             try:
                 f.digest = fut.result()
-            except OSError as e:
-                report.add("checksum", f"{f.name}: cannot read ({e.strerror})", code=CORRUPT, file=f.name)
+            except (OSError, ReshardError) as e:
+                why = e.strerror if isinstance(e, OSError) else e.message
+                report.add("checksum", f"{f.name}: cannot read ({why})", code=CORRUPT, file=f.name)
     if total:
         report.stats["hashed_bytes"] = total
         report.stats["hash_seconds"] = round(time.monotonic() - t0, 3)
-
-
-def hash_inside(
-    folder: Path, name: str, algorithm: str, *, size: int, advance: Callable[[int], None] | None = None
-) -> str | None:
-    """The digest of the regular file `name` inside `folder` (no symlink followed, nothing special
-    opened, never blocking), or "" when it is not `size` bytes; reads at most `size` bytes."""
-    fd = open_inside(folder, name)
-    try:
-        if os.fstat(fd).st_size != size:
-            return ""
-        return hash_fd(fd, algorithm, advance=advance, limit=size)
-    finally:
-        os.close(fd)

@@ -69,7 +69,7 @@ def _recorded_source(report: Report, folder: Folder) -> Checkpoint | None:
         report.add("keys", msg, code=LAYOUT, warn=True)
         return None
     try:
-        config = read_config(folder.out)
+        config = read_config(folder.view)
     except SourceError as e:
         report.add("keys", f"cannot derive the expected keys: {e.message}", code=CORRUPT, warn=True)
         return None

@@ -4,22 +4,25 @@ The manifest is present and valid; every file it lists exists with its size, its
 header parses and holds what the manifest says, and was written by the manifest's run; every rank
 of the layout has files; no stray rank files lie around. A folder without manifest (`--against`)
 is read from its file names instead.
+
+Files are read through a `FolderView` (reshard.folderview): a local folder or a bucket folder
+(`s3://bucket/prefix/`, reshard.store.view); what only a local folder can have (symlinks, FIFOs,
+staging folders) is checked on the local one, what only a bucket can have in `verify.bucket`.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from reshard.console import human_bytes
 from reshard.errors import CorruptError, SourceError
-from reshard.format import kind, read_header
+from reshard.folderview import FolderView, LocalView, view_manifest
+from reshard.format import NotRegular
 from reshard.hashing import LEGACY
 from reshard.layout import Layout
-from reshard.manifest import Manifest, piece_paths, read_manifest
+from reshard.manifest import Manifest, piece_paths
 from reshard.manifest.pieces import read_pieces
 from reshard.names import (
     CONFIG,
@@ -49,12 +52,17 @@ class Folder:
     asked: --tp/--pp/--ep, where they differ from the recorded layout.
     """
 
-    out: Path
+    view: FolderView
     manifest: Manifest | None
     layout: Layout
     files: list[CheckedFile] = field(default_factory=list)
     rank_code: int = CORRUPT
     asked: Layout | None = None
+
+    @property
+    def out(self) -> Path | None:
+        """The folder, when it is local."""
+        return self.view.local
 
     @property
     def checksum(self) -> str:
@@ -63,12 +71,13 @@ class Folder:
 
 
 def read_folder(
-    report: Report, out: Path, *, tp: int | None, pp: int | None, ep: bool | None, against: str | None
+    report: Report, out: Path | FolderView, *, tp: int | None, pp: int | None, ep: bool | None, against: str | None
 ) -> Folder | None:
     """The manifest's files and layout, or without one (and `against`) what the file names say.
 
     None when there is nothing to check further (the findings say why).
     """
+    out = out if isinstance(out, FolderView) else LocalView(out)
     manifest = _load_manifest(report, out, against)
     if manifest is not None:
         return _manifest_folder(report, out, manifest, tp=tp, pp=pp, ep=ep)
@@ -77,16 +86,16 @@ def read_folder(
     return None  # the manifest finding says what to do
 
 
-def _load_manifest(report: Report, out: Path, against: str | None) -> Manifest | None:
-    present = (out / MANIFEST).exists()
+def _load_manifest(report: Report, out: FolderView, against: str | None) -> Manifest | None:
+    present = out.exists(MANIFEST)
     try:
-        manifest = read_manifest(out)
+        manifest = view_manifest(out)
     except CorruptError as e:
         if not present and against is not None:
             msg = f"no {MANIFEST}: not written by reshard; checked against {against} only (no checksums, no run ids)"
             report.add("manifest", msg, code=CORRUPT, warn=True)
             return None
-        pieces = None if present else _pieces(out)
+        pieces = None if present or out.local is None else _pieces(out.local)
         if pieces:
             report.add("manifest", pieces, code=CORRUPT, file=MANIFEST)
             return None
@@ -101,7 +110,7 @@ def _load_manifest(report: Report, out: Path, against: str | None) -> Manifest |
 
 
 def _manifest_folder(
-    report: Report, out: Path, m: Manifest, *, tp: int | None, pp: int | None, ep: bool | None
+    report: Report, out: FolderView, m: Manifest, *, tp: int | None, pp: int | None, ep: bool | None
 ) -> Folder:
     recorded = m.layout
     report.recorded = recorded
@@ -120,12 +129,12 @@ def _manifest_folder(
     return folder
 
 
-def _foreign_folder(report: Report, out: Path, *, tp: int | None, pp: int | None, ep: bool | None) -> Folder:
+def _foreign_folder(report: Report, out: FolderView, *, tp: int | None, pp: int | None, ep: bool | None) -> Folder:
     """A folder without manifest: the rank files its names announce, checked as the asked layout."""
     found: list[tuple[CheckedFile, bool]] = []  # (file, named with the pipeline-parallel pattern)
-    for p in sorted(out.iterdir(), key=lambda p: natural_key(p.name)):
-        if r := parse_rank_file(p.name):
-            found.append((CheckedFile(p.name, r.pp_rank, r.tp_rank, r.part), p.name.startswith(_PP_PREFIX)))
+    for name in sorted((n for n in out.names() if "/" not in n), key=natural_key):
+        if r := parse_rank_file(name):
+            found.append((CheckedFile(name, r.pp_rank, r.tp_rank, r.part), name.startswith(_PP_PREFIX)))
     pp_files = [f for f, is_pp in found if is_pp]
     pp = pp or (max(f.pp_rank for f in pp_files) + 1 if pp_files else 1)
     if tp is None:
@@ -146,7 +155,7 @@ def _foreign_folder(report: Report, out: Path, *, tp: int | None, pp: int | None
         else:
             folder.files.append(f)
     if not found:
-        report.add("missing", f"{out}: no {RANK_FILE_GLOBS[0]} files", code=CORRUPT)
+        report.add("missing", f"{out.display}: no {RANK_FILE_GLOBS[0]} files", code=CORRUPT)
     return folder
 
 
@@ -180,8 +189,10 @@ def check_structure(report: Report, folder: Folder) -> None:
     if folder.manifest is not None:
         _check_against_manifest(report, folder)
     out = folder.out
-    if not (out / CONFIG).is_file():
+    if not folder.view.exists(CONFIG) or (out is not None and not (out / CONFIG).is_file()):
         report.add("missing-file", f"{CONFIG} is missing: vLLM needs it to serve the folder", code=CORRUPT, file=CONFIG)
+    if out is None:
+        return
     for p in out.glob(f"{TMP_PREFIX}*"):
         msg = f"{p.name}: temporary folder of an interrupted save (safe to remove)"
         report.add("leftover", msg, code=CORRUPT, file=p.name, warn=True)
@@ -198,15 +209,13 @@ def _du(folder: Path) -> str:
 
 def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
     """One file: present, of the manifest's size, its header parses, written by the manifest's run."""
-    path = folder.out / f.name
+    view = folder.view
     try:
-        st = path.lstat()
-        if not stat.S_ISREG(st.st_mode):
-            what = "a symlink" if stat.S_ISLNK(st.st_mode) else kind(st.st_mode)
-            msg = f"{f.name} is {what}, not a regular file in the folder: not followed or read ({RERUN})"
-            report.add("not-regular", msg, code=CORRUPT, file=f.name)
-            return
-        f.size = st.st_size
+        f.size = view.size(f.name)
+    except NotRegular as e:
+        msg = f"{f.name} is {e.strerror}, not a regular file in the folder: not followed or read ({RERUN})"
+        report.add("not-regular", msg, code=CORRUPT, file=f.name)
+        return
     except FileNotFoundError:
         msg = f"{f.name} is missing ({rank_label(f.rank, folder.layout.pp)} cannot load)"
         report.add("missing-file", msg, code=CORRUPT, file=f.name)
@@ -216,17 +225,17 @@ def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
         return
     want = f.entry.size if f.entry else None
     if want is not None and f.size != want:
-        cut = _cut_tensors(path, f.size, want) if f.size < want else []
+        cut = _cut_tensors(view, f.name, f.size, want) if f.size < want else []
         what = "truncated" if f.size < want else "larger than written"
         msg = f"{f.name} is {what}: {f.size} bytes, the manifest says {want}"
         if cut:
             msg += f"; tensor {cut[0]} is cut" + (f" ({len(cut) - 1} more after it)" if len(cut) > 1 else "")
         report.add("size", msg, code=CORRUPT, file=f.name, tensor=cut[0] if cut else None)
     try:
-        f.tensors, f.meta, _ = read_header(path, follow=False)
+        f.tensors, f.meta, _ = view.header(f.name)
     except SourceError as e:
         if not (want is not None and f.size != want and "truncated" in e.message):
-            report.add("header", _strip_path(e.message, path), code=CORRUPT, file=f.name)
+            report.add("header", _strip_path(e.message, view.where(f.name), f.name), code=CORRUPT, file=f.name)
         return
     if folder.manifest is not None:
         run, want_run = f.meta.get("reshard_run"), folder.manifest.run_id
@@ -256,24 +265,24 @@ def _check_ranks(report: Report, folder: Folder) -> None:
 
 def _check_against_manifest(report: Report, folder: Folder) -> None:
     """No listed rank outside the layout, no unlisted rank file, every copied file present."""
-    lay, out = folder.layout, folder.out
+    lay, view = folder.layout, folder.view
     extra = sorted({f.rank for f in folder.files if f.tp_rank >= lay.tp or f.pp_rank >= lay.pp})
     for r in extra:
         msg = f"the manifest lists files for {rank_label(r, lay.pp)}, outside {lay}"
         report.add("manifest", msg, code=CORRUPT, file=MANIFEST)
     listed = {f.name for f in folder.files}
     globs = vllm_globs(tp=lay.tp, pp=lay.pp)
-    for p in sorted(out.iterdir(), key=lambda p: natural_key(p.name)):
-        loaded = any(fnmatch.fnmatchcase(p.name, g) for g in globs)
-        if (loaded or parse_rank_file(p.name)) and p.name not in listed:
+    for name in sorted((n for n in view.names() if "/" not in n), key=natural_key):
+        loaded = any(fnmatch.fnmatchcase(name, g) for g in globs)
+        if (loaded or parse_rank_file(name)) and name not in listed:
             msg = (
-                f"{p.name} is not in the manifest (left by another run?): vLLM would load "
+                f"{name} is not in the manifest (left by another run?): vLLM would load "
                 f"it with its rank; remove it or {RERUN}"
             )
-            report.add("stray", msg, code=CORRUPT, file=p.name)
+            report.add("stray", msg, code=CORRUPT, file=name)
     assert folder.manifest is not None
     for name in folder.manifest.copied:
-        if not os.path.lexists(out / name):
+        if not view.exists(name):
             report.add("missing-file", f"{name} (copied from the source) is missing", code=CORRUPT, file=name)
 
 
@@ -302,15 +311,15 @@ def headers_vs_manifest(folder: Folder) -> list[Finding]:
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
-def _strip_path(message: str, path: Path) -> str:
-    prefix = f"{path}: "
-    return f"{path.name}: {message[len(prefix) :]}" if message.startswith(prefix) else message
+def _strip_path(message: str, where: str, name: str) -> str:
+    prefix = f"{where}: "
+    return f"{name}: {message[len(prefix) :]}" if message.startswith(prefix) else message
 
 
-def _cut_tensors(path: Path, size: int, written: int) -> list[str]:
+def _cut_tensors(view: FolderView, name: str, size: int, written: int) -> list[str]:
     """Tensors of a file truncated from `written` to `size` bytes that end past its end, in file order."""
     try:
-        tensors, _, _ = read_header(path, size=written, follow=False)
+        tensors, _, _ = view.header(name, size=written)
     except SourceError:
         return []
     ends = sorted((t.offset + t.nbytes, t.offset, t.name) for t in tensors.values())

@@ -1,0 +1,280 @@
+"""A reshard output in a bucket (`s3://bucket/prefix/`) read as the checkpoint it was made from: `save
+s3://OUT s3://NEW` or `save s3://OUT LOCAL` (re-shard from the store) and `merge s3://OUT HF_DIR`.
+
+Nothing of the rank files is copied to local disk: tensors are read with ranged GETs
+(`reshard.store.view.BucketView`: RESHARD_S3_CONCURRENCY at once, a cut body resumed, requests
+retried by botocore). The side files (config, tokenizer; small) are fetched into a temporary folder,
+each checked against the manifest's digest.
+
+What is checked, without reading the rank files twice:
+- before anything is read: every file the manifest lists is there with its size, and (where the
+  manifest recorded them) each object's SHA256 as the store reports it is the one reshard uploaded:
+  an object replaced since fails here (exit 4);
+- while reading: the bytes of each rank file are hashed as they arrive when they arrive in order (a
+  few out-of-order reads are held back, bounded); a file read whole that way is checked against the
+  manifest's digest when the save has read everything (`finish`, before anything is published): a
+  mismatch is exit 4. A file not read whole in order (a re-shard reads by tensor, not by file) is
+  said to be unchecked byte for byte, on stderr.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from reshard.checkpoint import Checkpoint, Reader, Source
+from reshard.errors import ReshardError, SourceError
+from reshard.folderview import view_manifest
+from reshard.format import ITEMSIZE
+from reshard.hashing import NONE, hash_bytes, new_hasher
+from reshard.manifest import Manifest
+from reshard.names import MANIFEST
+from reshard.sources.output import check_complete, read_output
+from reshard.sources.output_reader import OutputReader, Region
+from reshard.store.url import BucketURL
+from reshard.store.view import BucketView
+
+MAX_HELD = 64 << 20  # bytes of out-of-order reads held back per reader for the in-order hash
+MAX_FILL = 16 << 20  # bytes of a span no tensor read needs (the header, a dropped replica) fetched to hash on
+MAX_SIDE = 256 << 20  # bytes of one side file
+_HINT = "run `reshard verify` on it, or reshard the original checkpoint"
+
+
+class BucketOutputSource(Source):
+    def __init__(self, url: BucketURL, *, checksums: bool = True) -> None:
+        self.url = url
+        self.view = BucketView(url, SourceError)
+        self.manifest = manifest = _manifest(self.view)
+        check_complete(str(url), manifest, None)
+        self.checksums = checksums and manifest.checksum != NONE
+        _check_objects(self.view, manifest, store=checksums)
+        self.root = Path(tempfile.mkdtemp(prefix="reshard-source-side-"))
+        atexit.register(shutil.rmtree, self.root, True)
+        _fetch_side_files(self.view, manifest, self.root)
+        self._checkpoint, self.regions = read_output(self.view, manifest, self.root, {"url": str(url)})
+        self.fill = {f.name: _unread(self.view, f.name, self._checkpoint, self.regions) for f in manifest.files}
+        self.readers: list[BucketOutputReader] = []
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    def open_reader(self) -> Reader:
+        reader = BucketOutputReader(self, self.regions)
+        self.readers.append(reader)
+        return reader
+
+    def finish(self) -> None:
+        """Every rank file read whole in order is checked against its digest (exit 4 otherwise);
+        the rest are told as unchecked."""
+        if not self.checksums:
+            return
+        from reshard.console import stderr
+
+        checked: set[str] = set()
+        for reader in self.readers:
+            for name, stream in reader.streams.items():
+                if stream.whole:
+                    if stream.digest() != stream.want:
+                        raise SourceError(
+                            f"{self.view.where(name)} fails its {self.manifest.checksum} checksum as read from the "
+                            "bucket: the object changed after it was written",
+                            _HINT,
+                        )
+                    checked.add(name)
+        unchecked = [f.name for f in self.manifest.files if f.name not in checked]
+        if unchecked:
+            stderr.print(
+                f"note: {len(unchecked)} of {len(self.manifest.files)} rank files were read by tensor, not whole "
+                f"in order: their bytes were not hashed (sizes and store checksums were checked; `reshard verify "
+                f"{self.url} --deep` hashes them)",
+                markup=False,
+                highlight=False,
+            )
+
+
+class _Stream:
+    """One rank file's bytes hashed in order as they are read; reads ahead of the hash are held
+    back (up to the reader's budget), reads behind it ignored."""
+
+    def __init__(self, size: int, algorithm: str, want: str | None, fill: list[tuple[int, int]]) -> None:
+        self.size = size
+        self.fill = fill  # (offset, length) no read will cover, in file order: fetched when the hash gets there
+        self.want = want
+        self.hasher = new_hasher(algorithm)
+        self.pos = 0
+        self.held: dict[int, bytes] = {}
+        self.broken = False
+
+    @property
+    def whole(self) -> bool:
+        return not self.broken and self.pos == self.size
+
+    def digest(self) -> str | None:
+        return self.hasher.hexdigest()
+
+    def feed(self, offset: int, data: bytes) -> int:
+        """Take `data` read at `offset`; returns the change in bytes held back."""
+        if self.broken or offset + len(data) <= self.pos:
+            return 0
+        if offset > self.pos:
+            if offset in self.held:
+                return 0
+            self.held[offset] = data
+            return len(data)
+        freed = 0
+        self.hasher.update(memoryview(data)[self.pos - offset :])
+        self.pos = offset + len(data)
+        while self.held:
+            nxt = min(self.held)
+            if nxt > self.pos:
+                break
+            chunk = self.held.pop(nxt)
+            freed += len(chunk)
+            if nxt + len(chunk) > self.pos:
+                self.hasher.update(memoryview(chunk)[self.pos - nxt :])
+                self.pos = nxt + len(chunk)
+        return -freed
+
+    def next_fill(self) -> tuple[int, int] | None:
+        """The span to fetch now for the hash to go on, if it has reached one."""
+        while self.fill and self.fill[0][0] + self.fill[0][1] <= self.pos:
+            self.fill.pop(0)
+        if self.broken or not self.fill or self.fill[0][0] != self.pos:
+            return None
+        return self.fill.pop(0)
+
+    def drop(self) -> int:
+        freed = sum(len(c) for c in self.held.values())
+        self.held.clear()
+        self.broken = True
+        return freed
+
+
+class BucketOutputReader(OutputReader):
+    """`OutputReader` over ranged GETs, hashing each file in order where the reads allow."""
+
+    def __init__(self, source: BucketOutputSource, regions: dict[str, list[Region]]) -> None:
+        super().__init__(source.root, regions)
+        self.view = source.view
+        self.lock = threading.Lock()
+        self.held = 0
+        self.streams: dict[str, _Stream] = {}
+        if source.checksums:
+            m = source.manifest
+            self.streams = {f.name: _Stream(f.size, m.checksum, f.digest, source.fill[f.name]) for f in m.files}
+
+    def _pread(self, file: str, offset: int, nbytes: int) -> bytes:
+        stream = self.streams.get(file)
+        if stream is not None:
+            self._fill(file, stream)  # the header, first
+        data = self._get(file, offset, nbytes)
+        if stream is not None:
+            self._feed(stream, offset, data)
+            self._fill(file, stream)
+        return data
+
+    def _fill(self, file: str, stream: _Stream) -> None:
+        """Fetch the spans no read covers where the hash has got to them (small: else unchecked)."""
+        while True:
+            with self.lock:
+                span = stream.next_fill()
+            if span is None:
+                return
+            if span[1] > MAX_FILL:
+                with self.lock:
+                    self.held -= stream.drop()
+                return
+            self._feed(stream, span[0], self._get(file, *span))
+
+    def _get(self, file: str, offset: int, nbytes: int) -> bytes:
+        try:
+            data = self.view.read_range(file, offset, nbytes)
+        except FileNotFoundError:
+            raise SourceError(f"{self.view.where(file)} is gone (deleted while it was read)", _HINT) from None
+        if len(data) != nbytes:
+            raise SourceError(f"{self.view.where(file)}: truncated (changed while it was read)", _HINT)
+        return data
+
+    def _feed(self, stream: _Stream, offset: int, data: bytes) -> None:
+        with self.lock:
+            self.held += stream.feed(offset, data)
+            if self.held > MAX_HELD:  # too far out of order: give up the largest holder's hash
+                worst = max(self.streams.values(), key=lambda s: sum(len(c) for c in s.held.values()))
+                self.held -= worst.drop()
+
+    def close(self) -> None:
+        self.fds.clear()
+
+
+def _unread(view: BucketView, name: str, ckpt: Checkpoint, regions: dict[str, list[Region]]) -> list[tuple[int, int]]:
+    """The spans of `name` no read covers: its header, alignment gaps, rows of vocabulary padding,
+    tensors read once from another file (replicas) or not at all."""
+    spans = []
+    for tensor, regs in regions.items():
+        item = ITEMSIZE[ckpt.tensors[tensor].dtype]
+        for r in regs:
+            if r.file != name:
+                continue
+            dims = [b - a for a, b in zip(r.start, r.stop, strict=True)] or [1]
+            inner = list(r.pad[1:]) if r.pad else dims[1:]
+            spans.append((r.offset, r.offset + dims[0] * math.prod(inner) * item))
+    end = view.size(name)
+    out, pos = [], 0
+    for a, b in [*sorted(spans), (end, end)]:
+        if a > pos:
+            out.append((pos, a - pos))
+        pos = max(pos, b)
+    return out
+
+
+def _manifest(view: BucketView) -> Manifest:
+    try:
+        return view_manifest(view)
+    except ReshardError as e:
+        if isinstance(e, SourceError):
+            raise
+        raise SourceError(f"{e.message}", e.hint or _HINT) from None
+
+
+def _check_objects(view: BucketView, manifest: Manifest, *, store: bool) -> None:
+    """Every listed file there with its size; with `store`, each object's store SHA256 as recorded."""
+    problems = []
+    for f in manifest.files:
+        info = view.listing.get(f.name)
+        if info is None:
+            problems.append(f"{f.name} is missing")
+        elif info.size != f.size:
+            problems.append(f"{f.name} has {info.size} bytes, the manifest says {f.size}")
+    sums = manifest.store_sha256 if store else None
+    if not problems and sums:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from reshard import settings
+
+        names = [f.name for f in manifest.files]
+        with ThreadPoolExecutor(settings.S3_CONCURRENCY.get(), thread_name_prefix="reshard-head") as pool:
+            have = dict(zip(names, pool.map(view.store_sha256, names), strict=True))
+        if view.store_sha256(MANIFEST) is not None:  # the store reports SHA256s (reshard uploaded them all)
+            problems += [f"{n} was replaced after it was written" for n in names if sums.get(n) not in (None, have[n])]
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SourceError(f"{view.url} cannot be used as SOURCE: {problems[0]}{more}", _HINT)
+
+
+def _fetch_side_files(view: BucketView, manifest: Manifest, root: Path) -> None:
+    """The copied files (config, tokenizer, ...) into `root`, each checked against its digest."""
+    for side in manifest.copied_files:
+        try:
+            data = view.read_small(side.name, MAX_SIDE)
+        except FileNotFoundError:
+            raise SourceError(f"{view.where(side.name)} is missing", _HINT) from None
+        if len(data) != side.size or (side.digest is not None and hash_bytes(data, manifest.checksum) != side.digest):
+            raise SourceError(f"{view.where(side.name)} fails its checksum: it changed after it was written", _HINT)
+        dst = root / side.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(data)

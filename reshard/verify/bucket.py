@@ -1,0 +1,110 @@
+"""What only a bucket folder (`verify s3://bucket/prefix/`) can get wrong, beside the checks every
+folder gets (structure, keys, checksums; read through `reshard.store.view.BucketView`).
+
+- vLLM's listing: `runai_streamer_sharded` lists the prefix with one list_objects_v2 call, no
+  delimiter: over 1000 keys it misses files, and a rank-file pattern matches nested keys too
+  (`prefix/old/model-rank-0-part-0.safetensors`), so such a key, or a nested output, is an error;
+  so is an output in a folder above (its listing would take this one's files).
+- an interrupted publish: reshard's commit journal beside the prefix (`prefix.reshard/`).
+- the store's checksums: every object's SHA256 as the store reports it (HEAD, ChecksumMode=ENABLED)
+  against the one the manifest recorded when reshard uploaded it (`store_sha256`): an object
+  replaced after the save fails without a byte of it read. `--deep` hashes every byte instead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from fnmatch import fnmatchcase
+
+from reshard import settings
+from reshard.errors import ReshardError
+from reshard.names import BUCKET_JOURNAL, MANIFEST
+from reshard.store.publish import VLLM_KEY_PATTERNS, VLLM_MAX_KEYS
+from reshard.store.view import BucketView
+from reshard.verify.report import CORRUPT, RERUN, Report
+from reshard.verify.structure import Folder
+
+
+def check_listing(report: Report, view: BucketView) -> None:
+    """vLLM's single listing call sees every file, and only this output's."""
+    url = view.url
+    keys = len(view.listing)
+    if keys > VLLM_MAX_KEYS:
+        msg = (
+            f"{url} holds {keys} objects: vLLM's runai_streamer_sharded lists only the first {VLLM_MAX_KEYS} "
+            "keys under a prefix and would miss rank files (move the other objects out, or re-save with a "
+            "larger --max-part-size)"
+        )
+        report.add("listing", msg, code=CORRUPT)
+    for name in view.names():
+        if "/" not in name:
+            continue
+        if name.rsplit("/", 1)[-1] == MANIFEST:
+            msg = f"{name}: another reshard output lies inside this one: vLLM would load its rank files with these"
+            report.add("nested", msg, code=CORRUPT, file=name)
+        elif any(fnmatchcase(view.url.key(name), p) for p in VLLM_KEY_PATTERNS):
+            msg = (
+                f"{name} lies under {url}: vLLM lists the prefix without a delimiter and would load it with "
+                "this output's rank files (KeyError at load): move or delete it"
+            )
+            report.add("stray", msg, code=CORRUPT, file=name)
+    for parent in url.parents():
+        if view.bucket.head(parent.key(MANIFEST)) is not None:
+            msg = f"{parent} holds a reshard output, and {url} lies inside it: vLLM would load both outputs' files"
+            report.add("nested", msg, code=CORRUPT)
+    if view.bucket.head(url.work + BUCKET_JOURNAL) is not None:
+        msg = (
+            f"{url.work}{BUCKET_JOURNAL}: a publish of this prefix was interrupted; run the same "
+            "`reshard save ... --overwrite` again to finish it"
+        )
+        report.add("leftover", msg, code=CORRUPT, warn=True)
+
+
+def check_store_sums(report: Report, folder: Folder, view: BucketView) -> None:
+    """Each object's checksum as the store reports it against the manifest's `store_sha256`."""
+    manifest = folder.manifest
+    assert manifest is not None
+    recorded = manifest.store_sha256
+    if not recorded:
+        msg = (
+            "the manifest records no store checksums (not saved to a bucket by this reshard): objects "
+            "not checked; pass --deep to hash every byte"
+        )
+        report.add("store-checksum", msg, code=0, warn=True)
+        return
+    try:
+        if view.store_sha256(MANIFEST) is None:  # reshard uploads every object with a SHA256
+            msg = "the object store reports no SHA256 checksums: objects not checked; pass --deep to hash every byte"
+            report.add("store-checksum", msg, code=0, warn=True)
+            return
+    except (FileNotFoundError, ReshardError):
+        return  # told by the structure check
+    report.checked.append("store-checksums")
+    present = [f.name for f in folder.files if f.size is not None] + [
+        s.name for s in manifest.copied_files if view.exists(s.name)
+    ]
+    with cf.ThreadPoolExecutor(settings.S3_CONCURRENCY.get(), thread_name_prefix="reshard-head") as pool:
+        got = dict(zip(present, pool.map(lambda n: _head(view, n), present), strict=True))
+    for name, have in got.items():
+        want = recorded.get(name)
+        if want is None:
+            msg = f"{name}: the manifest records no store checksum for it"
+            report.add("store-checksum", msg, code=0, file=name, warn=True)
+        elif isinstance(have, Exception):
+            why = have.strerror if isinstance(have, OSError) else have
+            report.add("store-checksum", f"{name}: cannot read its metadata ({why})", code=CORRUPT, file=name)
+        elif have != want:
+            said = f"checksum {have}" if have else "no SHA256 (uploaded by something else)"
+            msg = (
+                f"{name}: the store reports {said}, the manifest {want}: the object was replaced after it "
+                f"was written ({RERUN})"
+            )
+            report.add("store-checksum", msg, code=CORRUPT, file=name)
+    report.stats["store_checksums_checked"] = len(got)
+
+
+def _head(view: BucketView, name: str) -> str | Exception | None:
+    try:
+        return view.store_sha256(name)
+    except (FileNotFoundError, ReshardError) as e:
+        return e

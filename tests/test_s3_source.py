@@ -1,0 +1,131 @@
+"""A reshard output in a bucket read back as SOURCE (SeaweedFS): `save s3://OUT s3://NEW`, `save s3://OUT
+LOCAL`, `merge s3://OUT HF_DIR`: the same bytes as from the local output, checked before and while it
+is read, errors as one line with exit 4."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.fixtures.cli import run
+from tests.fixtures.hubrun import rank_bytes
+from tests.fixtures.s3out import BucketOut, bucket_output
+from tests.fixtures.saving import save
+
+RANK0 = "model-rank-0-part-0.safetensors"
+
+
+def _one_error_line(err: str, *words: str) -> None:
+    lines = [line for line in err.splitlines() if line.startswith("reshard: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def _bucket_rank_bytes(out) -> dict[str, bytes]:
+    run_id = out.manifest()["run_id"].encode()
+    names = sorted(n for n in out.names() if n.startswith("model-rank-"))
+    return {n: out.read(n).replace(run_id, b"0" * len(run_id)) for n in names}
+
+
+@pytest.fixture
+def saved(s3env, tiny):
+    return bucket_output(s3env, tiny("llama"), tp=2)
+
+
+@pytest.fixture
+def local_tp4(tiny, tmp_path):
+    """The tiny llama saved at tp 4 from the original checkpoint: what a re-shard must give."""
+    out = tmp_path / "ref-tp4"
+    save(str(tiny("llama")), out, tp=4)
+    return out
+
+
+def test_reshard_from_the_bucket_to_a_local_folder(saved, local_tp4, tmp_path):
+    dst = tmp_path / "tp4"
+    code, _, err = run("save", saved.url, str(dst), "--tp", "4")
+    assert code == 0, err
+    assert rank_bytes(dst) == rank_bytes(local_tp4)
+    m = json.loads((dst / "reshard.json").read_text())
+    assert m["source"]["url"] == saved.url and m["source"]["from_run"] == saved.manifest()["run_id"]
+    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in local_tp4.iterdir())
+    assert run("verify", str(dst))[0] == 0
+
+
+def test_reshard_from_one_bucket_prefix_to_another(s3env, saved, local_tp4):
+    new = BucketOut(saved.bucket, "tp4/", saved.client)
+    code, _, err = run("save", saved.url, new.url, "--tp", "4")
+    assert code == 0, err
+    assert _bucket_rank_bytes(new) == rank_bytes(local_tp4)
+    code, out, err = run("verify", new.url, "--deep")
+    assert code == 0, out + err
+
+
+def test_merge_from_the_bucket_equals_merge_from_the_folder(s3env, tiny, tmp_path):
+    """A tp 1 output merged back: its one rank file is read in order, so it is hashed as it streams."""
+    local = tmp_path / "tp1"
+    save(str(tiny("llama")), local, tp=1)
+    assert run("merge", str(local), str(tmp_path / "hf-local"))[0] == 0
+    out = bucket_output(s3env, tiny("llama"), tp=1)
+    code, _, err = run("merge", out.url, str(tmp_path / "hf-bucket"))
+    assert code == 0, err
+    assert "not hashed" not in err  # read whole in order: checked
+    a, b = tmp_path / "hf-local", tmp_path / "hf-bucket"
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in a.iterdir():
+        assert (b / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+def test_a_flipped_byte_read_in_order_fails_the_merge(s3env, tiny, tmp_path):
+    """Without store checksums in the manifest, the hash while streaming catches it (exit 4, nothing written)."""
+    out = bucket_output(s3env, tiny("llama"), tp=1)
+    m = out.manifest()
+    del m["store_sha256"]
+    out.replace("reshard.json", json.dumps(m).encode())
+    out.flip(RANK0)
+    code, _, err = run("merge", out.url, str(tmp_path / "hf"))
+    assert code == 4
+    _one_error_line(err, RANK0, "checksum")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_object_replaced_since_the_save_is_refused_before_reading(saved, tmp_path):
+    saved.flip(RANK0)
+    code, _, err = run("save", saved.url, str(tmp_path / "tp4"), "--tp", "4")
+    assert code == 4
+    _one_error_line(err, RANK0, "replaced after it was written")
+    assert not (tmp_path / "tp4").exists()
+
+
+def test_a_missing_or_truncated_object_is_refused(saved, tmp_path):
+    data = saved.read(RANK0)
+    saved.replace(RANK0, data[:-10])
+    code, _, err = run("merge", saved.url, str(tmp_path / "hf"))
+    assert code == 4
+    _one_error_line(err, RANK0, f"{len(data) - 10} bytes")
+    saved.delete(RANK0)
+    code, _, err = run("merge", saved.url, str(tmp_path / "hf"))
+    assert code == 4
+    _one_error_line(err, RANK0, "missing")
+
+
+def test_not_an_output_and_no_bucket_exit_4(s3env, tmp_path):
+    empty = s3env.bucket()
+    code, _, err = run("save", f"s3://{empty}/none/", str(tmp_path / "x"), "--tp", "2")
+    assert code == 4
+    _one_error_line(err, "no reshard.json")
+    code, _, err = run("merge", "s3://no-such-bucket-here/m/", str(tmp_path / "hf"))
+    assert code == 4
+    _one_error_line(err, "does not exist")
+
+
+def test_throttled_range_reads_are_retried(s3server, saved, local_tp4, tmp_path, s3proxy, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3proxy.endpoint)
+    s3proxy.only = lambda method, path, query: method == "GET" and RANK0 in path
+    s3proxy.slowdown = 3
+    dst = tmp_path / "tp4"
+    code, _, err = run("save", saved.url, str(dst), "--tp", "4")
+    assert code == 0, err
+    assert s3proxy.slowdown == 0 and [s for m, p, q, s in s3proxy.log if s == 503] == [503] * 3
+    assert rank_bytes(dst) == rank_bytes(local_tp4)

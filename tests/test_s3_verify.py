@@ -1,0 +1,179 @@
+"""`reshard verify s3://bucket/prefix/` against a real S3 server (SeaweedFS): the checks a folder gets,
+read with ranged GETs; vLLM's listing; the store's checksums (HEAD) by default, every byte with --deep."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.fixtures.cli import run
+from tests.fixtures.s3out import bucket_output
+
+RANK0, RANK1 = "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"
+
+
+@pytest.fixture
+def saved(s3env, tiny):
+    """The tiny llama saved at tp 2 to a fresh bucket."""
+    return bucket_output(s3env, tiny("llama"), tp=2)
+
+
+def _json(*args: str) -> tuple[int, dict, str]:
+    code, out, err = run("verify", *args, "--json")
+    return code, json.loads(out), err
+
+
+def _one_error_line(err: str, *words: str) -> None:
+    lines = [line for line in err.splitlines() if line.startswith("reshard: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_a_fresh_output_verifies_from_heads_and_header_reads(saved):
+    code, rep, err = _json(saved.url)
+    assert code == 0, (err, rep["findings"])
+    assert rep["checked"] == ["manifest", "structure", "keys", "store-checksums"]
+    assert rep["errors"] == 0 and rep["warnings"] == 0
+    names = sorted(saved.names())
+    # every object but the manifest compared with the store's checksum; none hashed (no --deep)
+    assert rep["stats"]["store_checksums_checked"] == len(names) - 1
+    assert "hashed_bytes" not in rep["stats"]
+    assert sorted(f["name"] for f in rep["files"]) == [RANK0, RANK1]
+    assert saved.manifest()["store_sha256"].keys() == set(names) - {"reshard.json"}
+
+
+def test_deep_hashes_every_object(saved):
+    code, rep, err = _json(saved.url, "--deep")
+    assert code == 0, (err, rep["findings"])
+    assert rep["checked"] == ["manifest", "structure", "keys", "store-checksums", "checksums"]
+    m = saved.manifest()
+    assert rep["stats"]["hashed_bytes"] == sum(f["size"] for f in m["files"])
+    assert rep["stats"]["side_files_checked"] == len(m["copied_files"])
+
+
+@pytest.mark.parametrize("how", ["plain", "sha256"])
+def test_an_object_replaced_by_a_flipped_copy_fails_without_deep(saved, how):
+    data = bytearray(saved.read(RANK1))
+    data[-3] ^= 0x01  # a data byte: size and header unchanged
+    saved.replace(RANK1, bytes(data), **({"ChecksumAlgorithm": "SHA256"} if how == "sha256" else {}))
+    code, out, err = run("verify", saved.url)
+    assert code == 7, (out, err)
+    _one_error_line(err, RANK1, "replaced after it was written")
+
+
+def test_deep_catches_a_flipped_byte_the_manifest_has_no_store_checksum_for(saved):
+    """An output whose manifest predates store checksums: HEADs cannot tell; --deep hashes and fails."""
+    m = saved.manifest()
+    del m["store_sha256"]
+    saved.replace("reshard.json", json.dumps(m).encode(), ChecksumAlgorithm="SHA256")
+    saved.flip(RANK0)
+    code, rep, _ = _json(saved.url)
+    assert code == 0 and [f["kind"] for f in rep["findings"]] == ["store-checksum"]  # a warning: not checked
+    code, rep, err = _json(saved.url, "--deep")
+    assert code == 7
+    assert [(f["kind"], f["file"]) for f in rep["findings"] if f["severity"] == "error"] == [("checksum", RANK0)]
+    _one_error_line(err, RANK0, "differs from the manifest")
+
+
+def test_a_flipped_side_file_fails(saved):
+    config = saved.read("config.json")
+    saved.flip("config.json", at=config.index(b'"silu"') + 1)  # "silu" -> "rilu": still valid JSON
+    code, rep, _ = _json(saved.url)
+    assert code == 7
+    assert [(f["kind"], f["file"]) for f in rep["findings"]] == [("store-checksum", "config.json")]
+    code, rep, _ = _json(saved.url, "--deep")
+    assert ("checksum", "config.json") in [(f["kind"], f["file"]) for f in rep["findings"]]
+
+
+def test_a_missing_object_fails_naming_it(saved):
+    saved.delete(RANK1)
+    code, rep, err = _json(saved.url)
+    assert code == 7
+    assert [(f["kind"], f["file"]) for f in rep["findings"] if f["severity"] == "error"] == [("missing-file", RANK1)]
+    _one_error_line(err, RANK1, "missing")
+
+
+def test_a_truncated_object_names_the_cut_tensor(saved):
+    data = saved.read(RANK0)
+    saved.replace(RANK0, data[: len(data) - 100])
+    code, rep, _ = _json(saved.url)
+    assert code == 7
+    size = [f for f in rep["findings"] if f["kind"] == "size"]
+    assert len(size) == 1 and size[0]["file"] == RANK0 and size[0]["tensor"], size
+    assert "truncated" in size[0]["message"]
+
+
+def test_a_rank_file_of_another_run_is_a_run_mix(s3env, tiny, saved):
+    other = bucket_output(s3env, tiny("llama"), tp=2)
+    saved.replace(RANK0, other.read(RANK0))
+    code, rep, _ = _json(saved.url, "--no-checksums")
+    assert code == 7
+    assert [(f["kind"], f["file"]) for f in rep["findings"]] == [("run-mix", RANK0)]
+
+
+def test_a_nested_rank_file_and_a_stray_are_errors(saved):
+    saved.replace("old/" + RANK0, saved.read(RANK0))
+    saved.replace("model-rank-2-part-0.safetensors", b"x")
+    code, rep, _ = _json(saved.url)
+    assert code == 7
+    kinds = sorted((f["kind"], f["file"]) for f in rep["findings"])
+    assert kinds == [("stray", "model-rank-2-part-0.safetensors"), ("stray", "old/" + RANK0)]
+
+
+def test_an_output_nested_inside_is_an_error(saved):
+    saved.replace("tp4/reshard.json", b"{}")
+    code, rep, _ = _json(saved.url)
+    assert code == 7
+    assert [(f["kind"], f["file"]) for f in rep["findings"]] == [("nested", "tp4/reshard.json")]
+
+
+def test_more_keys_than_vllm_lists_is_an_error(saved, monkeypatch):
+    import reshard.verify.bucket as vb
+
+    n = len(saved.names())
+    monkeypatch.setattr(vb, "VLLM_MAX_KEYS", n)
+    assert _json(saved.url)[0] == 0  # exactly the limit: vLLM sees everything
+    saved.replace("notes.txt", b"hello")
+    code, rep, err = _json(saved.url)
+    assert code == 7
+    assert [f["kind"] for f in rep["findings"]] == ["listing"]
+    _one_error_line(err, f"{n + 1} objects", "first")
+
+
+def test_against_the_source_and_deep_compare_from_the_bucket(saved, tiny):
+    src = str(tiny("llama"))
+    code, rep, err = _json(saved.url, "--against", src, "--deep")
+    assert code == 0, (err, rep["findings"])
+    assert "deep" in rep["checked"] and rep["stats"]["compared_bytes"] > 0
+    data = bytearray(saved.read(RANK0))
+    data[-3] ^= 0x01
+    saved.replace(RANK0, bytes(data))
+    code, rep, _ = _json(saved.url, "--against", src, "--deep")
+    assert code == 7
+    data_findings = [f for f in rep["findings"] if f["kind"] == "data"]
+    assert len(data_findings) == 1 and data_findings[0]["file"] == RANK0 and data_findings[0]["tensor"]
+
+
+def test_no_manifest_is_corrupt(s3env):
+    bucket = s3env.bucket()
+    code, _, err = run("verify", f"s3://{bucket}/nothing/")
+    assert code == 7
+    _one_error_line(err, "no reshard.json")
+
+
+def test_a_missing_bucket_and_wrong_keys_exit_4_in_one_line(s3env, monkeypatch, saved):
+    code, _, err = run("verify", "s3://no-such-bucket-here/m/")
+    assert code == 4
+    _one_error_line(err, "no-such-bucket-here", "does not exist")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    code, _, err = run("verify", saved.url)
+    assert code == 4
+    _one_error_line(err, "denied")
+
+
+def test_other_schemes_are_refused(s3env):
+    code, _, err = run("verify", "gs://bucket/m/")
+    assert code == 3
+    _one_error_line(err, "gs://")
