@@ -139,11 +139,11 @@ def test_refusals(sources, tmp_path):
 
 
 def test_merge_of_transposed_bf16_output_refused(sources, tmp_path):
-    from reshard.sources.output import read_output
+    from reshard.sources.output import OutputSource
 
     save(str(sources["bf16"]), tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
     with pytest.raises(UnsupportedError, match="transposed"):
-        read_output(tmp_path / "out")
+        OutputSource(tmp_path / "out")
 
 
 # ---- the real gpt-oss-120b, from its headers ----------------------------------------------------
