@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -207,6 +208,7 @@ def _remove(p: Path) -> None:
 
 _WHOLE = "this run's new output, complete"
 _claims: list[tuple[Path, Path, int, str]] = []
+_elsewhere: list[str] = []  # published where reshard cannot stat it (a bucket)
 
 
 def _claim(out: Path, path: Path, inode: int, what: str = _WHOLE) -> None:
@@ -214,9 +216,15 @@ def _claim(out: Path, path: Path, inode: int, what: str = _WHOLE) -> None:
     _claims.append((out, path, inode, what))
 
 
+def claim_elsewhere(where: str) -> None:
+    """This run published its whole new output at `where` (an s3:// prefix)."""
+    _elsewhere.append(f"{where} holds {_WHOLE}")
+
+
 def forget() -> None:
     """A new run starts in this process: nothing published yet."""
     _claims.clear()
+    _elsewhere.clear()
 
 
 def published() -> list[str]:
@@ -227,7 +235,7 @@ def published() -> list[str]:
         with contextlib.suppress(OSError):
             if os.stat(path, follow_symlinks=False).st_ino == inode and f"{folder} holds {what}" not in out:
                 out.append(f"{folder} holds {what}")
-    return out
+    return out + _elsewhere
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -281,17 +289,30 @@ def _exchange(a: Path, b: Path) -> bool:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Ctrl-C / SIGTERM wait until the swap is done (they are delivered right after)."""
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    except (AttributeError, ValueError, OSError):
-        yield
+    """Ctrl-C / SIGTERM wait until the swap is done (they are acted on right after).
+
+    Python runs signal handlers in the main thread whichever thread the kernel gave the signal to
+    (a pool thread of an upload, a library's own thread), so masking the main thread alone does not
+    hold them: the handlers themselves are swapped for one that notes the signal."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set from the main thread (and only it gets the exceptions)
         return
+    got: list[int] = []
+    old = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, lambda signum, frame: got.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s in sigs:
+            signal.signal(s, old[s])
+        if got:
+            handler = old[got[0]]
+            if callable(handler):
+                handler(got[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
 
 
 def move_into(staged: Path, out_dir: Path, names: Iterable[str], *, last: Path) -> None:
