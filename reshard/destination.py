@@ -154,7 +154,6 @@ class BucketStaging(Staging):
         self.uploads = uploads
         self.prior = prior
         self.run = run
-        self.committing = False
 
     def sink(self, f: OutFile, header: bytes, checksum: str) -> Sink:
         from reshard.store.upload import ObjectWriter
@@ -166,11 +165,10 @@ class BucketStaging(Staging):
         for side in manifest.copied_files:
             ups.append(self.uploads.put_bytes(self.uploads.url.key(side.name), (self.folder / side.name).read_bytes()))
         last = self.uploads.put_bytes(self.uploads.url.key(MANIFEST), manifest_bytes(manifest))
-        self.committing = True  # from here on, the uploads are the journal's: never aborted
         self.publisher.commit(self.uploads, ups, last, self.prior, self.run)
 
     def close(self) -> None:
-        if not self.committing:
+        if not self.publisher.journaled:  # once the journal is written, the uploads are its: never aborted
             self.uploads.abort_all()
         self.uploads.close()
 

@@ -36,7 +36,7 @@ from fnmatch import fnmatch
 from reshard.errors import OutputError, UnsupportedError
 from reshard.manifest import Manifest, parse_manifest
 from reshard.names import BUCKET_JOURNAL, BUCKET_LOCK, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
-from reshard.publish import signals_held
+from reshard.publish import claim_elsewhere, signals_held
 from reshard.store.bucket import Bucket, Conflict
 from reshard.store.upload import OpenUpload, Uploads
 
@@ -77,6 +77,7 @@ class BucketPublisher:
         self.lock_key = self.url.work + BUCKET_LOCK
         self.journal_key = self.url.work + BUCKET_JOURNAL
         self.recovered: str | None = None  # what `recover` finished, told to the user
+        self.journaled = False  # the commit journal is written: the open uploads are the next run's to finish
 
     # ---- 1. one run at a time ------------------------------------------------------------------
 
@@ -129,18 +130,18 @@ class BucketPublisher:
                 self.bucket.abort(key, upload_id)
 
     def _finish(self, journal: dict) -> None:
-        key, upload_id = journal["manifest"]
+        key, upload_id = journal["manifest"][:2]
         if self.bucket.parts(key, upload_id) is None:  # the manifest was completed: only the journal is left
             self.bucket.delete([self.journal_key])
             return
         if journal.get("drop_manifest"):
             self.bucket.delete([self.url.key(MANIFEST)])
-        for k, uid in journal["uploads"]:
-            parts = self.bucket.parts(k, uid)
-            if parts is not None:
-                self._complete(k, uid, parts)
+        for k, uid, *recorded in journal["uploads"]:
+            listed = self.bucket.parts(k, uid)
+            if listed is not None:  # still open (else completed before the kill)
+                self._complete(k, uid, recorded[0] if recorded else listed)
         self.bucket.delete(list(journal["remove"]))
-        self._complete(key, upload_id, self.bucket.parts(key, upload_id) or [])
+        self._complete(key, upload_id, journal["manifest"][2] if len(journal["manifest"]) > 2 else [])
         self.bucket.delete([self.journal_key])
 
     def _complete(self, key: str, upload_id: str, parts: list[dict]) -> None:
@@ -201,18 +202,22 @@ class BucketPublisher:
         journal = {
             "run": run,
             "drop_manifest": prior.manifest is not None or self.url.key(MANIFEST) in prior.keys,
-            "uploads": [[up.key, up.upload_id] for up in files],
+            # with each upload's parts and their SHA256s: stores that check them on completion need
+            # them, and ListParts need not tell them (SeaweedFS does not)
+            "uploads": [[up.key, up.upload_id, up.part_list()] for up in files],
             "remove": remove,
-            "manifest": [manifest.key, manifest.upload_id],
+            "manifest": [manifest.key, manifest.upload_id, manifest.part_list()],
         }
         with signals_held():
             self.bucket.put(self.journal_key, json.dumps(journal).encode())
+            self.journaled = True
             if journal["drop_manifest"]:
                 self.bucket.delete([self.url.key(MANIFEST)])
             for up in files:
                 uploads.complete(up, create_only=up.key not in prior.keys)
             self.bucket.delete(remove)
             uploads.complete(manifest, create_only=True)
+            claim_elsewhere(str(self.url))
             self.bucket.delete([self.journal_key])
 
 
