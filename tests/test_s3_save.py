@@ -13,15 +13,17 @@ import base64
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.fixtures.cli import run
-from tests.fixtures.s3run import objects, open_uploads, prefix_state
+from tests.fixtures.s3run import objects, open_uploads, paused, prefix_state, reshard, s3_env
 
 pytest.importorskip("boto3")
 
@@ -280,3 +282,167 @@ def test_a_dead_lock_of_this_host_is_taken_over(tiny, s3):
     assert code == 0, err
     state = prefix_state(client, bucket, "out/")
     assert state.verifies and state.work == [] and state.uploads == []
+
+
+# ---- the store failing -----------------------------------------------------------------------------
+
+
+def assert_untouched(client, bucket: str, before: dict[str, bytes]) -> None:
+    """The prefix holds what it held (a verifying output, or nothing); no upload open, no lock left."""
+    assert objects(client, bucket, "out/") == before
+    state = prefix_state(client, bucket, "out/")
+    assert state.uploads == [] and state.work == [] and (state.verifies or not before), state
+    assert open_uploads(client, bucket) == []
+
+
+@pytest.mark.parametrize("endpoint", [True, False], ids=["endpoint", "aws"])
+def test_no_credentials(tiny, s3, monkeypatch, endpoint):
+    client, bucket = s3
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", *(() if endpoint else ("AWS_ENDPOINT_URL",))):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    code, _, err = run("save", str(tiny("llama")), url(bucket, "out/"), "--tp", "2")
+    assert code == 5 and "no AWS credentials for" in one_line(err) and "AWS_ACCESS_KEY_ID" in err, err
+    assert_untouched(client, bucket, {})
+
+
+def test_wrong_endpoint(tiny, s3, monkeypatch):
+    client, bucket = s3
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed}")
+    monkeypatch.setenv("RESHARD_S3_RETRIES", "1")
+    code, _, err = run("save", str(tiny("llama")), url(bucket, "out/"), "--tp", "2")
+    assert code == 5 and f"cannot reach the object store at http://127.0.0.1:{closed}" in one_line(err), err
+
+
+def test_missing_bucket(tiny, s3):
+    code, _, err = run("save", str(tiny("llama")), "s3://no-such-bucket-here/out/", "--tp", "2")
+    assert code == 5 and "bucket no-such-bucket-here does not exist" in one_line(err), err
+
+
+def test_read_only_identity(saved, monkeypatch, s3server):
+    src, client, bucket = saved
+    before = objects(client, bucket, "out/")
+    for k, v in s3server.env(readonly=True).items():
+        monkeypatch.setenv(k, v)
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite")
+    assert code == 5 and "access to" in one_line(err) and "denied" in err, err
+    assert_untouched(client, bucket, before)
+
+
+def _through(proxy, monkeypatch, s3server, **faults) -> None:
+    for k, v in s3server.env(endpoint=proxy.endpoint).items():
+        monkeypatch.setenv(k, v)
+    for k, v in faults.items():
+        setattr(proxy, k, v)
+
+
+def _parts(method: str, path: str, query: str) -> bool:
+    return method == "PUT" and "partNumber=" in query
+
+
+def test_forbidden_mid_upload(saved, s3proxy, monkeypatch, s3server):
+    src, client, bucket = saved
+    before = objects(client, bucket, "out/")
+    _through(s3proxy, monkeypatch, s3server, forbidden=1, only=_parts)
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite")
+    assert code == 5 and "denied (uploading part 1 of model-rank-" in one_line(err), err
+    assert_untouched(client, bucket, before)
+
+
+def test_throttling_is_retried(tiny, s3, s3proxy, monkeypatch, s3server, tmp_path):
+    client, bucket = s3
+    _through(s3proxy, monkeypatch, s3server, slowdown=2)
+    src = tiny("llama")
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "2")
+    assert code == 0, err
+    assert [e[3] for e in s3proxy.log[:3]] == [503, 503, 200]
+    assert run("save", str(src), str(tmp_path / "local"), "--tp", "2")[0] == 0
+    assert_same_as_local(client, bucket, "out/", tmp_path / "local")
+
+
+def test_throttling_beyond_the_retries(saved, s3proxy, monkeypatch, s3server):
+    src, client, bucket = saved
+    before = objects(client, bucket, "out/")
+    _through(s3proxy, monkeypatch, s3server, slowdown=100, only=_parts)
+    monkeypatch.setenv("RESHARD_S3_RETRIES", "2")
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite")
+    assert code == 5 and "kept throttling" in one_line(err) and "after 2 retries" in err, err
+    s3proxy.slowdown = 0
+    assert_untouched(client, bucket, before)
+
+
+def test_a_part_dropped_mid_body_is_sent_again(tiny, s3, s3proxy, monkeypatch, s3server, tmp_path):
+    client, bucket = s3
+    _through(s3proxy, monkeypatch, s3server, drop_mid_body=1)
+    src = tiny("llama")
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "2")
+    assert code == 0, err
+    assert [e[3] for e in s3proxy.log if _parts(*e[:3])].count(0) == 1
+    assert run("save", str(src), str(tmp_path / "local"), "--tp", "2")[0] == 0
+    assert_same_as_local(client, bucket, "out/", tmp_path / "local")
+
+
+# ---- interrupts ------------------------------------------------------------------------------------
+
+
+def _stopped(saved, s3server, tmp_path, at: str) -> tuple[subprocess.Popen, dict, Path]:
+    """`save --tp 4 --overwrite` over the TP 2 output, stopped at moment `at` (tests/fixtures/s3run.py)."""
+    src, _, bucket = saved
+    marker = tmp_path / "stopped"
+    env = s3_env(s3server)
+    p = paused(["save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite"], env, at=at, marker=marker)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+    return p, env, marker
+
+
+@pytest.mark.parametrize("at", ["upload", "commit"])
+def test_ctrl_c_before_the_commit_keeps_the_previous_output(saved, s3server, tmp_path, at):
+    _, client, bucket = saved
+    before = objects(client, bucket, "out/")
+    p, _, marker = _stopped(saved, s3server, tmp_path, at)
+    assert open_uploads(client, bucket, "out/")  # the new output's uploads, open, invisible
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    marker.unlink()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "nothing was published" in one_line(err), err
+    assert_untouched(client, bucket, before)
+
+
+def test_ctrl_c_during_the_commit_finishes_it(saved, s3server, tmp_path):
+    """Signals are held while committing: the new output is published whole, then the run says so."""
+    _, client, bucket = saved
+    p, _, marker = _stopped(saved, s3server, tmp_path, "completing")
+    assert prefix_state(client, bucket, "out/").manifest is None  # the old one is gone, the new not yet in
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.2)  # held: the run goes on when the pause ends
+    marker.unlink()
+    _, err = p.communicate(timeout=60)
+    state = prefix_state(client, bucket, "out/")
+    assert state.verifies and state.manifest["layout"]["tp"] == 4, (state, err)
+    assert state.uploads == [] and state.work == []
+    assert p.returncode in (0, 130), err
+    if p.returncode == 130:
+        assert "interrupted after publishing" in one_line(err), err
+
+
+def test_a_run_killed_during_the_commit_is_finished_by_the_next(saved, s3server, tmp_path):
+    src, client, bucket = saved
+    p, env, _ = _stopped(saved, s3server, tmp_path, "completing")
+    p.kill()
+    p.communicate(timeout=60)
+    left = prefix_state(client, bucket, "out/")
+    assert left.manifest is None and left.uploads  # never a manifest without its files
+    assert sorted(left.work) == ["commit.json", "lock.json"]
+    r = reshard(["save", str(src), url(bucket, "out/"), "--tp", "2"], env)
+    assert r.returncode == 5 and "is not empty" in one_line(r.stderr), r.stderr
+    state = prefix_state(client, bucket, "out/")
+    assert state.verifies and state.manifest["layout"]["tp"] == 4 and "model-rank-3-part-0.safetensors" in state.names
+    assert state.uploads == [] and state.work == [] and open_uploads(client, bucket) == []
