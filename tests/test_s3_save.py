@@ -298,7 +298,12 @@ def assert_untouched(client, bucket: str, before: dict[str, bytes]) -> None:
 @pytest.mark.parametrize("endpoint", [True, False], ids=["endpoint", "aws"])
 def test_no_credentials(tiny, s3, monkeypatch, endpoint):
     client, bucket = s3
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", *(() if endpoint else ("AWS_ENDPOINT_URL",))):
+    for k in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_PROFILE",
+        *(() if endpoint else ("AWS_ENDPOINT_URL",)),
+    ):
         monkeypatch.delenv(k)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
@@ -316,6 +321,7 @@ def test_wrong_endpoint(tiny, s3, monkeypatch):
     monkeypatch.setenv("RESHARD_S3_RETRIES", "1")
     code, _, err = run("save", str(tiny("llama")), url(bucket, "out/"), "--tp", "2")
     assert code == 5 and f"cannot reach the object store at http://127.0.0.1:{closed}" in one_line(err), err
+    assert_untouched(client, bucket, {})
 
 
 def test_missing_bucket(tiny, s3):
