@@ -353,26 +353,6 @@ def write(m: Matrix, path: Path, argv: list[str]) -> None:
     print(f"wrote {path}")
 
 
-def object_storage(w: Path, llama: Path) -> tuple[list[str], bool]:
-    """The object-storage section's markdown (scripts/fault_s3.py), and whether a row went wrong."""
-    from tests.fixtures.s3server import S3Server
-
-    moe = tiny("qwen3-moe", w / "qwen3-moe")
-    with S3Server(w / "s3") as server:
-        sec = fault_s3.object_storage(server, w, llama, moe)
-    bad = [r for r in sec.rows if r[1] in (1, "HUNG") or "**" in str(r[3]) + str(r[4])]
-    return fault_s3.write_section(sec), bool(bad)
-
-
-def object_storage_only(out: Path) -> int:
-    with tempfile.TemporaryDirectory(prefix="reshard-faults-") as tmp:
-        w = Path(tmp)
-        lines, bad = object_storage(w, tiny("llama", w / "llama"))
-    fault_s3.splice(out, lines)
-    print(f"wrote the {fault_s3.TITLE} section of {out}")
-    return 1 if bad else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "fault-matrix.md")
@@ -380,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["object-storage"], help="run only this section, spliced into --out")
     args = ap.parse_args(argv)
     if args.only:
-        return object_storage_only(args.out)
+        return fault_s3.only(args.out)
     with tempfile.TemporaryDirectory(prefix="reshard-faults-") as tmp:
         w = Path(tmp)
         llama = tiny("llama", w / "llama")
@@ -403,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         m.sections += [fault_cases.integrity(w, sharded), fault_cases.hostile(w, llama), fault_cases.shared(w, llama)]
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             interrupts(m, w, big, args.moments, sig)
-        s3_lines, s3_bad = object_storage(w, llama)
+        s3_lines, s3_bad = fault_s3.section(w, llama)
         shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--out" and a != str(args.out)]
         write(m, args.out, shown)  # no path of the machine it ran on
         fault_s3.splice(args.out, s3_lines)

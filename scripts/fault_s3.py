@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -159,6 +160,30 @@ def object_storage(server, w: Path, llama: Path, moe: Path) -> S3Section:
     sec.stopped("kill -9 during the commit", over, "out/", "completing", signal.SIGKILL, journaled=True)
     sec.case("then `save` (no --overwrite): finishes the killed run's commit", save("out/"), "out/")
     return sec
+
+
+def section(w: Path, llama: Path) -> tuple[list[str], bool]:
+    """The section's markdown (a SeaweedFS started for it), and whether a row went wrong."""
+    from tests.fixtures.s3server import S3Server
+    from tests.fixtures.tiny import make_tiny
+
+    moe = make_tiny("qwen3-moe", w / "qwen3-moe")
+    with S3Server(w / "s3") as server:
+        sec = object_storage(server, w, llama, moe)
+    bad = [r for r in sec.rows if r[1] in (1, "HUNG") or "**" in str(r[3]) + str(r[4])]
+    return write_section(sec), bool(bad)
+
+
+def only(out: Path) -> int:
+    """`python -m scripts.fault_matrix --only object-storage`: this section alone, spliced into `out`."""
+    from tests.fixtures.tiny import make_tiny
+
+    with tempfile.TemporaryDirectory(prefix="reshard-faults-") as tmp:
+        w = Path(tmp)
+        lines, bad = section(w, make_tiny("llama", w / "llama"))
+    splice(out, lines)
+    print(f"wrote the {TITLE} section of {out}")
+    return 1 if bad else 0
 
 
 def write_section(sec: S3Section) -> list[str]:
