@@ -374,9 +374,9 @@ def test_throttling_beyond_the_retries(saved, s3proxy, monkeypatch, s3server):
     src, client, bucket = saved
     before = objects(client, bucket, "out/")
     _through(s3proxy, monkeypatch, s3server, slowdown=100, only=_parts)
-    monkeypatch.setenv("RESHARD_S3_RETRIES", "2")
+    monkeypatch.setenv("RESHARD_S3_RETRIES", "1")
     code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite")
-    assert code == 5 and "kept throttling" in one_line(err) and "after 2 retries" in err, err
+    assert code == 5 and "kept throttling" in one_line(err) and "after 1 retries" in err, err
     s3proxy.slowdown = 0
     assert_untouched(client, bucket, before)
 
