@@ -167,7 +167,6 @@ class BucketStaging(Staging):
         self.uploads = uploads
         self.prior = prior
         self.run = run
-        self.committing = False
 
     def __getstate__(self) -> dict:
         return {"folder": self.folder, "url": self.uploads.url, "prior": self.prior, "run": self.run}
@@ -206,7 +205,6 @@ class BucketStaging(Staging):
         sums = {self.uploads.url.name(up.key): up.checksum() for up in ups}
         manifest = replace(manifest, store_sha256=sums)
         last = self.uploads.put_bytes(self.uploads.url.key(MANIFEST), manifest_bytes(manifest))
-        self.committing = True  # from here on, the uploads are the journal's: never aborted
         self.publisher.commit(self.uploads, ups, last, self.prior, self.run)
 
     def _adopt(self, keys: list[str]) -> list[OpenUpload]:
@@ -229,7 +227,10 @@ class BucketStaging(Staging):
         return [self.uploads.open[k] for k in keys]
 
     def close(self) -> None:
-        if not self.committing:
+        # once the journal is written the uploads are its (never aborted); a torchrun process's are
+        # process 0's once handed over
+        journaled = self.publisher is not None and self.publisher.journaled
+        if not (journaled or self.committing):
             self.uploads.abort_all()
             if self.publisher is not None:  # process 0 (or alone): the other processes' uploads too
                 with contextlib.suppress(Exception):

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -295,17 +296,30 @@ def _exchange(a: Path, b: Path) -> bool:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Ctrl-C / SIGTERM wait until the swap is done (they are delivered right after)."""
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    except (AttributeError, ValueError, OSError):
-        yield
+    """Ctrl-C / SIGTERM wait until the swap is done (they are acted on right after).
+
+    Python runs signal handlers in the main thread whichever thread the kernel gave the signal to
+    (a pool thread of an upload, a library's own thread), so masking the main thread alone does not
+    hold them: the handlers themselves are swapped for one that notes the signal."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set from the main thread (and only it gets the exceptions)
         return
+    got: list[int] = []
+    old = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, lambda signum, frame: got.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s in sigs:
+            signal.signal(s, old[s])
+        if got:
+            handler = old[got[0]]
+            if callable(handler):
+                handler(got[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
 
 
 def move_into(staged: Path, out_dir: Path, names: Iterable[str], *, last: Path) -> None:

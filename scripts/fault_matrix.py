@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts import fault_cases, fault_run
+from scripts import fault_cases, fault_run, fault_s3
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
@@ -357,7 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "fault-matrix.md")
     ap.add_argument("--moments", type=int, default=16, help="interrupt moments per signal")
+    ap.add_argument("--only", choices=["object-storage"], help="run only this section, spliced into --out")
     args = ap.parse_args(argv)
+    if args.only:
+        return fault_s3.only(args.out)
     with tempfile.TemporaryDirectory(prefix="reshard-faults-") as tmp:
         w = Path(tmp)
         llama = tiny("llama", w / "llama")
@@ -380,11 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         m.sections += [fault_cases.integrity(w, sharded), fault_cases.hostile(w, llama), fault_cases.shared(w, llama)]
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             interrupts(m, w, big, args.moments, sig)
+        s3_lines, s3_bad = fault_s3.section(w, llama)
         shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--out" and a != str(args.out)]
         write(m, args.out, shown)  # no path of the machine it ran on
+        fault_s3.splice(args.out, s3_lines)
     bad = [r for r in m.rows if "**NO**" in (r[3], r[4]) or r[1] == 1]
     bad += [r for s in m.sections for r in s.rows if "**" in "".join(map(str, r[3:6])) or r[1] in (1, "HUNG")]
-    return 1 if bad else 0
+    return 1 if bad or s3_bad else 0
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class BucketPublisher:
         self.lock_key = self.url.work + BUCKET_LOCK
         self.journal_key = self.url.work + BUCKET_JOURNAL
         self.recovered: str | None = None  # what `recover` finished, told to the user
+        self.journaled = False  # the commit journal is written: the open uploads are the next run's to finish
 
     # ---- 1. one run at a time ------------------------------------------------------------------
 
@@ -195,24 +196,25 @@ class BucketPublisher:
         raw = self.bucket.get(self.url.key(MANIFEST), limit=MAX_SMALL)
         if raw is not None:
             prior.manifest = parse_manifest(raw, str(self.url) + MANIFEST)
-        if prior.keys and not overwrite:
-            raise OutputError(
-                f"{self.url} is not empty ({len(prior.keys)} objects"
-                + (", a reshard output)" if prior.manifest else ")"),
-                "pass --overwrite to replace the reshard output there, or choose another prefix",
-            )
         ours = prior.ours(self.bucket)
         foreign = sorted(prior.keys - ours)
-        for key in foreign:
+        for key in foreign:  # before "not empty": --overwrite would not remove it
             if any(fnmatch(key, p) for p in VLLM_KEY_PATTERNS):
                 raise UnsupportedError(
                     f"s3://{self.url.bucket}/{key} lies under {self.url}: vLLM lists the prefix without a "
                     f"delimiter and would load it with this output's rank files",
                     "move or delete it, or write to another prefix",
                 )
+        if prior.keys and not overwrite:
+            raise OutputError(
+                f"{self.url} is not empty ({len(prior.keys)} objects"
+                + (", a reshard output)" if prior.manifest else ")"),
+                "pass --overwrite to replace the reshard output there, or choose another prefix",
+            )
         total = len(foreign) + len(new_names) + 1
         if total > VLLM_MAX_KEYS:
-            room = max(1, (VLLM_MAX_KEYS - len(foreign) - (total - len(rank_bytes))) // max(1, len(rank_bytes)))
+            rank_files = sum(is_rank_file_name(n) for n in new_names)
+            room = (VLLM_MAX_KEYS - (total - rank_files)) // max(1, len(rank_bytes))  # rank files per rank
             need = max(rank_bytes, default=0)
             raise UnsupportedError(
                 f"{self.url} would hold {total} objects; vLLM's runai_streamer_sharded lists only the first "
@@ -235,6 +237,7 @@ class BucketPublisher:
         }
         with signals_held():
             self.bucket.put(self.journal_key, json.dumps(journal).encode())
+            self.journaled = True
             if journal["drop_manifest"]:
                 self.bucket.delete([self.url.key(MANIFEST)])
             for up in files:
