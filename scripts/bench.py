@@ -98,7 +98,7 @@ def run(b: Bench) -> None:
             try:
                 sizes = [a.small_size, min(a.big_size, int((b.free() - 4 * GB) / 2.2))]
                 b.results["s3"] = bench_s3.run(
-                    b.work, size=a.small_size, rss_sizes=sizes, tp=a.tp, reps=min(a.reps, 3), rate=parse_size("500MB")
+                    b.work, size=a.small_size, rss_sizes=sizes, tp=a.tp, reps=min(a.reps, 3), rate=parse_size("50MB")
                 )
             except FileNotFoundError as e:
                 b.notes.append(f"section 7 (object storage) skipped: {e}")
