@@ -283,7 +283,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--skip-rss", dest="rss", action="store_false")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench-s3")
     ap.add_argument("--doc", type=Path, help="write the section into this file (docs/benchmarks.md)")
+    ap.add_argument("--report-only", action="store_true", help="render --work/s3-results.json into --doc, run nothing")
     a = ap.parse_args(argv)
+    if a.report_only:
+        r = json.loads((a.work / "s3-results.json").read_text())
+        lines = [scrub(line) for line in section(r)]
+        print("\n".join(lines))
+        if a.doc:
+            splice(a.doc, lines)
+        return 0
     if a.quick:
         a.size, a.small_size, a.big_size = parse_size("1GB"), parse_size("1GB"), parse_size("2GB")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

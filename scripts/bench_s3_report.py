@@ -10,6 +10,10 @@ from scripts.benchlib import GB, GIB, fmt_b, fmt_s, med
 HEAD = "## 7. Saving to object storage"
 
 
+def _disk(n: float) -> str:
+    return fmt_b(n) if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
 def _runs(xs: list[dict]) -> str:
     return f"{fmt_s(med([x['seconds'] for x in xs]))} ({' '.join(fmt_s(x['seconds']) for x in xs)})"
 
@@ -62,7 +66,7 @@ def section(r: dict) -> list[str]:
             *[
                 f"| {name} | {_runs(xs)} | "
                 + ", ".join(f"{k} {fmt_s(med([x['steps'][k]['seconds'] for x in xs]))}" for k in xs[0]["steps"])
-                + f" | {fmt_b(max(x['rss'] for x in xs))} | {fmt_b(max(x['disk_peak'] for x in xs))} |"
+                + f" | {fmt_b(max(x['rss'] for x in xs))} | {_disk(max(x['disk_peak'] for x in xs))} |"
                 for name, xs in h["runs"].items()
             ],
             "",
@@ -100,7 +104,7 @@ def targets(r: dict) -> list[str]:
         out.append(f"| Hub -> S3 --stream / (hf download + save + upload) <= 0.5 | {x:.2f} | {met(x <= 0.5)} |")
         disk = max(s["disk_peak"] for s in h["runs"]["--stream to s3://"])
         out.append(
-            f"| Hub -> S3 --stream local disk < 1% of the checkpoint ({fmt_b(0.01 * h['bytes'])}) | {fmt_b(disk)} | "
+            f"| Hub -> S3 --stream local disk < 1% of the checkpoint ({fmt_b(0.01 * h['bytes'])}) | {_disk(disk)} | "
             f"{met(disk < 0.01 * h['bytes'])} |"
         )
     if len(r.get("rss") or []) >= 2:
