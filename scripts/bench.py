@@ -24,6 +24,10 @@
 6. What checking the source costs (scripts/bench_check.py): `reshard save REPO` of the --small-size
    checkpoint from a local Hub server, cached download, --stream and from a complete cache, each with
    the sha256 check on and off (CPU s/GB, wall on / off). `python -m scripts.bench check` runs it alone.
+7. Saving to object storage (scripts/bench_s3.py, a local SeaweedFS): `save SRC s3://` vs uploading
+   the saved folder with the same client, Hub -> S3 `--stream` vs `hf download` + save + upload (and
+   the local disk it uses), peak RSS of a save to s3:// on the --small-size and --big-size checkpoints.
+   `python -m scripts.bench s3` runs it alone; skipped (a note) where no `weed` binary is installed.
 
 `python -m scripts.bench loaders` (scripts/bench_loaders.py) measures vLLM's load time for
 `--load-format reshard` (reshard's plugin) against sharded_state and the default loader, cold and
@@ -34,7 +38,8 @@ unless --keep. Internal sub-commands (_naive, _load) run the measured pieces in 
 processes.
 
 Modules: scripts/benchlib.py (measuring, formatting, the run's settings), one per section
-(bench_save.py: 1 and 2, bench_rank.py: 3, bench_vllm.py: 4, bench_plan.py: 5, bench_check.py: 6), bench_report.py
+(bench_save.py: 1 and 2, bench_rank.py: 3, bench_vllm.py: 4, bench_plan.py: 5, bench_check.py: 6,
+bench_s3.py: 7), bench_report.py
 (docs/benchmarks.md from the results), and this one: the run in order and the command line.
 """
 
@@ -48,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts import bench_check, bench_plan, bench_rank, bench_save, bench_vllm
+from scripts import bench_check, bench_plan, bench_rank, bench_s3, bench_save, bench_vllm
 from scripts.bench_report import keep_hub_section, report
 from scripts.benchlib import GB, ROOT, Bench, disk_speeds, machine, timed_alone
 from scripts.make_synthetic import parse_size
@@ -88,6 +93,15 @@ def run(b: Bench) -> None:
             b.say("6. source check cost")
             reps, rate = min(a.reps, 3), parse_size("500MB")
             b.results["source_check"] = bench_check.source_check(b.work, Path(small["path"]), a.tp, reps, rate)
+        if a.s3:
+            b.say("7. object storage")
+            try:
+                sizes = [a.small_size, min(a.big_size, int((b.free() - 4 * GB) / 2.2))]
+                b.results["s3"] = bench_s3.run(
+                    b.work, size=a.small_size, rss_sizes=sizes, tp=a.tp, reps=min(a.reps, 3), rate=parse_size("50MB")
+                )
+            except FileNotFoundError as e:
+                b.notes.append(f"section 7 (object storage) skipped: {e}")
         b.say("2. peak RSS")
         rss = [bench_save.rss(b, small, a.tp)]
         shutil.rmtree(small["path"])
@@ -132,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return hub_main(argv[1:])
     if argv and argv[0] == "check":  # what checking the source costs, alone (scripts/bench_check.py)
         return bench_check.main(argv[1:])
+    if argv and argv[0] == "s3":  # saving to object storage, alone (scripts/bench_s3.py)
+        return bench_s3.main(argv[1:])
     if argv and argv[0] == "loaders":  # vLLM load time by loader, reshard's plugin included
         from scripts import bench_loaders
 
@@ -172,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-moe", dest="moe", action="store_false")
     ap.add_argument("--skip-naive", dest="naive", action="store_false")
     ap.add_argument("--skip-check", dest="check", action="store_false", help="no section 6 (source check cost)")
+    ap.add_argument("--skip-s3", dest="s3", action="store_false", help="no section 7 (object storage)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and logs under --work")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts import bench_check
+from scripts import bench_check, bench_s3_report
 from scripts.bench_hub import MARK
 from scripts.benchlib import GB, GIB, fmt_b, fmt_s
 
@@ -22,6 +22,7 @@ def report(r: dict) -> str:
         "vllm": _vllm,
         "plan": _plan,
         "source_check": lambda r: bench_check.section(r["source_check"]),
+        "s3": lambda r: bench_s3_report.section(r["s3"]),
     }
     for key, section in measured.items():
         if r.get(key):  # the sections a run measured

@@ -11,6 +11,8 @@ manifest last, and compares each object's checksum as the store reports it (the 
 the parts) with the one computed here. A failure or an interrupt aborts them (`Uploads.abort_all`).
 
 Memory: each open file holds one part buffer, and at most RESHARD_S3_CONCURRENCY parts are in flight.
+Part buffers are reused (`Uploads.buffer` / `_recycle`): a fresh zeroed 16 MiB bytearray per part
+cost its page faults and memset on the thread feeding the rank files (docs/benchmarks.md, section 7).
 """
 
 from __future__ import annotations
@@ -91,6 +93,22 @@ class Uploads:
         self.lock = threading.Lock()
         self.open: dict[str, OpenUpload] = {}
         self.unchecked: set[str] = set()  # keys whose parts the store did not echo a checksum for
+        self.free: list[bytearray] = []  # part buffers of part_size whose upload is done, for reuse
+
+    def buffer(self, size: int) -> bytearray:
+        """A part buffer of `size` bytes: a reused one when `size` is the part size and one is free."""
+        if size == self.part_size:
+            with self.lock:
+                if self.free:
+                    return self.free.pop()
+        return bytearray(size)
+
+    def _recycle(self, data: object) -> None:
+        """Keep a sent part's buffer for the next part (at most RESHARD_S3_CONCURRENCY kept)."""
+        if isinstance(data, bytearray) and len(data) == self.part_size:
+            with self.lock:
+                if len(self.free) < self.concurrency:
+                    self.free.append(data)
 
     def fail(self, e: BaseException, doing: str) -> ReshardError:
         return store_error(e, str(self.url), doing, self.error)
@@ -153,6 +171,7 @@ class Uploads:
                 if echoed is None:
                     self.unchecked.add(up.key)
                 up.parts[number] = (r["ETag"], digest)
+            self._recycle(data)  # uploaded: botocore holds no reference to the body any more
         finally:
             self.slots.release()
 
@@ -210,17 +229,23 @@ class ObjectWriter(Sink):
         self.up = uploads.start(uploads.url.key(name))
         self.part_size = uploads.part_size_for(size)
         self.hasher = new_hasher(checksum)
-        self.buf = bytearray(self.part_size)
+        # the part buffer is taken on the first write, on the writer's thread: the executor opens
+        # every file's sink from its main thread, which feeds all the writers
+        self.buf = bytearray()
+        self.header: bytes | None = header
         self.fill = 0
         self.number = 0
         self.size = 0
         self.pending: list[Future] = []
-        self.write(header)
 
     def begin(self, tensor: OutTensor) -> None:
         pass
 
     def write(self, data: memoryview | bytes) -> None:
+        if self.header is not None:
+            header, self.header = self.header, None
+            self.buf = self.uploads.buffer(self.part_size)
+            self.write(header)
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
@@ -241,7 +266,7 @@ class ObjectWriter(Sink):
         self.number += 1
         data = self.buf if self.fill == len(self.buf) else bytes(memoryview(self.buf)[: self.fill])
         self.pending.append(self.uploads.submit(self.up, self.number, data))
-        self.buf = bytearray(self.part_size) if self.fill == len(self.buf) else self.buf
+        self.buf = self.uploads.buffer(self.part_size) if self.fill == len(self.buf) else self.buf
         self.fill = 0
 
     def _check(self) -> None:
@@ -251,12 +276,15 @@ class ObjectWriter(Sink):
         self.pending = [f for f in self.pending if not f.done()]
 
     def close(self, sync: bool) -> Written:
+        if self.header is not None:
+            self.write(b"")
         if self.fill or self.number == 0:
             self._send()
         for f in self.pending:
             f.result()
         self.pending = []
         self.up.size = self.size
+        self.uploads._recycle(self.buf)
         self.buf = bytearray()
         return Written(self.name, self.size, self.hasher.hexdigest())
 
