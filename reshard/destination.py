@@ -22,7 +22,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reshard.errors import ReshardError, UnsupportedError
+from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.io.writer import FileWriter, Sink
 from reshard.manifest import Manifest, manifest_bytes, read_manifest, write_manifest
 from reshard.names import BUCKET_HANDOVER, BUCKET_HANDOVER_GLOB, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
@@ -167,6 +167,7 @@ class BucketStaging(Staging):
         self.uploads = uploads
         self.prior = prior
         self.run = run
+        self.committing = False  # handed over to process 0 (torchrun)
 
     def __getstate__(self) -> dict:
         return {"folder": self.folder, "url": self.uploads.url, "prior": self.prior, "run": self.run}
@@ -223,7 +224,7 @@ class BucketStaging(Staging):
             bucket.delete(notes)
         missing = [k for k in keys if k not in self.uploads.open]
         if missing:
-            raise ReshardError(f"{missing[0]}: no process handed over its upload")
+            raise OutputError(f"{missing[0]}: no torchrun process handed over its upload", "rerun the save")
         return [self.uploads.open[k] for k in keys]
 
     def close(self) -> None:

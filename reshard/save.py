@@ -133,14 +133,18 @@ def save(
             mine = procs.share(plan, files)
             progress = on_plan(replace(plan, files=mine), src) if on_plan else None
             meta = {"format": "pt", "reshard_run": run_id, "reshard_layout": plan.layout.tag()}
-            try:
-                written = procs.collect(
-                    lambda: run_executor(
-                        replace(plan, files=mine), src, None, options.write, meta, progress, sink=staging.sink
-                    )
+
+            def write() -> list[Written]:
+                done = run_executor(
+                    replace(plan, files=mine), src, None, options.write, meta, progress, sink=staging.sink
                 )
-                if not procs.leader:
+                if not procs.leader:  # before process 0 hears it is done: it publishes at once
                     staging.hand_over()
+                return done
+
+            try:
+                written = procs.collect(write)
+                if not procs.leader:
                     return Helped(plan)
                 manifest = _manifest(
                     src.checkpoint, plan, written, run_id, tensors, staging.folder, dest.display, options.write.checksum

@@ -72,7 +72,11 @@ def assert_same_as_local(s3, bucket: str, prefix: str, local) -> None:
             assert h1 == h2 and d1 == d2, name
         elif name != "reshard.json":
             assert objs[name] == (local / name).read_bytes(), name
-    plain = {"run_id", "created", "serve", "serve_reshard", "files"}
+    plain = {"run_id", "created", "serve", "serve_reshard", "files", "store_sha256"}
+    # the store's own checksum of every object, recorded as the store reports it
+    stored = {name: s3.head_object(Bucket=bucket, Key=prefix + name, ChecksumMode="ENABLED")["ChecksumSHA256"]
+              for name in files if name != "reshard.json"}  # fmt: skip
+    assert ours["store_sha256"] == stored
     assert {k: v for k, v in ours.items() if k not in plain} == {k: v for k, v in theirs.items() if k not in plain}
     digest = ours["checksum"]
     strip = [[{k: v for k, v in f.items() if k != digest} for f in m["files"]] for m in (ours, theirs)]
