@@ -303,3 +303,21 @@ def int_compressed_tensors(qc: dict, group: dict, kv: str | None) -> Quant:
         "is not supported",
         "supported: pack-quantized W4A16 / W8A16 (no input activations), int-quantized W8A8-int8",
     )
+
+
+def weight_shapes(
+    missing: dict[str, tuple[str, tuple[int, ...]]], held: dict[str, tuple[str, tuple[int, ...]]], quant: dict | None
+) -> list[OutTensor]:
+    """`weight_shape` tensors (I64 [2], the unpacked [N, K]) that an output of a pack-quantized
+    checkpoint does not hold, rebuilt from their `weight_packed` siblings' shapes (name -> (dtype, shape))."""
+    if not quant or quant.get("format") != "pack-quantized" or quant.get("num_bits") not in WNA16_BITS:
+        return []
+    pk = 32 // quant["num_bits"]
+    out = []
+    for name, (dtype, shape) in missing.items():
+        packed = held.get(name.removesuffix("weight_shape") + "weight_packed")
+        if not name.endswith(".weight_shape") or packed is None or (dtype, shape) != ("I64", (2,)):
+            continue
+        n, k = packed[1][0], packed[1][1] * pk
+        out.append(OutTensor(name, dtype, shape, (Fill(float(n), 1), Fill(float(k), 1))))
+    return out
