@@ -299,6 +299,7 @@ STATE_CASES += [
     case("qwen3-moe+ct-w8a8", 2, ep=True),
     case("qwen3-moe+ct-w8a8", 1, pp=2),
 ]
+GEN_CASES += [case("llama+ct-w4a16-asym", 2), case("llama+ct-w8a8-static", 2)]
 
 
 def _params(cases: list[Case]):
