@@ -298,6 +298,9 @@ STATE_CASES += [
     case("qwen3-moe+ct-w8a8", 2),
     case("qwen3-moe+ct-w8a8", 2, ep=True),
     case("qwen3-moe+ct-w8a8", 1, pp=2),
+    # Kimi-K2-Thinking's layout: INT4 g32 routed experts only (its ignore list), MLA attention bf16; TP 2
+    # alone cuts a group (I_p 16), which vLLM refuses as reshard does
+    case("deepseek-v3+ct-w4a16-g32-experts", 2, ep=True),
 ]
 GEN_CASES += [case("llama+ct-w4a16-asym", 2), case("llama+ct-w8a8-static", 2)]
 
