@@ -21,6 +21,7 @@ from reshard.io.memory import DEFAULT_MAX_MEMORY
 from reshard.layout import Layout
 from reshard.names import CONFIG, INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
+from reshard.plan.intquant import weight_shapes
 from reshard.publish import copy_files, side_files, staged, swap_in, write_config
 from reshard.rules import get_architecture
 from reshard.sources import OutputSource
@@ -38,6 +39,7 @@ def merge_plan(ckpt: Checkpoint, max_shard_size: int) -> Plan:
     for name in sorted(ckpt.tensors, key=natural_key):
         dtype, shape = manifest.source_tensors[name]
         tensors.append(OutTensor(name, dtype, shape, (Slice(name, (0,) * len(shape), shape),)))
+    tensors += restored_tensors(ckpt)
     shards = split_by_size(tensors, max_shard_size)
     files = []
     for i, chunk in enumerate(shards):
@@ -45,6 +47,16 @@ def merge_plan(ckpt: Checkpoint, max_shard_size: int) -> Plan:
         chunk.sort(key=lambda t: (-ITEMSIZE[t.dtype], natural_key(t.name)))
         files.append(OutFile(hf_shard_name(i, len(shards)), 0, 0, i, tuple(chunk)))
     return Plan(source=ckpt.ref, architecture=manifest.architecture, layout=Layout(), files=files, layer_ranges=[])
+
+
+def restored_tensors(ckpt: Checkpoint) -> list[OutTensor]:
+    """Tensors the output does not hold but whose values follow from those it does: compressed-tensors'
+    `weight_shape` of the shards vLLM loads and drops (reshard.plan.intquant.weight_shapes)."""
+    manifest = ckpt.manifest
+    assert manifest is not None and manifest.source_tensors is not None
+    held = {n: manifest.source_tensors[n] for n in ckpt.tensors}
+    missing = {n: manifest.source_tensors[n] for n in ckpt.missing}
+    return weight_shapes(missing, held, manifest.layout.quantization)
 
 
 # (original dtype, stored dtype) pairs that round-trip exactly: the stored one holds every value
@@ -104,6 +116,7 @@ def merge(
             "output saved with --dtype auto",
         )
     config_patch = _spec_layers_patch(ckpt)
+    restored = {t.name for t in restored_tensors(ckpt)}
     with staged(hf_dir, uuid.uuid4().hex, source=root, overwrite=overwrite, need=plan.total_bytes) as folder:
         progress = on_plan(plan) if on_plan else None
         # Hub shards record no checksum: hashing them would only cost CPU
@@ -130,7 +143,7 @@ def merge(
         "files": [w.name for w in written],
         "tensors": len(ckpt.tensors),
         "bytes": plan.total_bytes,
-        "not_in_output": ckpt.missing,
+        "not_in_output": [n for n in ckpt.missing if n not in restored],
         "config_patch": config_patch,
         "lossy": lossy,
     }

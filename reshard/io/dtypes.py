@@ -35,7 +35,8 @@ def upsample(arr: np.ndarray, up: tuple[int, ...]) -> np.ndarray:
 
 
 def fill_bytes(value: float, count: int, dtype: str) -> bytes:
-    """`count` elements of `dtype`, each `value` (zeros in any dtype; other values in float dtypes)."""
+    """`count` elements of `dtype`, each `value` (zeros in any dtype; other values in float dtypes, whole
+    numbers in integer ones)."""
     if value == 0.0:
         return bytes(count * ITEMSIZE[dtype])
     if dtype == "F32":
@@ -46,6 +47,9 @@ def fill_bytes(value: float, count: int, dtype: str) -> bytes:
         bits = np.full(count, value, np.float32).view(np.uint32)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
         return rounded.astype(np.uint16).tobytes()
+    ints = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+    if dtype in ints and value == int(value):
+        return np.full(count, int(value), ints[dtype]).tobytes()
     raise ValueError(f"cannot fill {dtype} with {value}")
 
 

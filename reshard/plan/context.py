@@ -11,7 +11,8 @@ from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan.geometry import Dims, divisors
 from reshard.plan.kvscales import KV_PARAMS, kv_scale_sources
-from reshard.plan.quant import Quant, quant_from_config
+from reshard.plan.quant import Quant
+from reshard.plan.quantconfig import quant_from_config
 from reshard.rules import Architecture
 
 

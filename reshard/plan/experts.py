@@ -28,17 +28,18 @@ def experts(ctx: Context, m: Experts, prefix: str, per_tp: list[list[OutTensor]]
     weights = _weights(ctx, split, scheme)
     scales = scheme.expert_scales(ctx, split) if scheme else None
     wdtype = scheme.weight_dtype if scheme else ctx.dtype
+    param, pk = (scheme.weight_param, scheme.pack) if scheme else ("weight", 1)  # packed along the input dim
     width, hidden = split.width, split.hidden
     for r in range(ctx.tp):
         local = split.experts(r)
         start, size = split.real(r)
         w13 = tuple(
-            p for e in local for w in weights[e][:2] for p in padded_rows(w.name, start, size, width, hidden, 0.0)
+            p for e in local for w in weights[e][:2] for p in padded_rows(w.name, start, size, width, hidden // pk, 0.0)
         )
-        w2 = tuple(padded_cols(weights[e][2].name, hidden, start, size, width, 0.0) for e in local)
+        w2 = tuple(padded_cols(weights[e][2].name, hidden, start // pk, size // pk, width // pk, 0.0) for e in local)
         n = len(local)
-        per_tp[r].append(OutTensor(f"{split.target}.w13_weight", wdtype, (n, 2 * width, hidden), w13))
-        per_tp[r].append(OutTensor(f"{split.target}.w2_weight", wdtype, (n, hidden, width), w2))
+        per_tp[r].append(OutTensor(f"{split.target}.w13_{param}", wdtype, (n, 2 * width, hidden // pk), w13))
+        per_tp[r].append(OutTensor(f"{split.target}.w2_{param}", wdtype, (n, hidden, width // pk), w2))
         if scales:
             per_tp[r].extend(scales(r))
 
@@ -91,6 +92,7 @@ def _split(ctx: Context, m: Experts, prefix: str) -> MoeSplit:
         hidden=d.hidden,
         tp=tp,
         ep=ctx.ep,
+        dtype=ctx.dtype,
     )
     if m.tp_at_most_experts and tp > split.num:
         raise UnsupportedError(f"--tp {tp} is greater than the number of experts {split.num}; vLLM refuses this")
@@ -107,11 +109,18 @@ def _split(ctx: Context, m: Experts, prefix: str) -> MoeSplit:
 def _weights(ctx: Context, split: MoeSplit, scheme: Quant | None) -> list[tuple[TensorInfo, TensorInfo, TensorInfo]]:
     """Every expert's (gate, up, down) weight, shapes and dtype checked."""
     inter, hidden = split.inter, split.hidden
+    param, pk = (scheme.weight_param, scheme.pack) if scheme else ("weight", 1)
+    if split.ip % pk or hidden % pk:
+        raise UnsupportedError(
+            f"{split.target}: per-rank intermediate size {split.ip} or hidden size {hidden} cuts the weights "
+            f"packed {pk} to an int32",
+            "use --ep, or a smaller --tp",
+        )
     gate, up, down = split.names
     out = []
     for e in range(split.num):
-        g, u, dn = (split.tensor(ctx, e, proj, "weight") for proj in (gate, up, down))
-        for w, shape in ((g, (inter, hidden)), (u, (inter, hidden)), (dn, (hidden, inter))):
+        g, u, dn = (split.tensor(ctx, e, proj, param) for proj in (gate, up, down))
+        for w, shape in ((g, (inter, hidden // pk)), (u, (inter, hidden // pk)), (dn, (hidden, inter // pk))):
             if w.shape != shape:
                 raise SourceError(f"{w.name} has shape {list(w.shape)}, expected {list(shape)}")
             if scheme:

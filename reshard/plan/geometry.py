@@ -69,6 +69,7 @@ class LinearRank:
         in_size: the weight's global input size; cols: this rank's input columns [start, stop).
         splits_rows / splits_cols: tensor parallelism cuts the output rows (column-parallel
             styles) or the input columns (row-parallel), with more than one rank.
+        dtype: the model dtype (vLLM's params_dtype, that of integer formats' group scales).
     """
 
     target: str
@@ -81,6 +82,7 @@ class LinearRank:
     cols: tuple[int, int]
     splits_rows: bool
     splits_cols: bool
+    dtype: str = "BF16"
 
     def per_slot(self, sources: Sources, param: str) -> list[TensorInfo]:
         """Per slot, the HF tensor `param` (a fused weight has one for every slot)."""
@@ -103,6 +105,7 @@ class MoeSplit:
     ep: bool
     alloc: int = 0  # per-rank intermediate size vLLM allocates, when a backend pads it (backends.py)
     blocked: bool = False  # FP8 block padding: rank r holds [r * alloc, (r + 1) * alloc) of `inter`
+    dtype: str = "BF16"  # the model dtype (vLLM's params_dtype)
 
     def tensor(self, sources: Sources, e: int, proj: str, param: str) -> TensorInfo:
         return sources.src(f"{self.base}.{e}.{proj}.{param}", f"{self.target} (expert {e})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from reshard.errors import SourceError
+from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan.context import Context
 from reshard.plan.geometry import LinearRank
@@ -119,13 +119,20 @@ def _linear(ctx: Context, lay: _Layout, prefix: str, per_tp: list[list[OutTensor
     slots = [prefix + s for s in lay.slots]
     if lay.param != "weight":
         raise AssertionError(f"{target}: only plain parameters may be named {lay.param!r}")
-    weights, offs, outs = slot_sources(ctx, lay, target, slots)
-    check_shapes(ctx, lay, weights, outs)
     scheme = ctx.quant if m.quant and ctx.quantized(slots) else None
-    in_size = weights[0].shape[1]
+    # packed integer weights: `pk` values per stored element along the input dim
+    param, pk = (scheme.weight_param, scheme.pack) if scheme else ("weight", 1)
+    weights, offs, outs = slot_sources(ctx, lay, target, slots, param)
+    check_shapes(ctx, lay, weights, outs, pk)
+    in_size = weights[0].shape[1] * pk
     bias = ctx.flag(m.bias)
     if lay.cols:
         in_r = ctx.split(in_size, f"input size of {target}")
+        if in_r % pk:
+            raise UnsupportedError(
+                f"{target}: per-rank input size {in_r} cuts the weights packed {pk} to an int32",
+                "use a smaller --tp",
+            )
     if scheme:
         for w in weights:
             scheme.check_weight(w)
@@ -133,13 +140,14 @@ def _linear(ctx: Context, lay: _Layout, prefix: str, per_tp: list[list[OutTensor
     for r in range(ctx.tp):
         slot_rows = lay.rows(ctx, target, outs, r)  # per slot: (start, stop, shard index)
         cols = (r * in_r, (r + 1) * in_r) if lay.cols else (0, in_size)
+        stored = (cols[0] // pk, cols[1] // pk)
         pieces = tuple(
             p
             for i, (w, o, (a, b, _)) in enumerate(zip(weights, offs, slot_rows, strict=True))
-            for p in _rows_of(ctx, lay, i, w.name, o + a, o + b, outs[i], cols)
+            for p in _rows_of(ctx, lay, i, w.name, o + a, o + b, outs[i], stored)
         )
-        shape = (sum(b - a for a, b, _ in slot_rows), cols[1] - cols[0])
-        per_tp[r].append(OutTensor(f"{target}.weight", wdtype, shape, pieces))
+        shape = (sum(b - a for a, b, _ in slot_rows), stored[1] - stored[0])
+        per_tp[r].append(OutTensor(f"{target}.{param}", wdtype, shape, pieces))
         if scheme:
             lin = LinearRank(
                 target=target,
@@ -152,6 +160,7 @@ def _linear(ctx: Context, lay: _Layout, prefix: str, per_tp: list[list[OutTensor
                 cols=cols,
                 splits_rows=lay.rows is not _whole_rows and ctx.tp > 1,
                 splits_cols=lay.cols and ctx.tp > 1,
+                dtype=ctx.dtype,
             )
             per_tp[r].extend(scheme.linear_scales(ctx, lin))
         if bias:
@@ -203,7 +212,7 @@ def _bias(
     return OutTensor(f"{target}.bias", lay.rule.dtype or ctx.dtype, (n,), pieces)
 
 
-def check_shapes(ctx: Context, lay: _Layout, weights: list[TensorInfo], outs: list[int]) -> None:
+def check_shapes(ctx: Context, lay: _Layout, weights: list[TensorInfo], outs: list[int], pk: int = 1) -> None:
     """Each slot's HF weight against config.json (the module's `dims`; a row-parallel layer feeds the
     residual stream, so its rows are `hidden_size`) and against its sibling slots: a transposed or
     reshaped tensor would otherwise be sliced into garbage that loads without a word."""
@@ -213,8 +222,8 @@ def check_shapes(ctx: Context, lay: _Layout, weights: list[TensorInfo], outs: li
     for w, n in zip(weights, outs, strict=True):
         if len(w.shape) != 2:
             raise SourceError(f"{w.name} has shape {list(w.shape)}; a linear weight is 2-D")
-        want = (_config_int(ctx, rows_key) or n, _config_int(ctx, cols_key) or weights[0].shape[1])
-        if (n, w.shape[1]) != want:
+        want = (_config_int(ctx, rows_key) or n, _config_int(ctx, cols_key) or weights[0].shape[1] * pk)
+        if (n, w.shape[1] * pk) != want:
             got = list(w.shape) if not lay.fused else f"{n} rows of {list(w.shape)}"
             said = " and ".join(f"{k}" for k in (rows_key, cols_key) if k) or "the other slots"
             raise SourceError(
@@ -241,9 +250,9 @@ def slot_sources(
     if lay.sizes:
         return _sized_slots(ctx, lay.sizes, target, slots, param)
     if not lay.fused:
-        weights = [ctx.src(f"{s}.weight", target) for s in slots]
+        weights = [ctx.src(f"{s}.{param}", target) for s in slots]
         return weights, [0] * len(weights), [w.shape[0] for w in weights]
-    w = ctx.src(f"{slots[0]}.weight", target)
+    w = ctx.src(f"{slots[0]}.{param}", target)
     total, n = w.shape[0], len(lay.fused)
     if lay.heads:
         d = ctx.dims

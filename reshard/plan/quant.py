@@ -17,7 +17,7 @@ from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan.expertblocks import RankScales, block_expert_scales
 from reshard.plan.geometry import LinearRank, MoeSplit, Sources, cdiv
-from reshard.plan.kvscales import KvHeads, ct_kv_params, fp8_kv_params, kv_cache_scheme
+from reshard.plan.kvscales import KvHeads, ct_kv_params, fp8_kv_params
 from reshard.plan.model import OutTensor, Slice, scalar, whole
 
 
@@ -33,12 +33,18 @@ class Quant:
     method: ClassVar[str]  # "fp8" (Fp8Config) or "compressed-tensors" (float-quantized W8A8)
     strategy: ClassVar[str]  # "block", "tensor" or "channel"
     scale_name: ClassVar[str] = "weight_scale"
-    weight_dtype: ClassVar[str] = "F8_E4M3"  # every scheme reshard supports is FP8 W8A8
+    weight_dtype: ClassVar[str] = "F8_E4M3"  # the FP8 schemes' (reshard.plan.intquant: the integer ones)
+    weight_param: ClassVar[str] = "weight"  # the weight's name, in the checkpoint and in vLLM
+
+    @property
+    def pack(self) -> int:
+        """Weight values per stored element along the input dim (packed integer formats: 32 / bits)."""
+        return 1
 
     def check_weight(self, w: TensorInfo) -> None:
         """A weight this scheme quantizes must be stored quantized."""
         if w.dtype != self.weight_dtype:
-            raise SourceError(f"{w.name} is {w.dtype}, but config.json says it is FP8")
+            raise SourceError(f"{w.name} is {w.dtype}, but config.json says it is {self.weight_dtype}")
 
     def ignores(self, prefix: str) -> bool:
         for entry in self.ignored:
@@ -115,6 +121,19 @@ class _CompressedTensors(Quant):
 # ---- the weight-scale layouts --------------------------------------------------------------------
 
 
+def channel_scales(sources: Sources, lin: LinearRank) -> OutTensor:
+    """`weight_scale` [out, 1], F32: each slot's rows of this rank, as the weight's."""
+    pieces = []
+    scales = lin.per_slot(sources, "weight_scale")
+    for s, (a, b, _), off in zip(scales, lin.rows, lin.offs, strict=True):
+        total = sum(lin.outs) if lin.fused else sum(n for t, n in zip(scales, lin.outs, strict=True) if t == s)
+        if s.shape != (total, 1):
+            raise SourceError(f"{s.name} has shape {list(s.shape)}, per-channel scales need {[total, 1]}")
+        pieces.append(Slice(s.name, (off + a, 0), (off + b, 1)))
+    n_rows = sum(b - a for a, b, _ in lin.rows)
+    return OutTensor(f"{lin.target}.weight_scale", "F32", (n_rows, 1), tuple(pieces))
+
+
 class _BlockScales(Quant):
     """One scale per [bn, bk] block of a weight: sliced by block rows / columns with the weight."""
 
@@ -184,17 +203,9 @@ class _ChannelScales(Quant):
     strategy = "channel"
 
     def linear_scales(self, sources: Sources, lin: LinearRank) -> list[OutTensor]:
-        pieces = []
-        scales = lin.per_slot(sources, "weight_scale")
-        for s, (a, b, _), off in zip(scales, lin.rows, lin.offs, strict=True):
-            total = sum(lin.outs) if lin.fused else sum(n for t, n in zip(scales, lin.outs, strict=True) if t == s)
-            if s.shape != (total, 1):
-                raise SourceError(f"{s.name} has shape {list(s.shape)}, per-channel scales need {[total, 1]}")
-            pieces.append(Slice(s.name, (off + a, 0), (off + b, 1)))
         if self.static_activations:
             raise UnsupportedError(f"{lin.target}: static input scales with per-channel weights are not supported")
-        n_rows = sum(b - a for a, b, _ in lin.rows)
-        return [OutTensor(f"{lin.target}.weight_scale", "F32", (n_rows, 1), tuple(pieces))]
+        return [channel_scales(sources, lin)]
 
     def expert_scales(self, sources: Sources, split: MoeSplit) -> RankScales:
         gate, up, down = split.names
@@ -317,60 +328,3 @@ class Mxfp4(Quant):
         self, sources: Sources, target: str, dtype: str, found: dict[str, str], heads: KvHeads
     ) -> list[OutTensor]:
         return []
-
-
-def quant_from_config(config: dict) -> Quant | None:
-    """The scheme config.json's quantization_config describes; None when it has none."""
-    qc = config.get("quantization_config")
-    if not qc:
-        return None
-    method = str(qc.get("quant_method", ""))
-    if method in ("mxfp4", "gpt_oss_mxfp4"):
-        if config.get("model_type") != "gpt_oss":
-            raise UnsupportedError(
-                f"quantization mxfp4 on model_type {config.get('model_type')!r}: reshard writes vLLM's MXFP4 "
-                "layout for gpt-oss only (other MXFP4 checkpoints load through other vLLM methods)"
-            )
-        return Mxfp4(None, False, ())
-    if method == "compressed-tensors":
-        return _compressed_tensors(qc)
-    if method != "fp8":
-        raise UnsupportedError(
-            f"quantization {method!r} is not supported",
-            "supported: fp8 (block, per-tensor), compressed-tensors FP8 (tensor, channel, block), mxfp4 (gpt-oss)",
-        )
-    block = qc.get("weight_block_size")
-    if block is not None:
-        if len(block) != 2:
-            raise UnsupportedError(f"weight_block_size must have 2 dimensions, got {block}")
-        block = (int(block[0]), int(block[1]))
-    static = qc.get("activation_scheme", "dynamic") == "static"
-    if block and static:
-        raise UnsupportedError("block FP8 with a static activation scheme is refused by vLLM")
-    ignored = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
-    return Fp8Block(block, static, ignored) if block else Fp8Tensor(None, static, ignored)
-
-
-def _compressed_tensors(qc: dict) -> Quant:
-    """Compressed-tensors FP8 (W8A8, float-quantized): one config group targeting Linear layers."""
-    groups = list((qc.get("config_groups") or {}).values())
-    kv = kv_cache_scheme(qc.get("kv_cache_scheme"))
-    if len(groups) != 1:
-        raise UnsupportedError(f"compressed-tensors with {len(groups)} config groups is not supported")
-    weights = groups[0].get("weights") or {}
-    inputs = groups[0].get("input_activations") or {}
-    if weights.get("type") != "float" or weights.get("num_bits") != 8:
-        raise UnsupportedError(
-            "compressed-tensors: only FP8 weights (type float, 8 bits) are supported",
-            f"this checkpoint has {weights.get('type')} {weights.get('num_bits')}-bit weights",
-        )
-    static = bool(inputs) and not inputs.get("dynamic", True)
-    ignored = tuple(qc.get("ignore") or [])
-    strategy = str(weights.get("strategy"))
-    if strategy == "block":
-        return CompressedTensorsBlock(tuple(weights["block_structure"]), static, ignored, kv)
-    if strategy == "channel":
-        return CompressedTensorsChannel(None, static, ignored, kv)
-    if strategy == "tensor":
-        return CompressedTensorsTensor(None, static, ignored, kv)
-    raise UnsupportedError(f"compressed-tensors weight strategy {strategy!r} is not supported")

@@ -122,7 +122,9 @@ class Case:
         m = []
         if self.arch.split("+")[0] in MOE + HYBRID:
             m.append(pytest.mark.moe)
-        if "fp8" in self.arch or "+ct" in self.arch:
+        if "+ct-w" in self.arch:
+            m.append(pytest.mark.intquant)
+        elif "fp8" in self.arch or "+ct" in self.arch:
             m.append(pytest.mark.fp8)
         if self.layout.ep:
             m.append(pytest.mark.ep)
@@ -275,6 +277,32 @@ STATE_CASES += [
 ]
 GEN_CASES += [case("glm4-moe", 2)]
 MOE += ["glm4-moe", "minimax-m2", "minimax-m2-fp8", "kimi-k2"]  # marks only: cases are listed above
+
+# issue 26: compressed-tensors' integer formats as llm-compressor writes them (tests/fixtures/intquant.py),
+# one vLLM process per source. W4A16 (4-bit, groups of 16) asymmetric: zero points packed along N, cut
+# per shard of qkv/gate_up at TP 2 and 4 (k/v replicated), by groups in row layers; experts N-first with
+# w*_weight_shape in bf16, TP 2, EP, PP; per-channel scales (whole in row layers) on Qwen3. W8A8-int8
+# with per-tensor weight scales and static asymmetric inputs (the last shard's input_scale and
+# input_zero_point) dense; per-channel weights with dynamic tokens on MoE. CPU vLLM has no integer MoE
+# backend: the harness falls back to Marlin / Triton (vllm_state._allow_wna16_moe), only the selection.
+STATE_CASES += [
+    case("llama+ct-w4a16-asym", 2),
+    case("llama+ct-w4a16-asym", 4),
+    case("llama+ct-w4a16-asym", 1, pp=2),
+    case("qwen3+ct-w4a16-channel", 2),
+    case("qwen3-moe+ct-w4a16-asym", 2),
+    case("qwen3-moe+ct-w4a16-asym", 2, ep=True),
+    case("qwen3-moe+ct-w4a16-asym", 2, pp=2),
+    case("llama+ct-w8a8-static", 2),
+    case("llama+ct-w8a8-static", 4),
+    case("qwen3-moe+ct-w8a8", 2),
+    case("qwen3-moe+ct-w8a8", 2, ep=True),
+    case("qwen3-moe+ct-w8a8", 1, pp=2),
+    # Kimi-K2-Thinking's layout: INT4 g32 routed experts only (its ignore list), MLA attention bf16; TP 2
+    # alone cuts a group (I_p 16), which vLLM refuses as reshard does
+    case("deepseek-v3+ct-w4a16-g32-experts", 2, ep=True),
+]
+GEN_CASES += [case("llama+ct-w4a16-asym", 2), case("llama+ct-w8a8-static", 2)]
 
 
 def _params(cases: list[Case]):

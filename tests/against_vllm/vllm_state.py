@@ -228,6 +228,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
     os.environ["VLLM_DIST_IDENT"] = str(port)
     _allow_missing_fp8_linear_kernel(Path(case["dump_dir"]))
     _force_moe_backend(case.get("moe_backend", "auto"))
+    _allow_wna16_moe()
     model_config = vllm_config.model_config
     dump_dir = Path(case["dump_dir"])
     with set_current_vllm_config(vllm_config):
@@ -332,6 +333,36 @@ def _force_moe_backend(name: str) -> None:
         u_oracle.map_unquantized_backend(moe_config.moe_backend),
         None,
     )
+
+
+def _allow_wna16_moe() -> None:
+    """Let compressed-tensors integer experts be *built* on this CPU: vLLM CPU has no WNA16 MoE kernel
+    ("No WNA16 MoE backend supports the deployment configuration") and may have no INT8 one, so where
+    its oracle finds none the selection (only) falls back to the backend a CUDA GPU picks (Marlin,
+    Triton). The experts' parameters do not depend on the backend (WNA16: N-first,
+    ``CompressedTensorsWNA16MoEMethod.get_weight_shape``): layouts and loaders stay vLLM's own code."""
+    from vllm.model_executor.layers.fused_moe.oracle.int8 import Int8MoeBackend
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w8a8_int8 as int8,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as wna16,
+    )
+
+    def fallback(select, backend):
+        def selected(*a, **k):
+            try:
+                return select(*a, **k)
+            except (ValueError, NotImplementedError):
+                return backend, None
+
+        return selected
+
+    wna16.select_wna16_moe_backend = fallback(wna16.select_wna16_moe_backend, WNA16MoEBackend.MARLIN)
+    # Marlin's tile-size check (the tiny models' hidden size is below its tile): a kernel's limit, not the layout's
+    wna16.check_moe_marlin_supports_config = lambda *a, **k: True
+    int8.select_int8_moe_backend = fallback(int8.select_int8_moe_backend, Int8MoeBackend.TRITON)
 
 
 def _zero_moe_padding(model) -> None:

@@ -1,0 +1,78 @@
+"""Which quantization strategy config.json's `quantization_config` describes (reshard.plan.quant: the
+FP8 and MXFP4 schemes; reshard.plan.intquant: compressed-tensors' integer ones)."""
+
+from __future__ import annotations
+
+from reshard.errors import UnsupportedError
+from reshard.plan.intquant import int_compressed_tensors
+from reshard.plan.kvscales import kv_cache_scheme
+from reshard.plan.quant import (
+    CompressedTensorsBlock,
+    CompressedTensorsChannel,
+    CompressedTensorsTensor,
+    Fp8Block,
+    Fp8Tensor,
+    Mxfp4,
+    Quant,
+)
+
+
+def quant_from_config(config: dict) -> Quant | None:
+    """The scheme config.json's quantization_config describes; None when it has none."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", ""))
+    if method in ("mxfp4", "gpt_oss_mxfp4"):
+        if config.get("model_type") != "gpt_oss":
+            raise UnsupportedError(
+                f"quantization mxfp4 on model_type {config.get('model_type')!r}: reshard writes vLLM's MXFP4 "
+                "layout for gpt-oss only (other MXFP4 checkpoints load through other vLLM methods)"
+            )
+        return Mxfp4(None, False, ())
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method != "fp8":
+        raise UnsupportedError(
+            f"quantization {method!r} is not supported",
+            "supported: fp8 (block, per-tensor), compressed-tensors FP8 (tensor, channel, block), W4A16 "
+            "(pack-quantized) and W8A8-int8 (int-quantized), mxfp4 (gpt-oss)",
+        )
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if len(block) != 2:
+            raise UnsupportedError(f"weight_block_size must have 2 dimensions, got {block}")
+        block = (int(block[0]), int(block[1]))
+    static = qc.get("activation_scheme", "dynamic") == "static"
+    if block and static:
+        raise UnsupportedError("block FP8 with a static activation scheme is refused by vLLM")
+    ignored = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+    return Fp8Block(block, static, ignored) if block else Fp8Tensor(None, static, ignored)
+
+
+def _compressed_tensors(qc: dict) -> Quant:
+    """Compressed-tensors: FP8 (W8A8, float-quantized) here, integer weights in reshard.plan.intquant;
+    one config group targeting Linear layers."""
+    groups = list((qc.get("config_groups") or {}).values())
+    kv = kv_cache_scheme(qc.get("kv_cache_scheme"))
+    if len(groups) != 1:
+        raise UnsupportedError(f"compressed-tensors with {len(groups)} config groups is not supported")
+    weights = groups[0].get("weights") or {}
+    inputs = groups[0].get("input_activations") or {}
+    if weights.get("type") == "int":
+        return int_compressed_tensors(qc, groups[0], kv)
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise UnsupportedError(
+            "compressed-tensors: only FP8 weights (type float, 8 bits) are supported",
+            f"this checkpoint has {weights.get('type')} {weights.get('num_bits')}-bit weights",
+        )
+    static = bool(inputs) and not inputs.get("dynamic", True)
+    ignored = tuple(qc.get("ignore") or [])
+    strategy = str(weights.get("strategy"))
+    if strategy == "block":
+        return CompressedTensorsBlock(tuple(weights["block_structure"]), static, ignored, kv)
+    if strategy == "channel":
+        return CompressedTensorsChannel(None, static, ignored, kv)
+    if strategy == "tensor":
+        return CompressedTensorsTensor(None, static, ignored, kv)
+    raise UnsupportedError(f"compressed-tensors weight strategy {strategy!r} is not supported")
