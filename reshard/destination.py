@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -132,6 +133,10 @@ class Bucket(Destination):
         publisher = BucketPublisher(objects)
         held.enter_context(publisher.locked(tag))
         publisher.recover()
+        if publisher.recovered:  # an interrupted run's commit, finished before this run's checks
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(f"reshard: {self.url}: {publisher.recovered}\n")
+                sys.stderr.flush()
         sides = side_files(source) if source is not None else []
         rank_bytes: dict[int, int] = {}
         for f in plan.files:

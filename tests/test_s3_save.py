@@ -452,7 +452,9 @@ def test_a_run_killed_during_the_commit_is_finished_by_the_next(saved, s3server,
     assert left.manifest is None and left.uploads  # never a manifest without its files
     assert sorted(left.work) == ["commit.json", "lock.json"]
     r = reshard(["save", str(src), url(bucket, "out/"), "--tp", "2"], env)
-    assert r.returncode == 5 and "is not empty" in one_line(r.stderr), r.stderr
+    told, refused = r.stderr.strip().splitlines()  # what it finished, then why it stopped
+    assert "finished publishing the output of interrupted run" in told, r.stderr
+    assert r.returncode == 5 and "is not empty" in one_line(refused), r.stderr
     state = prefix_state(client, bucket, "out/")
     assert state.verifies and state.manifest["layout"]["tp"] == 4 and "model-rank-3-part-0.safetensors" in state.names
     assert state.uploads == [] and state.work == [] and open_uploads(client, bucket) == []
