@@ -191,6 +191,7 @@ class BucketStaging(Staging):
 
         from reshard.store.bucket import Bucket as Objects
 
+        self._confirmed()
         ups = [up.to_json() for up in self.uploads.open.values()]
         key = self.uploads.url.work + BUCKET_HANDOVER.format(rank=os.environ.get("RANK", "0"))
         Objects(self.uploads.url, client=self.uploads.client).put(key, json.dumps(ups).encode())
@@ -211,7 +212,17 @@ class BucketStaging(Staging):
         sums = {self.uploads.url.name(up.key): up.checksum() for up in ups}
         manifest = replace(manifest, store_sha256=sums)
         last = self.uploads.put_bytes(self.uploads.url.key(MANIFEST), manifest_bytes(manifest))
+        self._confirmed()  # before the commit: the previous output stays as it is
         self.publisher.commit(self.uploads, ups, last, self.prior, self.run)
+
+    def _confirmed(self) -> None:
+        """Every part's SHA256 was confirmed by the store (it echoes what it checked)."""
+        if self.uploads.unchecked:
+            raise OutputError(
+                f"the object store did not confirm the SHA256 of the parts of {len(self.uploads.unchecked)} objects "
+                f"({sorted(self.uploads.unchecked)[0]}, ...): reshard cannot prove they arrived intact",
+                "use a store that checks x-amz-checksum-sha256 (AWS S3, MinIO, SeaweedFS, ...)",
+            )
 
     def _adopt(self, keys: list[str]) -> list[OpenUpload]:
         """This process's open uploads of `keys`, and those the other torchrun processes handed over."""

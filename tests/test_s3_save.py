@@ -363,6 +363,19 @@ def test_forbidden_mid_upload(saved, s3proxy, monkeypatch, s3server):
     assert_untouched(client, bucket, before)
 
 
+def test_a_store_that_confirms_no_part_checksum_is_refused(saved, s3proxy, monkeypatch, s3server):
+    """Part bodies are not signed (the checksum header is): a store that does not say it checked the
+    checksum could have kept other bytes, so nothing is published."""
+    src, client, bucket = saved
+    before = objects(client, bucket, "out/")
+    _through(s3proxy, monkeypatch, s3server)
+    s3proxy.hide_checksums = True
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite")
+    assert code == 5 and "did not confirm the SHA256" in one_line(err), err
+    s3proxy.hide_checksums = False
+    assert_untouched(client, bucket, before)
+
+
 def test_throttling_is_retried(tiny, s3, s3proxy, monkeypatch, s3server, tmp_path):
     client, bucket = s3
     _through(s3proxy, monkeypatch, s3server, slowdown=2)

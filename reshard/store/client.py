@@ -51,7 +51,10 @@ def make_client() -> Any:
         max_pool_connections=settings.S3_CONCURRENCY.get() + 4,
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
-        s3={"addressing_style": "path" if path_style() else "auto"},
+        # the body is not hashed again for the signature (botocore's default over http; over https it
+        # never is): each part's x-amz-checksum-sha256 is signed and the store checks the body against
+        # it, and a store that does not confirm it fails the save (reshard.destination)
+        s3={"addressing_style": "path" if path_style() else "auto", "payload_signing_enabled": False},
     )
     session = boto3.session.Session()
     region = session.region_name or ("us-east-1" if endpoint() else None)
