@@ -36,6 +36,18 @@ if TYPE_CHECKING:
     from reshard.store.upload import OpenUpload, Uploads
 
 
+@dataclass(frozen=True)
+class Run:
+    """What a destination needs to know of the run that stages into it."""
+
+    tag: str  # the run id (and, for a piece, its ranks): staging and lock names
+    source: Path | None  # the source folder (an output may not go inside it; its side files)
+    overwrite: bool
+    need: int  # bytes the rank files take
+    plan: Plan
+    max_part: int  # --max-part-size (for the hint when a bucket's listing would be too long)
+
+
 class Staging:
     """A run's output while it is written: `folder` (local) holds the side files before publishing."""
 
@@ -73,17 +85,7 @@ class Destination:
     display: str
     local: Path | None = None  # the folder, for a local destination
 
-    def stage(
-        self,
-        held: contextlib.ExitStack,
-        tag: str,
-        *,
-        source: Path | None,
-        overwrite: bool,
-        need: int,
-        plan: Plan,
-        max_part: int,
-    ) -> Staging:
+    def stage(self, held: contextlib.ExitStack, run: Run) -> Staging:
         raise NotImplementedError
 
 
@@ -92,19 +94,11 @@ class Folder(Destination):
         self.local = out_dir
         self.display = str(out_dir)
 
-    def stage(
-        self,
-        held: contextlib.ExitStack,
-        tag: str,
-        *,
-        source: Path | None,
-        overwrite: bool,
-        need: int,
-        plan: Plan,
-        max_part: int,
-    ) -> Staging:
+    def stage(self, held: contextlib.ExitStack, run: Run) -> Staging:
         assert self.local is not None
-        folder = held.enter_context(staged(self.local, tag, source=source, overwrite=overwrite, need=need))
+        folder = held.enter_context(
+            staged(self.local, run.tag, source=run.source, overwrite=run.overwrite, need=run.need)
+        )
         return FolderStaging(folder, self.local)
 
 
@@ -113,17 +107,7 @@ class Bucket(Destination):
         self.url = url
         self.display = str(url)
 
-    def stage(
-        self,
-        held: contextlib.ExitStack,
-        tag: str,
-        *,
-        source: Path | None,
-        overwrite: bool,
-        need: int,
-        plan: Plan,
-        max_part: int,
-    ) -> Staging:
+    def stage(self, held: contextlib.ExitStack, run: Run) -> Staging:
         from reshard.store.bucket import Bucket as Objects
         from reshard.store.publish import BucketPublisher
         from reshard.store.upload import Uploads
@@ -131,21 +115,22 @@ class Bucket(Destination):
         objects = Objects(self.url)
         objects.check_access()
         publisher = BucketPublisher(objects)
-        held.enter_context(publisher.locked(tag))
+        held.enter_context(publisher.locked(run.tag))
         publisher.recover()
         if publisher.recovered:  # an interrupted run's commit, finished before this run's checks
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(f"reshard: {self.url}: {publisher.recovered}\n")
                 sys.stderr.flush()
-        sides = side_files(source) if source is not None else []
+        plan = run.plan
+        sides = side_files(run.source) if run.source is not None else []
         rank_bytes: dict[int, int] = {}
         for f in plan.files:
             rank_bytes[plan.engine_rank(f)] = rank_bytes.get(plan.engine_rank(f), 0) + f.data_bytes
         prior = publisher.check(
-            overwrite=overwrite,
+            overwrite=run.overwrite,
             new_names=[f.name for f in plan.files] + sides,
             rank_bytes=list(rank_bytes.values()),
-            max_part=max_part,
+            max_part=run.max_part,
         )
         uploads = Uploads(objects)
         staging = BucketStaging(
@@ -153,7 +138,7 @@ class Bucket(Destination):
             publisher,
             uploads,
             prior,
-            tag,
+            run.tag,
         )
         held.callback(staging.close)
         return staging

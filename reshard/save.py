@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from reshard import __version__
 from reshard.checkpoint import Checkpoint, Source
-from reshard.destination import Destination, Staging, destination, refuse_on_bucket
+from reshard.destination import Destination, Run, Staging, destination, refuse_on_bucket
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.execute import Progress, WriteOptions, run_executor
@@ -111,15 +111,8 @@ def save(
             def stage() -> Staging:
                 overwrite = options.overwrite or (dest.local is not None and target.joins(dest.local, run_id))
                 tag, need = target.tag(run_id), sum(f.data_bytes for f in files)
-                staging = dest.stage(
-                    held,
-                    tag,
-                    source=src.checkpoint.root,
-                    overwrite=overwrite,
-                    need=need,
-                    plan=plan,
-                    max_part=options.max_part_size,
-                )
+                run = Run(tag, src.checkpoint.root, overwrite, need, plan, options.max_part_size)
+                staging = dest.stage(held, run)
                 if dest.local is not None:
                     target.check(dest.local)
                 if options.write.device != "cpu":
