@@ -11,30 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from reshard.plan import DEFAULT_MAX_PART
-from tests.fixtures.hubrun import REPO, one_line_error, rank_bytes, reshard
+from tests.fixtures.hubrun import REPO, one_line_error, rank_bytes, reshard, serving, tiny_with_reference
 from tests.fixtures.hubserver import HubServer
-from tests.fixtures.saving import save
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     """A 3-shard tiny checkpoint and `save --tp 2` of it from the folder (the reference)."""
-    from tests.fixtures.tiny import make_tiny
-
-    base = tmp_path_factory.mktemp("hubsrc")
-    src = make_tiny("qwen3", base / "src", shards=3)
-    ref = base / "ref"
-    save(str(src), ref, tp=2, max_part_size=DEFAULT_MAX_PART)
-    return src, ref
+    return tiny_with_reference(tmp_path_factory.mktemp("hubsrc"), shards=3)
 
 
 @pytest.fixture
 def hub(source):
-    server = HubServer().start()
-    server.sha = server.add_repo(REPO, source[0])
-    yield server
-    server.stop()
+    with serving(source[0]) as server:
+        yield server
 
 
 def weight_bytes(src: Path) -> int:

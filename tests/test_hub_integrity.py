@@ -17,31 +17,21 @@ from pathlib import Path
 import pytest
 
 from reshard.manifest.schema import parse
-from reshard.plan import DEFAULT_MAX_PART
-from tests.fixtures.hubrun import REPO, one_line_error, rank_bytes, reshard
-from tests.fixtures.hubserver import HubServer
-from tests.fixtures.saving import save
+from tests.fixtures.hubrun import REPO, one_line_error, rank_bytes, reshard, serving, tiny_with_reference
 
 HUB = "hub-lfs-sha256 verified"
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from tests.fixtures.tiny import make_tiny
-
-    base = tmp_path_factory.mktemp("integrity")
-    src = make_tiny("qwen3", base / "src", shards=2)
-    ref = base / "ref"
-    save(str(src), ref, tp=2, max_part_size=DEFAULT_MAX_PART)
-    return src, ref
+    """A 2-shard tiny checkpoint and `save --tp 2` of it from the folder (the reference)."""
+    return tiny_with_reference(tmp_path_factory.mktemp("integrity"), shards=2)
 
 
 @pytest.fixture
 def server(checkpoint):
-    hub = HubServer().start()
-    hub.sha = hub.add_repo(REPO, checkpoint[0])
-    yield hub
-    hub.stop()
+    with serving(checkpoint[0]) as server:
+        yield server
 
 
 def sha256s(src: Path) -> dict[str, str]:

@@ -13,30 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from reshard.plan import DEFAULT_MAX_PART
-from tests.fixtures.hubrun import REPO, rank_bytes, reshard
-from tests.fixtures.hubserver import HubServer
+from tests.fixtures.hubrun import REPO, rank_bytes, reshard, serving, tiny_with_reference
 from tests.fixtures.s3out import BucketOut
-from tests.fixtures.saving import save
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    from tests.fixtures.tiny import make_tiny
-
-    base = tmp_path_factory.mktemp("hubs3src")
-    src = make_tiny("qwen3", base / "src", shards=3)
-    ref = base / "ref"
-    save(str(src), ref, tp=2, max_part_size=DEFAULT_MAX_PART)
-    return src, ref
+    """A 3-shard tiny checkpoint and `save --tp 2` of it from the folder (the reference)."""
+    return tiny_with_reference(tmp_path_factory.mktemp("hubs3src"), shards=3)
 
 
 @pytest.fixture
 def hub(source):
-    server = HubServer().start()
-    server.add_repo(REPO, source[0])
-    yield server
-    server.stop()
+    with serving(source[0]) as server:
+        yield server
 
 
 def _bytes_under(*folders: Path) -> int:
