@@ -25,6 +25,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from scripts.bench_hub import sha256_cost  # sha256 alone over the same files, the yardstick
+
 MODES = ("cached download", "--stream", "from the cache")
 
 
@@ -113,22 +115,6 @@ def source_check(work: Path, src: Path, tp: int, reps: int, rate: int) -> dict:
         "runs": runs,
         "commands": commands,
     }
-
-
-def sha256_cost(src: Path) -> float:
-    """CPU seconds per GB (1e9 bytes) of sha256 alone over the source's files, page cache warm."""
-    import hashlib
-    import time
-
-    files = sorted(src.glob("*.safetensors"))
-    t0, n = time.process_time(), 0
-    for f in files:
-        h = hashlib.sha256()
-        with open(f, "rb", buffering=0) as fh:
-            while block := fh.read(16 << 20):
-                h.update(block)
-                n += len(block)
-    return (time.process_time() - t0) / (n / 1e9)
 
 
 def summary(r: dict) -> dict[str, dict]:
