@@ -323,7 +323,9 @@ STATE_CASES += [
     case("llama-256+mo-fp8-pb", 2),
     case("llama-256+mo-fp8-pb", 4),
 ]
-GEN_CASES += [case("llama+mo-fp8", 2), case("llama-256+mo-fp8-pb", 2)]
+# tokens: FP8_PB_WO only; per-tensor FP8's static input scales need `_C::static_scaled_fp8_quant`, which the
+# CPU build of vLLM 0.32 does not have (the engine fails to start, with or without reshard)
+GEN_CASES += [case("llama-256+mo-fp8-pb", 2)]
 
 
 def _params(cases: list[Case]):
