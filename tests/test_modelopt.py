@@ -248,3 +248,16 @@ def test_reshard_an_output_equals_resharding_the_original(mo, tmp_path, arch, sc
     save(str(tmp_path / "first"), tmp_path / "via", max_part_size=MAX, **second)
     save(str(src), tmp_path / "direct", max_part_size=MAX, **second)
     assert_same(load_dir(tmp_path / "via", "model-*.safetensors"), load_dir(tmp_path / "direct", "model-*.safetensors"))
+
+
+def test_a_patched_config_json_does_not_gain_hf_quant_configs(mo, tmp_path):
+    """config.json is rewritten when the plan patches it (a "tied" model with its own lm_head): the
+    quantization config read from hf_quant_config.json stays there, as ModelOpt wrote it."""
+    src = mo("llama-tied-lmhead", "mo-fp8")
+    res = save(str(src), tmp_path / "o", tp=2, max_part_size=MAX)
+    assert res.plan.config_patch == {"tie_word_embeddings": False}
+    written = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert written["tie_word_embeddings"] is False and "quantization_config" not in written
+    assert (tmp_path / "o" / "hf_quant_config.json").read_bytes() == (src / "hf_quant_config.json").read_bytes()
+    save(str(tmp_path / "o"), tmp_path / "again", tp=4, max_part_size=MAX)  # the output re-read the same way
+    assert (tmp_path / "again" / "hf_quant_config.json").is_file()
