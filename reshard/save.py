@@ -38,6 +38,7 @@ from reshard.outdir import make_dir, write_error
 from reshard.plan import OutFile, Plan, build_plan
 from reshard.publish import copy_files, move_into, side_files, write_config
 from reshard.sources import open_source
+from reshard.sources.local import quant_config_from_file
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,8 @@ def _manifest(
     copy_files(ckpt.root, plain, folder)
     if len(plain) < len(copied):
         config = {k: v for k, v in ckpt.config.items() if k not in code.drop_config_keys}
+        if quant_config_from_file(ckpt.root):  # read from hf_quant_config.json, which is copied as it is
+            config.pop("quantization_config", None)
         write_config(folder, config, plan.config_patch)
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return build_manifest(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from reshard.errors import UnsupportedError
 from reshard.plan.intquant import int_compressed_tensors
 from reshard.plan.kvscales import kv_cache_scheme
+from reshard.plan.modelopt import FP8_ALGOS, modelopt_algo, modelopt_fp8
 from reshard.plan.quant import (
     CompressedTensorsBlock,
     CompressedTensorsChannel,
@@ -23,6 +24,11 @@ def quant_from_config(config: dict) -> Quant | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", ""))
+    algo = modelopt_algo(qc)
+    if algo is not None:  # issue 26: ModelOpt (FP8 in reshard.plan.modelopt)
+        if algo in FP8_ALGOS:
+            return modelopt_fp8(qc)
+        method = f"{method or 'modelopt'} {algo}"
     if method in ("mxfp4", "gpt_oss_mxfp4"):
         if config.get("model_type") != "gpt_oss":
             raise UnsupportedError(
@@ -36,7 +42,8 @@ def quant_from_config(config: dict) -> Quant | None:
         raise UnsupportedError(
             f"quantization {method!r} is not supported",
             "supported: fp8 (block, per-tensor), compressed-tensors FP8 (tensor, channel, block), W4A16 "
-            "(pack-quantized) and W8A8-int8 (int-quantized), mxfp4 (gpt-oss)",
+            "(pack-quantized) and W8A8-int8 (int-quantized), mxfp4 (gpt-oss), modelopt FP8 (FP8, "
+            "FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO)",
         )
     block = qc.get("weight_block_size")
     if block is not None:

@@ -10,7 +10,7 @@ from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.folderview import FolderView
 from reshard.format import TensorInfo, open_regular, read_header
-from reshard.names import CONFIG, INDEX, SINGLE
+from reshard.names import CONFIG, HF_QUANT_CONFIG, INDEX, SINGLE
 from reshard.sources.integrity import Expected, Fix, check_files, local_expected
 from reshard.sources.validate import check_config, check_index
 
@@ -84,7 +84,52 @@ def read_json(path: Path) -> object:
 
 
 def read_config(root: Path | FolderView) -> dict:
-    """config.json of a checkpoint or output folder (local, or a bucket folder's view)."""
+    """config.json of a checkpoint or output folder (local, or a bucket folder's view); without a
+    quantization_config, that of hf_quant_config.json beside it, as vLLM reads it (ModelOpt <= 0.29)."""
+    config = _read_config(root)
+    if config.get("quantization_config") is None:
+        quant = _read_quant_file(root)
+        if quant is not None:
+            config = check_config({**config, "quantization_config": quant}, f"{_display(root)}/{HF_QUANT_CONFIG}")
+    return config
+
+
+def quant_config_from_file(root: Path) -> bool:
+    """Whether the quantization_config read_config gives for `root` is hf_quant_config.json's (the copied
+    config.json must not gain it)."""
+    try:
+        own = read_json(root / CONFIG)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(own, dict) and own.get("quantization_config") is None and (root / HF_QUANT_CONFIG).is_file()
+
+
+def _display(root: Path | FolderView) -> str:
+    return root.display if isinstance(root, FolderView) else str(root)
+
+
+def _read_quant_file(root: Path | FolderView) -> dict | None:
+    """hf_quant_config.json's object, None when the folder has none."""
+    try:
+        if isinstance(root, FolderView) and root.local is None:
+            quant = json.loads(root.read_small(HF_QUANT_CONFIG, MAX_JSON))
+        else:
+            local = root.local if isinstance(root, FolderView) else root
+            assert isinstance(local, Path)
+            quant = read_json(local / HF_QUANT_CONFIG)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:
+        raise SourceError(f"{_display(root)}/{HF_QUANT_CONFIG}: cannot parse ({str(e)[:200]})") from e
+    if not isinstance(quant, dict):
+        raise SourceError(
+            f"{_display(root)}/{HF_QUANT_CONFIG} is a JSON {type(quant).__name__}, not an object",
+            "the checkpoint's hf_quant_config.json is damaged: download it again or fix it",
+        )
+    return quant
+
+
+def _read_config(root: Path | FolderView) -> dict:
     if isinstance(root, FolderView) and root.local is None:
         try:
             raw = root.read_small(CONFIG, MAX_JSON)

@@ -49,6 +49,7 @@ def _rank(rank: int, port: int, vllm_config, out: Path) -> None:
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = str(port)
     vllm_state._allow_missing_fp8_linear_kernel(out)
+    vllm_state._allow_wna16_moe()  # Kimi-K2-Thinking's INT4 experts: no WNA16 MoE backend on CPU (selection only)
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=TP, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"

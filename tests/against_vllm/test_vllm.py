@@ -304,6 +304,29 @@ STATE_CASES += [
 ]
 GEN_CASES += [case("llama+ct-w4a16-asym", 2), case("llama+ct-w8a8-static", 2)]
 
+# issue 26: ModelOpt FP8 as NVIDIA's ModelOpt export writes it (tests/fixtures/modelopt.py), one vLLM process
+# per source. FP8 per-tensor (weight and static input scale per shard slot, FP8 KV-cache scales named
+# k_proj.k_scale / v_proj.v_scale) with the config in hf_quant_config.json only (Llama) or in config.json
+# (Qwen3-MoE: per-tensor experts [E, 2] / [E]); FP8_PER_CHANNEL_PER_TOKEN (1-D [N_p] scales) on Llama;
+# FP8_PB_WO (4-D [N_p / 128, 1, K_p / 128, 1] block scales) on a 256-wide Llama. ModelOpt's linear
+# method picks its FP8 GEMM kernel while building: where this CPU has none the harness lets it build
+# (vllm_state._allow_missing_fp8_linear_kernel), only the kernel.
+STATE_CASES += [
+    case("llama+mo-fp8", 2),
+    case("llama+mo-fp8", 4),
+    case("llama+mo-fp8", 1, pp=2),
+    case("qwen3-moe+mo-fp8-cfg", 2),
+    case("qwen3-moe+mo-fp8-cfg", 2, ep=True),
+    case("qwen3-moe+mo-fp8-cfg", 2, pp=2),
+    case("llama+mo-fp8-pc", 2),
+    case("llama+mo-fp8-pc", 4),
+    case("llama-256+mo-fp8-pb", 2),
+    case("llama-256+mo-fp8-pb", 4),
+]
+# tokens: FP8_PB_WO only; per-tensor FP8's static input scales need `_C::static_scaled_fp8_quant`, which the
+# CPU build of vLLM 0.32 does not have (the engine fails to start, with or without reshard)
+GEN_CASES += [case("llama-256+mo-fp8-pb", 2)]
+
 
 def _params(cases: list[Case]):
     return [pytest.param(c, id=c.id, marks=c.marks()) for c in cases]
