@@ -6,6 +6,7 @@ from __future__ import annotations
 from reshard.errors import UnsupportedError
 from reshard.plan.intquant import int_compressed_tensors
 from reshard.plan.kvscales import kv_cache_scheme
+from reshard.plan.nvfp4 import ct_nvfp4, is_modelopt_fp4, modelopt_nvfp4
 from reshard.plan.quant import (
     CompressedTensorsBlock,
     CompressedTensorsChannel,
@@ -22,6 +23,8 @@ def quant_from_config(config: dict) -> Quant | None:
     qc = config.get("quantization_config")
     if not qc:
         return None
+    if is_modelopt_fp4(qc):  # issue 26: ModelOpt NVFP4 (reshard.plan.nvfp4; FP4 algos only)
+        return modelopt_nvfp4(qc)
     method = str(qc.get("quant_method", ""))
     if method in ("mxfp4", "gpt_oss_mxfp4"):
         if config.get("model_type") != "gpt_oss":
@@ -61,6 +64,8 @@ def _compressed_tensors(qc: dict) -> Quant:
     inputs = groups[0].get("input_activations") or {}
     if weights.get("type") == "int":
         return int_compressed_tensors(qc, groups[0], kv)
+    if weights.get("type") == "float" and weights.get("num_bits") == 4:  # issue 26: NVFP4 (reshard.plan.nvfp4)
+        return ct_nvfp4(qc, groups[0], kv)
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
         raise UnsupportedError(
             "compressed-tensors: only FP8 weights (type float, 8 bits) are supported",

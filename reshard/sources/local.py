@@ -10,7 +10,7 @@ from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.folderview import FolderView
 from reshard.format import TensorInfo, open_regular, read_header
-from reshard.names import CONFIG, INDEX, SINGLE
+from reshard.names import CONFIG, HF_QUANT_CONFIG, INDEX, SINGLE
 from reshard.sources.integrity import Expected, Fix, check_files, local_expected
 from reshard.sources.validate import check_config, check_index
 
@@ -93,6 +93,13 @@ def read_config(root: Path | FolderView) -> dict:
             raise SourceError(f"{root.display}: no {CONFIG}", "the output is incomplete") from None
         except (ValueError, RecursionError) as e:
             raise SourceError(f"{root.where(CONFIG)}: cannot parse ({str(e)[:200]})") from e
+        if isinstance(config, dict) and config.get("quantization_config") is None:
+            try:
+                _with_quant_config(config, json.loads(root.read_small(HF_QUANT_CONFIG, MAX_JSON)))
+            except FileNotFoundError:
+                pass
+            except (ValueError, RecursionError) as e:
+                raise SourceError(f"{root.where(HF_QUANT_CONFIG)}: cannot parse ({str(e)[:200]})") from e
         return check_config(config, root.display)
     root = root.local if isinstance(root, FolderView) and root.local is not None else root
     assert isinstance(root, Path)
@@ -102,7 +109,20 @@ def read_config(root: Path | FolderView) -> dict:
         raise SourceError(f"{root}: no {CONFIG}", "SOURCE must be a Hugging Face checkpoint folder") from None
     except (OSError, ValueError, RecursionError) as e:
         raise SourceError(f"{root / CONFIG}: cannot parse ({e})") from e
+    if isinstance(config, dict) and config.get("quantization_config") is None:
+        try:
+            _with_quant_config(config, read_json(root / HF_QUANT_CONFIG))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, RecursionError) as e:
+            raise SourceError(f"{root / HF_QUANT_CONFIG}: cannot parse ({e})") from e
     return check_config(config, str(root))
+
+
+def _with_quant_config(config: dict, quant: object) -> None:
+    """vLLM's get_config: a checkpoint whose config.json has no quantization_config and that ships
+    hf_quant_config.json (ModelOpt <= 0.29) is quantized as that file says."""
+    config["quantization_config"] = quant
 
 
 def weight_files(root: Path) -> list[str]:
