@@ -194,10 +194,19 @@ def nvfp4_backend(name: str) -> str:
     return name
 
 
-def nvfp4_global_scales(name: str, ep: bool) -> tuple[bool, str | None]:
-    """(ModelOpt NVFP4 expert input scales sized by the global expert count, backend `auto` must pin)."""
+def nvfp4_global_scales(name: str, ep: bool, *, a16: bool = False) -> tuple[bool, str | None]:
+    """(ModelOpt NVFP4 expert input scales sized by the global expert count, backend `auto` must pin).
+
+    `a16` (W4A16_NVFP4): no FlashInfer NVFP4 MoE kernel takes unquantized activations
+    (`_supports_quant_scheme`), so vLLM runs them with a backend of the rank's own input scales."""
     nvfp4_backend(name)
-    if not ep:
+    if a16 and NVFP4_BACKENDS.get(name):
+        raise UnsupportedError(
+            f"--moe-backend {name}: vLLM's FlashInfer NVFP4 MoE kernels take NVFP4 activations only, and this "
+            "checkpoint is W4A16 (no input activations)",
+            f"use one of {', '.join(b for b, glob in NVFP4_BACKENDS.items() if not glob)}, or auto",
+        )
+    if not ep or a16:
         return False, None  # every rank holds every expert: one layout
     if name == "auto":
         return NVFP4_BACKENDS[NVFP4_AUTO_EP], NVFP4_AUTO_EP

@@ -67,7 +67,7 @@ def _allocation(ctx: Context, split: MoeSplit, scheme: Quant | None) -> MoeSplit
         backends.nvfp4_backend(backend)
         if not isinstance(scheme, nvfp4.ModelOptNvfp4):
             return split
-        split, pin = nvfp4.modelopt_moe_split(ctx, backend, split)
+        split, pin = scheme.moe_split(ctx, backend, split)
         ctx.moe_pin = pin or ctx.moe_pin
         return split
     if scheme.block is None or not getattr(scheme, "refines_moe_blocks", False):

@@ -107,13 +107,14 @@ class _Nvfp4(Quant):
         ]
         inputs = self.linear_inputs(sources, lin)
         if inputs is not None:
-            out.append(OutTensor(f"{lin.target}.{self.input_name}", "F32", (n,), inputs))
+            out.append(OutTensor(f"{lin.target}.{self.input_name}", inputs[0], (n,), inputs[1]))
         return out
 
-    def linear_inputs(self, sources: Sources, lin: LinearRank) -> tuple[Piece, ...] | None:
+    def linear_inputs(self, sources: Sources, lin: LinearRank) -> tuple[str, tuple[Piece, ...]] | None:
+        """The global input scale's dtype and pieces, per slot; None where vLLM has none."""
         if self.a16:
             return None
-        return tuple(scalar(s) for s in lin.per_slot(sources, self.input_name))
+        return "F32", tuple(scalar(s) for s in lin.per_slot(sources, self.input_name))
 
     # ---- routed experts ----------------------------------------------------------------------
 
@@ -210,12 +211,21 @@ class ModelOptNvfp4(_Nvfp4):
     ) -> list[OutTensor]:
         return fp8_kv_params(sources, target, dtype, found)  # BaseKVCacheMethod, as Fp8KVCacheMethod's
 
-    def linear_inputs(self, sources: Sources, lin: LinearRank) -> tuple[Piece, ...] | None:
+    def linear_inputs(self, sources: Sources, lin: LinearRank) -> tuple[str, tuple[Piece, ...]] | None:
         if not self.a16:
             return super().linear_inputs(sources, lin)
-        # W4A16_NVFP4 (_DropInputScale): NaN [slots], an older export's input_scale loaded into it
+        # W4A16_NVFP4 (_DropInputScale): torch.full(slots, nan) in the default dtype (the model's), an older
+        # export's input_scale loaded into it
         found = [_maybe(sources, f"{s}.input_scale", lin.target) for s in lin.slots]
-        return tuple(scalar(t) if t is not None else Fill(float("nan"), 1) for t in found)
+        return lin.dtype, tuple(scalar(t) if t is not None else Fill(float("nan"), 1) for t in found)
+
+    def moe_split(self, sources: Sources, backend: str, split: MoeSplit) -> tuple[MoeSplit, str | None]:
+        """The experts' input-scale layout `backend` gives, and the backend the serve line must pin (None:
+        none needed)."""
+        glob, pin = backends.nvfp4_global_scales(backend, split.ep, a16=self.a16)
+        if pin and backend == "auto":
+            sources.note(backends.nvfp4_pin_note(pin))
+        return (replace(split, global_scales=True) if glob else split), pin
 
     def expert_inputs(self, sources: Sources, split: MoeSplit) -> dict[str, list[Piece]] | None:
         if not self.a16:
@@ -224,15 +234,6 @@ class ModelOptNvfp4(_Nvfp4):
             for p in split.names:
                 _maybe(sources, f"{split.base}.{e}.{p}.input_scale", split.target)
         return None
-
-
-def modelopt_moe_split(sources: Sources, backend: str, split: MoeSplit) -> tuple[MoeSplit, str | None]:
-    """The experts' input-scale layout ModelOpt NVFP4 gets from `backend`, and the backend the serve line
-    must pin (None: no pin needed)."""
-    glob, pin = backends.nvfp4_global_scales(backend, split.ep)
-    if pin and backend == "auto":
-        sources.note(backends.nvfp4_pin_note(pin))
-    return (replace(split, global_scales=True) if glob else split), pin
 
 
 def ct_nvfp4(qc: dict, group: dict, kv: str | None) -> Quant:

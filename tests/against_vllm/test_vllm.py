@@ -328,6 +328,9 @@ STATE_CASES += [
     case("qwen3-moe+mo-nvfp4", 2, ep=True, moe_backend="marlin"),
     case("qwen3-moe+mo-nvfp4a16", 2, ep=True),
     case("qwen3-moe+mo-nvfp4-hfq", 2),
+    # DeepSeek-V3 (MLA: fused_qkv_a_proj of q_a_proj and kv_a_proj_with_mqa, replicated; kv_b_proj, o_proj)
+    case("deepseek-v3+ct-nvfp4", 2),
+    case("deepseek-v3+mo-nvfp4", 2, ep=True, moe_backend="flashinfer_trtllm"),
 ]
 
 
