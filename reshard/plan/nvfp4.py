@@ -201,6 +201,7 @@ class ModelOptNvfp4(_Nvfp4):
     global_name = "weight_scale_2"
     input_name = "input_scale"
     format = "modelopt"
+    mla_kv_cache = True  # get_quant_method gives Attention and MLAAttention the (unit, -1.0) KV-cache method
 
     def ignores(self, prefix: str) -> bool:
         """ModelOptQuantConfigBase.is_layer_excluded: exact names, substrings, and fnmatch wildcards."""
