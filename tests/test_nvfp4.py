@@ -233,6 +233,11 @@ def _ct_weights(**kw):
     return edit
 
 
+def _mo_exclude(name, data):
+    if name == "hf_quant_config.json":
+        data["quantization"]["exclude_modules"] = "lm_head"
+
+
 def _mo_group(name, data):
     if name == "hf_quant_config.json":
         data["quantization"]["group_size"] = 32
@@ -244,6 +249,7 @@ def _mo_group(name, data):
         ("ct-nvfp4", _ct_weights(group_size=32, strategy="group"), UnsupportedError, "vLLM reads NVFP4 only"),
         ("ct-nvfp4", _ct_weights(dynamic="sometimes"), SourceError, 'must be true, false or "local"'),
         ("mo-nvfp4-hfq", _mo_group, UnsupportedError, "group_size 32"),
+        ("mo-nvfp4-hfq", _mo_exclude, SourceError, "excluded modules must be a list of names"),
     ],
 )
 def test_config_refusals(nv, tmp_path, scheme, edit, error, message):

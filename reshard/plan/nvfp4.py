@@ -82,8 +82,8 @@ class _Nvfp4(Quant):
             raise SourceError(f"{lin.target}: input size {lin.in_size} is not a multiple of the NVFP4 group {GROUP}")
         if in_r % GROUP:
             raise UnsupportedError(
-                f"{lin.target}: per-rank input size {in_r} is not a multiple of the NVFP4 group {GROUP}; vLLM "
-                "refuses a split that cuts a group",
+                f"{lin.target}: per-rank input size {in_r} is not a multiple of the NVFP4 group {GROUP}; a split "
+                "that cuts a group has no per-rank scale layout",
                 f"use a --tp that keeps whole groups: {_tps(lin.in_size)}",
             )
         g0, ng = lin.cols[0] // GROUP, in_r // GROUP
@@ -128,7 +128,7 @@ class _Nvfp4(Quant):
         if ip % GROUP:
             raise UnsupportedError(
                 f"{split.target}: per-rank intermediate size {ip} is not a multiple of the NVFP4 group {GROUP}; "
-                "vLLM refuses a split that cuts a group",
+                "a split that cuts a group has no per-rank scale layout (vLLM would load empty down scales)",
                 f"use --ep, or a --tp that keeps whole groups: {_tps(inter)}",
             )
         gate, up, down = split.names
@@ -296,7 +296,9 @@ def modelopt_nvfp4(qc: dict) -> Quant:
     if algo not in ("NVFP4", "W4A16_NVFP4"):
         raise UnsupportedError(f"ModelOpt quant_algo {algo!r}: vLLM's modelopt_fp4 reads NVFP4 and W4A16_NVFP4")
     group = src.get("group_size")
-    if group is not None and int(group) != GROUP:
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool)):
+        raise SourceError(f"ModelOpt quantization config: group_size must be an integer, found {group!r}")
+    if group is not None and group != GROUP:
         raise UnsupportedError(f"ModelOpt NVFP4 with group_size {group}: vLLM's NVFP4 kernels take {GROUP}")
     if legacy is not None:
         missing = [k for k in ("group_size", "kv_cache_quant_algo", "exclude_modules") if k not in legacy]
@@ -316,6 +318,10 @@ def modelopt_nvfp4(qc: dict) -> Quant:
     )
     if algo == "NVFP4" and weights_only:
         algo = "W4A16_NVFP4"
+    if not isinstance(ignored, list) or not all(isinstance(e, str) for e in ignored):
+        raise SourceError(
+            f"ModelOpt quantization config: the excluded modules must be a list of names, found {ignored!r}"
+        )
     if kv_algo not in (None, "FP8"):
         raise UnsupportedError(f"ModelOpt kv_cache_quant_algo {kv_algo!r} is not supported", "supported: none, FP8")
     # apply_vllm_mapper: "path*" (no dot before the star) also means "path" and "path.*"
