@@ -10,10 +10,13 @@ EP: every expert's input scales on each rank), and recorded them in tests/fixtur
 from __future__ import annotations
 
 import json
+import math
+import re
+from collections import defaultdict
 
 import pytest
 
-from reshard.format import DTYPE_CODES
+from reshard.format import DTYPE_CODES, ITEMSIZE
 from reshard.layout import Layout
 from reshard.plan import build_plan
 from reshard.sources import open_source
@@ -75,3 +78,45 @@ def test_full_release_serve_line(copies, layout):
     flags = "--tensor-parallel-size 8" + (" --enable-expert-parallel" if LAYOUTS[layout] else "")
     assert summary["serve"] == f"vllm serve OUT_DIR --load-format sharded_state {flags} --dtype bfloat16{pin}"
     assert summary["total_bytes"] == sum(r["bytes"] for r in summary["ranks"])
+
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def extrapolate(layout: str) -> list[tuple[int, int]]:
+    """Per rank (keys, bytes) of the full release from vLLM's cut-down state (tests/test_releases.py's
+    rule): the top tensors once, then each of the 61 decoder layers as the recorded layer of its kind."""
+    config, expected = RELEASES[RELEASE], vllm_shapes(RELEASE)["layouts"][layout]
+    codes = {v: k for k, v in TORCH_NAMES.items()}
+    dense_below, n = config["first_k_dense_replace"], config["num_hidden_layers"]
+    out = []
+    for r in range(8):
+        top, per_layer = [0, 0], defaultdict(lambda: [0, 0])
+        for name, (dtype, shape) in expected["states"][expected["rank_state"][r]].items():
+            m = LAYER.match(name)
+            acc = per_layer[int(m.group(1))] if m else top
+            acc[0] += 1
+            acc[1] += math.prod(shape) * ITEMSIZE[codes[dtype]]
+        kinds: dict[bool, set] = defaultdict(set)
+        for layer, acc in per_layer.items():
+            kinds[layer >= dense_below].add(tuple(acc))
+        assert all(len(v) == 1 for v in kinds.values()), f"layers of one kind differ: {dict(kinds)}"
+        moe, dense = next(iter(kinds[True])), next(iter(kinds[False]))
+        out.append(
+            (
+                top[0] + dense_below * dense[0] + (n - dense_below) * moe[0],
+                top[1] + dense_below * dense[1] + (n - dense_below) * moe[1],
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_full_release_per_rank_bytes(copies, layout):
+    """The full-size copy plans to the per-rank key counts and bytes vLLM's cut-down state extrapolates to
+    (U8 weights and F8 scales counted at one byte an element)."""
+    args = ["plan", str(copies[True]), "--tp", "8", "--json", *(["--ep"] if LAYOUTS[layout] else [])]
+    code, out, err = run(*args)
+    assert code == 0, err
+    ranks = sorted(json.loads(out)["ranks"], key=lambda r: r["tp_rank"])
+    assert [(r["keys"], r["bytes"]) for r in ranks] == extrapolate(layout)

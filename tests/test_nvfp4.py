@@ -180,6 +180,15 @@ def test_modelopt_ep_input_scales_follow_the_backend(nv, tmp_path, backend, expe
     assert _serve_pin(res) == pinned
 
 
+def test_modelopt_ep_auto_writes_flashinfer_trtllms_bytes(nv, tmp_path):
+    src = nv("qwen3-moe", "mo-nvfp4")
+    save(str(src), tmp_path / "auto", tp=2, ep=True, max_part_size=MAX)
+    save(str(src), tmp_path / "trtllm", tp=2, ep=True, moe_backend="flashinfer_trtllm", max_part_size=MAX)
+    assert_same(
+        load_dir(tmp_path / "auto", "model-*.safetensors"), load_dir(tmp_path / "trtllm", "model-*.safetensors")
+    )
+
+
 def test_modelopt_without_ep_needs_no_pin(nv, tmp_path):
     res = save(str(nv("qwen3-moe", "mo-nvfp4")), tmp_path / "o", tp=2, max_part_size=MAX)
     assert _serve_pin(res) is None
