@@ -59,6 +59,7 @@ class _Nvfp4(Quant):
     weight_dtype = "U8"
     global_name: ClassVar[str]  # the global weight scale
     input_name: ClassVar[str]  # the global input scale
+    format: ClassVar[str]  # the producer's format, in the plan's quantization summary
 
     @property
     def pack(self) -> int:
@@ -66,8 +67,6 @@ class _Nvfp4(Quant):
 
     def to_json(self) -> dict:
         return {**super().to_json(), "format": self.format, "group_size": GROUP, "input_activations": not self.a16}
-
-    format: ClassVar[str]
 
     # ---- linear layers -----------------------------------------------------------------------
 
