@@ -51,9 +51,9 @@ BUCKET_HANDOVER_GLOB = "uploads-*.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-# ModelOpt <= 0.29's quantization config, beside a config.json without one (vLLM reads it then)
+# ModelOpt <= 0.29's quantization config, which vLLM reads when config.json has no quantization_config
 HF_QUANT_CONFIG = "hf_quant_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 # code a checkpoint ships for transformers to run (auto_map): copied only with --trust-remote-code
 REMOTE_CODE_SUFFIX = ".py"
 # files a Hub download needs: weights, config, tokenizer and generation files

@@ -29,7 +29,8 @@ from reshard.errors import UnsupportedError
 
 # vLLM's --moe-backend names (fused_moe/oracle): the serve line pins one where the MoE layout depends on it
 MOE_BACKENDS = ("auto", "triton", "batched_triton", "deep_gemm", "cutlass", "flashinfer_trtllm", "flashinfer_cutlass",
-                "marlin", "humming", "aiter", "hpc")  # fmt: skip
+                "marlin", "humming", "aiter", "hpc",
+                "flashinfer_cutedsl", "flashinfer_moe_ep_cutedsl", "flashinfer_b12x", "b12x", "emulation")  # fmt: skip
 
 # vLLM 0.32's MoEBackend names (config/kernel.py) that its FP8 or unquantized oracles accept
 # oracle/fp8.py map_fp8_backend
@@ -158,4 +159,64 @@ def mxfp4_pin_note(ip: int, alloc: int, hidden: int) -> str:
         f"serve line pins --moe-backend triton: vLLM's MXFP4 expert layout depends on the backend `auto` picks "
         f"(FlashInfer TRT-LLM on Blackwell pads the hidden size to a multiple of 256); this output is Triton's "
         f"(per-rank intermediate {ip} allocated as {alloc}, hidden {hidden}), which runs on Hopper and Blackwell"
+    )
+
+
+# ---- NVFP4 experts (issue 26) -----------------------------------------------------------------------
+# oracle/nvfp4.py map_nvfp4_backend: the --moe-backend names vLLM runs NVFP4 experts with, and whether the
+# backend is one of FLASHINFER_NVFP4_MOE_BACKENDS (is_global_sf_supported_for_nvfp4_backend): then
+# ModelOptNvFp4FusedMoE sizes w13/w2_input_scale by the GLOBAL expert count and loads every expert's
+# input scales on every rank (routed_experts.py weight_loader, use_global_sf). compressed-tensors'
+# NVFP4 experts size them by the local count whatever the backend.
+NVFP4_BACKENDS = {
+    "b12x": False,
+    "cutlass": False,
+    "flashinfer_trtllm": True,
+    "flashinfer_cutlass": True,
+    "flashinfer_cutedsl": True,  # batched activation format: FLASHINFER_CUTEDSL_BATCHED, also FlashInfer
+    "flashinfer_moe_ep_cutedsl": False,
+    "flashinfer_b12x": True,
+    "marlin": False,
+    "humming": False,
+    "emulation": False,
+}
+# what `auto` writes for ModelOpt NVFP4 under EP: FlashInfer TRT-LLM's layout (global input scales), the
+# backend vLLM's auto picks first on Blackwell, pinned in the serve line
+NVFP4_AUTO_EP = "flashinfer_trtllm"
+
+
+def nvfp4_backend(name: str) -> str:
+    if name != "auto" and name not in NVFP4_BACKENDS:
+        raise UnsupportedError(
+            f"--moe-backend {name} does not run NVFP4 experts in vLLM {VLLM_LAYOUT}",
+            f"use one of {', '.join(NVFP4_BACKENDS)}",
+        )
+    return name
+
+
+def nvfp4_global_scales(name: str, ep: bool, *, a16: bool = False) -> tuple[bool, str | None]:
+    """(ModelOpt NVFP4 expert input scales sized by the global expert count, backend `auto` must pin).
+
+    `a16` (W4A16_NVFP4): no FlashInfer NVFP4 MoE kernel takes unquantized activations
+    (`_supports_quant_scheme`), so vLLM runs them with a backend of the rank's own input scales."""
+    nvfp4_backend(name)
+    if a16 and NVFP4_BACKENDS.get(name):
+        raise UnsupportedError(
+            f"--moe-backend {name}: vLLM's FlashInfer NVFP4 MoE kernels take NVFP4 activations only, and this "
+            "checkpoint is W4A16 (no input activations)",
+            f"use one of {', '.join(b for b, glob in NVFP4_BACKENDS.items() if not glob)}, or auto",
+        )
+    if not ep or a16:
+        return False, None  # every rank holds every expert: one layout
+    if name == "auto":
+        return NVFP4_BACKENDS[NVFP4_AUTO_EP], NVFP4_AUTO_EP
+    return NVFP4_BACKENDS[name], None
+
+
+def nvfp4_pin_note(pin: str) -> str:
+    return (
+        f"serve line pins --moe-backend {pin}: under --ep, ModelOpt NVFP4 experts' input scales hold every "
+        "expert's on each rank with vLLM's FlashInfer MoE backends (what auto picks on Blackwell) and only the "
+        f"rank's own with the others; this output is {pin}'s layout. For Hopper (Marlin) write it with "
+        "--moe-backend marlin"
     )

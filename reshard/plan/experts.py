@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
-from reshard.plan import backends
+from reshard.plan import backends, nvfp4
 from reshard.plan.context import Context
 from reshard.plan.geometry import MoeSplit, divisors
 from reshard.plan.model import OutTensor, padded_cols, padded_rows
@@ -63,6 +63,13 @@ def _allocation(ctx: Context, split: MoeSplit, scheme: Quant | None) -> MoeSplit
         elif alloc != ip:
             ctx.note(backends.round_note(backend, ip, alloc))
         return replace(split, alloc=alloc) if alloc != ip else split
+    if isinstance(scheme, nvfp4._Nvfp4):  # issue 26: NVFP4 experts; ModelOpt's EP input scales follow the backend
+        backends.nvfp4_backend(backend)
+        if not isinstance(scheme, nvfp4.ModelOptNvfp4):
+            return split
+        split, pin = scheme.moe_split(ctx, backend, split)
+        ctx.moe_pin = pin or ctx.moe_pin
+        return split
     if scheme.block is None or not getattr(scheme, "refines_moe_blocks", False):
         return split  # per-tensor / per-channel / compressed-tensors experts: one layout for every backend
     bn = scheme.block[0]

@@ -106,6 +106,7 @@ class MoeSplit:
     alloc: int = 0  # per-rank intermediate size vLLM allocates, when a backend pads it (backends.py)
     blocked: bool = False  # FP8 block padding: rank r holds [r * alloc, (r + 1) * alloc) of `inter`
     dtype: str = "BF16"  # the model dtype (vLLM's params_dtype)
+    global_scales: bool = False  # ModelOpt NVFP4 + FlashInfer under EP: input scales of every expert on each rank
 
     def tensor(self, sources: Sources, e: int, proj: str, param: str) -> TensorInfo:
         return sources.src(f"{self.base}.{e}.{proj}.{param}", f"{self.target} (expert {e})")

@@ -61,6 +61,12 @@ def modelopt_algo(qc: dict) -> str | None:
     return str(algo or "").upper()
 
 
+def excluded(entries: tuple[str, ...], prefix: str) -> bool:
+    """vLLM's ModelOptQuantConfigBase.is_layer_excluded: an exact name, a name the module's path contains,
+    or a wildcard (`x*` stands for `x` and `x.*`, apply_vllm_mapper)."""
+    return any(entry == prefix or entry in prefix or fnmatch(prefix, entry) for entry in entries)
+
+
 def modelopt_settings(qc: dict) -> ModelOptSettings:
     inner = qc.get("quantization")
     if isinstance(inner, dict):  # hf_quant_config.json
@@ -109,7 +115,7 @@ class ModelOptFp8(Quant):
     def ignores(self, prefix: str) -> bool:
         """vLLM's ModelOptQuantConfigBase.is_layer_excluded: an exact name, a name the module's path
         contains, or a wildcard (`x*` stands for `x` and `x.*`, apply_vllm_mapper)."""
-        return any(entry == prefix or entry in prefix or fnmatch(prefix, entry) for entry in self.ignored)
+        return excluded(self.ignored, prefix)
 
     def quantizes(self, prefixes: list[str], *, experts: bool = False) -> bool:
         skipped = [self.ignores(p) for p in prefixes]

@@ -7,6 +7,7 @@ from reshard.errors import UnsupportedError
 from reshard.plan.intquant import int_compressed_tensors
 from reshard.plan.kvscales import kv_cache_scheme
 from reshard.plan.modelopt import FP8_ALGOS, modelopt_algo, modelopt_fp8
+from reshard.plan.nvfp4 import ct_nvfp4, is_modelopt_fp4, modelopt_nvfp4
 from reshard.plan.quant import (
     CompressedTensorsBlock,
     CompressedTensorsChannel,
@@ -25,7 +26,9 @@ def quant_from_config(config: dict) -> Quant | None:
         return None
     method = str(qc.get("quant_method", ""))
     algo = modelopt_algo(qc)
-    if algo is not None:  # issue 26: ModelOpt (FP8 in reshard.plan.modelopt)
+    if algo is not None:  # NVIDIA ModelOpt: FP8 (reshard.plan.modelopt), NVFP4 (reshard.plan.nvfp4)
+        if is_modelopt_fp4(qc):
+            return modelopt_nvfp4(qc)
         if algo in FP8_ALGOS:
             return modelopt_fp8(qc)
         method = f"{method or 'modelopt'} {algo}"
@@ -42,8 +45,8 @@ def quant_from_config(config: dict) -> Quant | None:
         raise UnsupportedError(
             f"quantization {method!r} is not supported",
             "supported: fp8 (block, per-tensor), compressed-tensors FP8 (tensor, channel, block), W4A16 "
-            "(pack-quantized) and W8A8-int8 (int-quantized), mxfp4 (gpt-oss), modelopt FP8 (FP8, "
-            "FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO)",
+            "(pack-quantized), W8A8-int8 (int-quantized) and NVFP4 (nvfp4-pack-quantized), mxfp4 (gpt-oss), "
+            "modelopt FP8 (FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO) and NVFP4",
         )
     block = qc.get("weight_block_size")
     if block is not None:
@@ -68,6 +71,8 @@ def _compressed_tensors(qc: dict) -> Quant:
     inputs = groups[0].get("input_activations") or {}
     if weights.get("type") == "int":
         return int_compressed_tensors(qc, groups[0], kv)
+    if weights.get("type") == "float" and weights.get("num_bits") == 4:  # NVFP4 (reshard.plan.nvfp4)
+        return ct_nvfp4(qc, groups[0], kv)
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
         raise UnsupportedError(
             "compressed-tensors: only FP8 weights (type float, 8 bits) are supported",

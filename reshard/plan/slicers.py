@@ -66,7 +66,8 @@ def attention(ctx: Context, m: Attention, prefix: str, per_tp: list[list[OutTens
         OutTensor(f"{target}.{s}", "F32", (), (Fill(1.0, 1),))
         for s in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
     ]
-    quant = ctx.quant if m.kv_cache else None
+    # ModelOpt gives MLA attention a KV-cache method too (ModelOptQuantConfigBase.get_quant_method): issue 26
+    quant = ctx.quant if m.kv_cache or getattr(ctx.quant, "mla_kv_cache", False) else None
     found = ctx.kv_found(target) if quant else {}
     for r in range(ctx.tp):
         per_tp[r].extend(buffers)

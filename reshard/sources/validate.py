@@ -30,7 +30,11 @@ def _is(*types: type) -> Check:
 
 
 POSITIVE, COUNT, FLAG, NAME, NAMES, OBJECT = _int(1), _int(0), _is(bool), _is(str), _list_of(_is(str)), _is(dict)
+# true, false, or "local" (llm-compressor's NVFP4 input activations: per-group scales computed at run time
+# under a static global scale; vLLM 0.32 reads it)
+DYNAMIC: Check = lambda v: isinstance(v, bool) or v == "local"  # noqa: E731
 WHAT = {
+    DYNAMIC: 'true, false or "local"',
     OBJECT: "an object",
     POSITIVE: f"a positive integer (at most {MAX_DIM})",
     COUNT: f"a non-negative integer (at most {MAX_DIM})",
@@ -70,7 +74,7 @@ ARGS_SCHEMA: dict[str, Check] = {
     "type": NAME,
     "num_bits": POSITIVE,
     "strategy": NAME,
-    "dynamic": FLAG,
+    "dynamic": DYNAMIC,
     "block_structure": _list_of(POSITIVE),
 }
 _REFETCH = "the checkpoint's config.json is damaged: download it again or fix it"

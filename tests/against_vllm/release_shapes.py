@@ -30,10 +30,12 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
 from tests.against_vllm import vllm_state  # noqa: E402
-from tests.fixtures import qwen_next_releases, releases  # noqa: E402
+from tests.fixtures import fp4_releases, qwen_next_releases, releases  # noqa: E402
 from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
 
-REGISTRIES = (releases, qwen_next_releases)  # each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes)
+# each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes); optional side_files(), MOE_BACKEND (issue 26)
+REGISTRIES = (releases, qwen_next_releases, fp4_releases)
+_MOE_BACKEND = ["auto"]  # the release's --moe-backend, set before the ranks fork
 
 TP = 8
 
@@ -49,6 +51,8 @@ def _rank(rank: int, port: int, vllm_config, out: Path) -> None:
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = str(port)
     vllm_state._allow_missing_fp8_linear_kernel(out)
+    vllm_state._force_moe_backend(_MOE_BACKEND[0])
+    vllm_state._allow_nvfp4(_MOE_BACKEND[0])  # issue 26: NVFP4 kernel/backend selection only
     vllm_state._allow_wna16_moe()  # Kimi-K2-Thinking's INT4 experts: no WNA16 MoE backend on CPU (selection only)
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
@@ -86,9 +90,12 @@ def record(release: str) -> dict:
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(config))
         _write_tokenizer(model_dir, 1000)  # Qwen3.5's model __init__ asks for a tokenizer; ids never used
+        for name, text in (reg.side_files(release, config) if hasattr(reg, "side_files") else {}).items():
+            (model_dir / name).write_text(text)  # hf_quant_config.json
+        _MOE_BACKEND[0] = getattr(reg, "MOE_BACKEND", {}).get(release, "auto")
         for ep in (False, True):
             t0 = time.perf_counter()
-            case = {"tp": TP, "pp": 1, "ep": ep, "dtype": "auto"}
+            case = {"tp": TP, "pp": 1, "ep": ep, "dtype": "auto", "moe_backend": _MOE_BACKEND[0]}
             vllm_config = vllm_state._make_config(str(model_dir), case, load_format="dummy")
             out = Path(tmp, f"ep{int(ep)}")
             out.mkdir()

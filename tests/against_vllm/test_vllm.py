@@ -122,7 +122,7 @@ class Case:
         m = []
         if self.arch.split("+")[0] in MOE + HYBRID:
             m.append(pytest.mark.moe)
-        if "+ct-w" in self.arch:
+        if "+ct-w" in self.arch or "nvfp4" in self.arch:  # issue 26: integer and NVFP4 formats
             m.append(pytest.mark.intquant)
         elif "fp8" in self.arch or "+ct" in self.arch:
             m.append(pytest.mark.fp8)
@@ -326,6 +326,38 @@ STATE_CASES += [
 # tokens: FP8_PB_WO only; per-tensor FP8's static input scales need `_C::static_scaled_fp8_quant`, which the
 # CPU build of vLLM 0.32 does not have (the engine fails to start, with or without reshard)
 GEN_CASES += [case("llama-256+mo-fp8-pb", 2)]
+
+# issue 26: NVFP4 as llm-compressor (compressed-tensors nvfp4-pack-quantized, W4A4 with `dynamic: "local"`
+# inputs, and NVFP4A16) and ModelOpt (quant_algo NVFP4; W4A16 when no group quantizes inputs; -hfq: config
+# in hf_quant_config.json only) write it (tests/fixtures/nvfp4.py), one vLLM process per source. vLLM CPU
+# has no NVFP4 kernel: the harness replaces only init_nvfp4_linear_kernel / select_nvfp4_moe_backend
+# (vllm_state._allow_nvfp4). ModelOpt experts under EP: input scales of every expert with FlashInfer
+# backends (what reshard's auto writes and pins), the rank's own with Marlin. State only: CPU vLLM cannot
+# generate NVFP4.
+STATE_CASES += [
+    case("llama+ct-nvfp4", 2),
+    case("llama+ct-nvfp4", 4),
+    case("llama+ct-nvfp4", 1, pp=2),
+    case("qwen3+ct-nvfp4a16", 2),
+    case("qwen3+ct-nvfp4a16", 1, pp=2),
+    case("qwen3-moe+ct-nvfp4", 2),
+    case("qwen3-moe+ct-nvfp4", 2, ep=True),
+    case("qwen3-moe+ct-nvfp4", 1, pp=2),
+    case("qwen3-moe+ct-nvfp4a16", 2, ep=True),
+    case("llama+mo-nvfp4", 2),
+    case("llama+mo-nvfp4", 4),
+    case("llama+mo-nvfp4", 1, pp=2),
+    case("qwen3+mo-nvfp4a16", 4),
+    case("qwen3-moe+mo-nvfp4", 2),
+    case("qwen3-moe+mo-nvfp4", 2, ep=True, moe_backend="flashinfer_trtllm"),  # what auto writes and pins
+    case("qwen3-moe+mo-nvfp4", 2, ep=True, moe_backend="marlin"),
+    case("qwen3-moe+mo-nvfp4", 1, pp=2),
+    case("qwen3-moe+mo-nvfp4a16", 2, ep=True),
+    case("qwen3-moe+mo-nvfp4-hfq", 2),
+    # DeepSeek-V3 (MLA: fused_qkv_a_proj of q_a_proj and kv_a_proj_with_mqa, replicated; kv_b_proj, o_proj)
+    case("deepseek-v3+ct-nvfp4", 2),
+    case("deepseek-v3+mo-nvfp4", 2, ep=True, moe_backend="flashinfer_trtllm"),
+]
 
 
 def _params(cases: list[Case]):

@@ -229,6 +229,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
     _allow_missing_fp8_linear_kernel(Path(case["dump_dir"]))
     _force_moe_backend(case.get("moe_backend", "auto"))
     _allow_wna16_moe()
+    _allow_nvfp4(case.get("moe_backend", "auto"))  # issue 26: NVFP4
     model_config = vllm_config.model_config
     dump_dir = Path(case["dump_dir"])
     with set_current_vllm_config(vllm_config):
@@ -252,6 +253,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
                 return initialize_model(vllm_config=cfg, model_config=cfg.model_config)
 
         model = build(vllm_config)
+        _fill_unread_nvfp4_input_scales(model)
         if case.get("shapes_only"):  # a release's layout from its config alone: names, dtypes, shapes
             state = ShardedStateLoader._filter_subtensors(model.state_dict())
             info = {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in state.items()}
@@ -363,6 +365,63 @@ def _allow_wna16_moe() -> None:
     # Marlin's tile-size check (the tiny models' hidden size is below its tile): a kernel's limit, not the layout's
     wna16.check_moe_marlin_supports_config = lambda *a, **k: True
     int8.select_int8_moe_backend = fallback(int8.select_int8_moe_backend, Int8MoeBackend.TRITON)
+
+
+# ---- issue 26: NVFP4 --------------------------------------------------------------------------------
+class _NoNvfp4Kernel:
+    """Stand-in for the NVFP4 GEMM kernel vLLM CPU has none of: create_weights asks it only for the
+    input quant key it would expose (none); running or post-processing with it fails."""
+
+    def input_quant_key(self):
+        return None
+
+    def __getattr__(self, name):
+        raise RuntimeError("no NVFP4 linear kernel on this machine")
+
+
+def _allow_nvfp4(moe_backend: str) -> None:
+    """Let NVFP4 checkpoints (compressed-tensors and ModelOpt) be *built* on this CPU: vLLM CPU has no
+    NVFP4 linear kernel ("Failed to find a kernel that can implement the NVFP4 linear layer") and no
+    NVFP4 MoE backend. The linear layout does not depend on the kernel; the experts' does only for
+    ModelOpt under EP (FlashInfer backends: input scales of every expert), so the MoE selection returns
+    the backend `--moe-backend` names (auto: Marlin, what a GPU without FlashInfer picks). Only the
+    selection is replaced: create_weights and the loaders stay vLLM's code."""
+    from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as oracle
+    from vllm.model_executor.layers.quantization import modelopt
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_w4a4_nvfp4 as ct_moe,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_nvfp4 as ct_linear,
+    )
+
+    def linear_kernel(*a, **k):
+        return _NoNvfp4Kernel()
+
+    def moe_backend_of(config, *a, **k):
+        if config.moe_backend == "auto":
+            return oracle.NvFp4MoeBackend.MARLIN, None
+        return oracle.map_nvfp4_backend(config.moe_backend), None
+
+    ct_linear.init_nvfp4_linear_kernel = linear_kernel
+    modelopt.init_nvfp4_linear_kernel = linear_kernel
+    ct_moe.select_nvfp4_moe_backend = moe_backend_of
+    modelopt.select_nvfp4_moe_backend = moe_backend_of
+    del moe_backend
+
+
+def _fill_unread_nvfp4_input_scales(model) -> None:
+    """NVFP4 experts without input activations (A16) register their input scales with ``torch.empty``
+    and vLLM never loads nor reads them: their bytes are whatever memory held. A sharded_state folder
+    holds 1.0 there (reshard.plan.nvfp4.UNREAD); the comparison sets vLLM's to the same value first."""
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        nvfp4 = "Nvfp4" in type(qm).__name__ or "NvFp4" in type(qm).__name__
+        if nvfp4 and getattr(qm, "use_a16", False):
+            for name in ("w13_input_global_scale", "w2_input_global_scale", "w13_input_scale", "w2_input_scale"):
+                p = getattr(m, name, None)
+                if p is not None:
+                    p.data.fill_(1.0)
 
 
 def _zero_moe_padding(model) -> None:
