@@ -185,6 +185,14 @@ def _plain_rows(ctx: Context, lay: _Layout, prefix: str, per_tp: list[list[OutTe
     target = prefix + m.name
     slots = [prefix + s for s in lay.slots]
     ts, offs, outs = slot_sources(ctx, lay, target, slots, lay.param)
+    for t in ts:
+        if t.dtype.startswith("F8"):  # issue 27: DeepSeek-V3.2's indexer wk in FP8 releases
+            raise UnsupportedError(
+                f"{t.name} is {t.dtype}, and vLLM builds {target} unquantized: it dequantises the FP8 weight "
+                "with its scale to the model dtype at load (deepseek_v2._try_load_fp8_indexer_wk), "
+                "which reshard does not write",
+                f"serve the checkpoint with vLLM's default loader, or store {t.name} dequantised to bf16",
+            )
     rest = ts[0].shape[1:]
     for t in ts:
         if t.shape[1:] != rest:
