@@ -133,6 +133,14 @@ def layout_options(command: Callable) -> Callable:
         layout = Layout(tp, pp, ep, dtype, partition, moe_backend, platform=platform)
         return command(*args, layout=layout, **kwargs)
 
-    for option in (platform_option, moe_backend_option, partition_option, dtype_option, ep_option, pp_option, tp_option):
+    for option in (
+        platform_option,
+        moe_backend_option,
+        partition_option,
+        dtype_option,
+        ep_option,
+        pp_option,
+        tp_option,
+    ):
         with_layout = option(with_layout)
     return with_layout

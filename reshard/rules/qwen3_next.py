@@ -56,15 +56,12 @@ QWEN35_STACKED = NEXT_MAPPER | WeightsMapper(
 )
 
 # with Qwen3VLForConditionalGeneration's prefixes
-QWEN35_MAPPER = (
-    QWEN35_STACKED
-    | WeightsMapper(
-        orig_to_new_prefix={
-            "model.visual.": "visual.",
-            "lm_head.": "language_model.lm_head.",
-            "model.language_model.": "language_model.model.",
-        }
-    )
+QWEN35_MAPPER = QWEN35_STACKED | WeightsMapper(
+    orig_to_new_prefix={
+        "model.visual.": "visual.",
+        "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.",
+    }
 )
 
 
