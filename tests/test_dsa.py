@@ -114,17 +114,46 @@ def _with(src, tmp_path, name, change):
     return dst
 
 
-def test_fp8_wk_refused_with_reason(tiny, tmp_path):
-    """Releases that store indexer.wk in FP8 need vLLM's load-time dequantisation (fp8 x scale_inv -> bf16)."""
+def scaled_dequantize_reference(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """vLLM quant_utils.scaled_dequantize with group_shape (rows // s_rows, cols // s_cols), out bfloat16."""
+    g0, g1 = w.shape[0] // s.shape[0], w.shape[1] // s.shape[1]
+    full = s.to(torch.float32).repeat_interleave(g0, 0).repeat_interleave(g1, 1)
+    return (w.to(torch.float32) * full).to(torch.bfloat16)
 
-    def fp8_wk(sd, config):
+
+def _fp8_wk(sd, config):
+    for k in [k for k in sd if k.endswith("indexer.wk.weight")]:
+        sd[k], sd[k + "_scale_inv"] = quantize_block_fp8(sd[k], (64, 32))  # 2 x 2 blocks of [128, 64]
+
+
+def test_fp8_wk_dequantised_as_vllm(tiny, tmp_path):
+    """Releases that store indexer.wk in FP8: vLLM dequantises it at load (deepseek_v2._try_load_fp8_indexer_wk:
+    scaled_dequantize, fp8 and scale to float32, product rounded to bfloat16) into wk_weights_proj's rows."""
+    src = _with(tiny("deepseek-v32"), tmp_path, "fp8wk", _fp8_wk)
+    out = tmp_path / "out"
+    assert_streamed_files_equal_plan(src, out, tp=2)
+    hf = load_file(str(src / "model.safetensors"))
+    idx = L1 + "self_attn.indexer."
+    want = torch.cat(
+        [
+            scaled_dequantize_reference(hf[idx + "wk.weight"], hf[idx + "wk.weight_scale_inv"]),
+            hf[idx + "weights_proj.weight"],
+        ]
+    )
+    for r in range(2):
+        with safe_open(str(out / f"model-rank-{r}-part-0.safetensors"), "pt") as h:
+            assert torch.equal(h.get_tensor(idx + "wk_weights_proj.weight"), want)
+    code, _, err = run("merge", str(out), str(tmp_path / "hf"))
+    assert code == 3 and "dequantised from FP8" in err
+
+
+def test_fp8_wk_without_whole_blocks_refused(tiny, tmp_path):
+    def odd(sd, config):
         for k in [k for k in sd if k.endswith("indexer.wk.weight")]:
-            sd[k], sd[k + "_scale_inv"] = quantize_block_fp8(sd[k])
+            sd[k], sd[k + "_scale_inv"] = quantize_block_fp8(sd[k], (48, 64))  # 128 rows: 3 scale rows
 
-    src = _with(tiny("deepseek-v32"), tmp_path, "fp8wk", fp8_wk)
-    with pytest.raises(UnsupportedError, match="_try_load_fp8_indexer_wk") as e:
-        plan_of(src, tp=2)
-    assert "dequantised to bf16" in e.value.hint
+    with pytest.raises(UnsupportedError, match="scaled_dequantize"):
+        plan_of(_with(tiny("deepseek-v32"), tmp_path, "odd", odd), tp=2)
 
 
 def test_layers_without_indexer_refused(tiny, tmp_path):

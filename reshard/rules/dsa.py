@@ -8,7 +8,8 @@ models/deepseek_v32/attention.py `DeepseekV32Indexer`):
   model's quant config (block-FP8 releases: weight + weight_scale_inv);
 - `indexer.wk_weights_proj`: a MergedColumnParallelLinear(disable_tp, quant_config=None) of the
   checkpoint's `wk` [index_head_dim, H] and `weights_proj` [index_n_heads, H], in the model dtype;
-  an FP8 `wk` is dequantised by vLLM at load, which reshard refuses (plan.linear._plain_rows);
+  an FP8 `wk` is dequantised at load (fp8 x weight_scale_inv in float32, rounded to bfloat16), as reshard
+  writes it (plan.linear._plain_rows, Slice.scale);
 - `indexer.k_norm`: a LayerNorm(dtype=float32): weight and bias F32 [index_head_dim].
 
 The key names depend on vLLM's platform (models/deepseek_v32/__init__.py): on CUDA the model is
@@ -44,7 +45,8 @@ DSA_MAPPER = MAPPER | WeightsMapper(
 
 INDEXER = (
     Replicate(IDX + "wq_b", quant=True, dims=(None, "q_lora_rank")),
-    Merged(IDX + "wk_weights_proj", quant=False, disable_tp=True, dims=FROM_HIDDEN),
+    # an FP8 wk (slot 0) is dequantised to bf16 at load (deepseek_v2._try_load_fp8_indexer_wk)
+    Merged(IDX + "wk_weights_proj", quant=False, disable_tp=True, dims=FROM_HIDDEN, dequant=(0,)),
     Replicate(IDX + "k_norm", dtype="F32"),
     Replicate(IDX + "k_norm", param="bias", dtype="F32"),
 )
