@@ -250,6 +250,26 @@ def test_qwen35_text_pp_and_merge(tiny, tmp_path):
     assert all(torch.equal(merged[k], orig[k]) and merged[k].dtype == orig[k].dtype for k in merged)
 
 
+def test_qwen35_text_with_the_vl_prefix_left_in(tiny, tmp_path):
+    """Community text-only exports that keep `model.language_model.` (vLLM's Qwen3_5ForCausalLMBase mapper strips
+    it): the same per-rank tensors, read from the prefixed names; merge gives the prefixed names back."""
+
+    def prefixed(sd, config):
+        for k in [k for k in sd if k.startswith("model.")]:
+            sd["model.language_model." + k.removeprefix("model.")] = sd.pop(k)
+
+    plain = tiny("qwen3.5-moe-text")
+    src = _with(plain, tmp_path, "prefixed", prefixed)
+    a, b = plan_of(plain, tp=2, ep=True), plan_of(src, tp=2, ep=True)
+    assert shapes(a, 1) == shapes(b, 1)
+    out, hf = tmp_path / "out", tmp_path / "hf"
+    assert_streamed_files_equal_plan(src, out, tp=2)
+    assert run("merge", str(out), str(hf))[0] == 0
+    orig, merged = load_file(str(src / "model.safetensors")), load_file(str(next(hf.glob("*.safetensors"))))
+    assert set(merged) == {k for k in orig if not k.startswith("mtp.")}
+    assert all(torch.equal(merged[k], orig[k]) for k in merged)
+
+
 # ---- Glm4MoeLiteForCausalLM (GLM-4.7-Flash) ------------------------------------------------------
 
 

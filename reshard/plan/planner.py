@@ -19,7 +19,7 @@ from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
 from reshard.plan.remote import RemoteCode, remote_code
 from reshard.plan.slicers import add_module, padded_vocab
-from reshard.rules import Attention, Rule, Vocab, for_platform, get_architecture
+from reshard.rules import Attention, Rule, Vocab, for_checkpoint, for_platform, get_architecture
 
 
 def build_plan(
@@ -51,7 +51,9 @@ def build_plan(
     """
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     arch_name, arch = get_architecture(ckpt.config)
-    arch, platform = for_platform(arch_name, arch, ckpt.config, layout.platform)
+    arch, platform = for_platform(
+        arch_name, for_checkpoint(arch_name, arch, ckpt.tensors), ckpt.config, layout.platform
+    )
     _refuse_opt_in_layouts(ckpt.config)
     code = RemoteCode() if trust_remote_code is None else remote_code(ckpt, arch_name, trust_remote_code)
     ctx = Context(

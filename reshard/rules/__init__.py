@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from reshard.errors import UnsupportedError
 from reshard.rules.deepseek import DEEPSEEK_V2
 from reshard.rules.dsa import DSA_CUDA, DSA_PLATFORMS, GLM4_MOE_LITE, sparse_layers_refused
@@ -13,7 +15,7 @@ from reshard.rules.llama4 import LLAMA4, LLAMA4_TEXT
 from reshard.rules.minimax import MINIMAX_M2
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
-from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_NEXT
+from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_5_MOE_TEXT_PREFIXED, QWEN3_NEXT
 from reshard.rules.spec import Architecture, Mixers, WeightsMapper
 from reshard.rules.styles import (
     QKV,
@@ -89,6 +91,18 @@ def for_platform(name: str, arch: Architecture, config: dict, platform: str | No
     return table, platform
 
 
+# issue 27: tables whose checkpoint prefix differs by export -> (the prefix, the table that reads it)
+BY_PREFIX: dict[str, tuple[str, Architecture]] = {
+    "Qwen3_5MoeForCausalLM": ("model.language_model.", QWEN3_5_MOE_TEXT_PREFIXED),  # vLLM strips it
+}
+
+
+def for_checkpoint(name: str, arch: Architecture, tensors: Iterable[str]) -> Architecture:
+    """The table of `arch` (config.json's `name`) that reads this checkpoint's tensor names."""
+    prefix, table = BY_PREFIX.get(name, ("", arch))
+    return table if prefix and any(n.startswith(prefix) for n in tensors) else arch
+
+
 def get_architecture(config: dict) -> tuple[str, Architecture]:
     names = config.get("architectures") or []
     for name in names:
@@ -127,6 +141,7 @@ __all__ = [
     "Rule",
     "Vocab",
     "WeightsMapper",
+    "for_checkpoint",
     "for_platform",
     "get_architecture",
     "register",

@@ -23,6 +23,8 @@ the serve line names; the tower's weights (`model.visual.*`) are not written. MT
 belong to vLLM's draft model and are skipped by the main model, as here.
 """
 
+from dataclasses import replace
+
 from reshard.rules.llama import ATTN, FROM_HIDDEN, MLP, NORMS, TOP
 from reshard.rules.moe import sparse_layer
 from reshard.rules.spec import Architecture, Mixers, WeightsMapper
@@ -177,9 +179,9 @@ QWEN3_5_MOE = Architecture(
 
 # issue 27: the text-only class vLLM 0.32 registers (qwen3_5.py Qwen3_5MoeForCausalLM over
 # Qwen3_5ForCausalLMBase): the text model under `model.` and `lm_head` (no `language_model.`), built
-# from hf_text_config, no vision tower so no --language-model-only. Its mapper strips a leftover
-# `model.language_model.` prefix (community exports) and drops `mtp.`; reshard reads the checkpoint's
-# `model.` names (what transformers' Qwen3_5MoeForCausalLM writes).
+# from hf_text_config, no vision tower so no --language-model-only. Its mapper drops `mtp.` and strips a
+# leftover `model.language_model.` prefix (community exports): QWEN3_5_MOE_TEXT reads the `model.` names
+# transformers' Qwen3_5MoeForCausalLM writes, QWEN3_5_MOE_TEXT_PREFIXED the others (rules.for_checkpoint).
 QWEN3_5_MOE_TEXT = Architecture(
     names=("Qwen3_5MoeForCausalLM",),
     hf_to_vllm=QWEN35_STACKED,
@@ -191,4 +193,9 @@ QWEN3_5_MOE_TEXT = Architecture(
     experts_key=("num_experts",),
     every_stage=("model.embed_tokens",),
     skip_prefixes=("mtp.",),
+)
+
+QWEN3_5_MOE_TEXT_PREFIXED = replace(
+    QWEN3_5_MOE_TEXT,
+    hf_to_vllm=QWEN35_STACKED | WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."}),
 )
