@@ -30,10 +30,14 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
 from tests.against_vllm import vllm_state  # noqa: E402
-from tests.fixtures import qwen_next_releases, releases  # noqa: E402
+from tests.fixtures import dsa_releases, qwen_next_releases, releases  # noqa: E402
 from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
 
-REGISTRIES = (releases, qwen_next_releases)  # each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes)
+REGISTRIES = (
+    releases,
+    qwen_next_releases,
+    dsa_releases,
+)  # dsa_releases: issue 27  # each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes)
 
 TP = 8
 
@@ -49,6 +53,7 @@ def _rank(rank: int, port: int, vllm_config, out: Path) -> None:
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = str(port)
     vllm_state._allow_missing_fp8_linear_kernel(out)
+    vllm_state._allow_sparse_mla_build()  # issue 27: DSA releases
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=TP, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"
