@@ -182,6 +182,8 @@ def test_manifest_records_platform_and_plugin_refuses_another(tiny, tmp_path):
         "made for vLLM on CPU, this engine runs on CUDA: vLLM's DeepseekV32ForCausalLM class names the weights "
         "differently there (re-save with `reshard save --platform cuda`)"
     ]
+    msg = checks.mismatch_message(out, m, engine, problems)  # what the loader raises (ReshardLoadError)
+    assert "made for vLLM on CPU, this engine runs on CUDA" in msg and "--platform cuda" in msg
     assert checks.engine_problems(m, replace(engine, layout=engine.layout.but(platform="cpu"))) == []
     # folders of other models record no platform, and load anywhere
     llama = replace(m, layout=m.layout.but(platform=None))
