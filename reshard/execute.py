@@ -39,7 +39,7 @@ import numpy as np
 
 from reshard.checkpoint import Reader, Source
 from reshard.format import ITEMSIZE, TensorInfo
-from reshard.io.dtypes import Caster, fill_bytes, pad_rows, upsample
+from reshard.io.dtypes import Caster, dequantize_fp8, fill_bytes, pad_rows, upsample
 from reshard.io.memory import Lease, Memory
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
@@ -150,6 +150,7 @@ class Executor:
         self.closing: list[Worker] = []
         self.done: list[Written] = []
         self.prefetch: Prefetcher | None = None
+        self.scales: dict[str, np.ndarray] = {}  # the step's block scales (Read.scale), by name
 
     def run(self) -> list[Written]:
         steps = schedule(self.plan, self.tensors, self.chunk_bytes)
@@ -208,7 +209,9 @@ class Executor:
                 arr = np.frombuffer(view, np.uint8).reshape((*shape_of(info), item))
             else:
                 arr = np.frombuffer(view, np.uint8).reshape((read.rows[1] - read.rows[0], *shape_of(info)[1:], item))
-            if read.piece is None:
+            if read.scale:
+                self.scales[info.name] = arr.copy()
+            elif read.piece is None:
                 self._feed(holders, read, arr, lease)
             else:
                 self._emit_piece(holders, *read.piece, arr, lease)
@@ -218,6 +221,7 @@ class Executor:
             self._advance_fills(h)
             if h.cursor != len(h.tensor.pieces):
                 raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
+        self.scales.clear()
 
     def _advance_fills(self, h: _Holder) -> None:
         pieces = h.tensor.pieces
@@ -254,7 +258,10 @@ class Executor:
                 r0, r1 = max(a[0], c0), min(b[0], c1)
                 if r1 > r0:
                     idx = (slice(r0 - c0, r1 - c0), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
-                    self._write(h, arr[idx], src_dtype, lease, p)
+                    if p.scale:
+                        self._write_dequantized(h, arr[idx], read.info, p, r0)
+                    else:
+                        self._write(h, arr[idx], src_dtype, lease, p)
                 if b[0] <= c1:
                     h.cursor += 1
                     continue
@@ -277,7 +284,10 @@ class Executor:
             self._write(h, upsample(arr, p.up)[idx], src_dtype, None)
         else:
             idx = (slice(None, None, p.step), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
-            self._write(h, arr[idx], src_dtype, lease, p)
+            if p.scale:
+                self._write_dequantized(h, arr[idx], self.tensors[p.source], p, a[0])
+            else:
+                self._write(h, arr[idx], src_dtype, lease, p)
         h.cursor += 1
         self._advance_fills(h)
 
@@ -297,6 +307,14 @@ class Executor:
         else:  # cast or up-sampled: a fresh array with its own budget share
             h.writer.write(out, self.mem.account(out.nbytes))
         self.progress(out.nbytes)
+
+    def _write_dequantized(self, h: _Holder, part: np.ndarray, info: TensorInfo, p: Slice, row: int) -> None:
+        """Rows [row, row + len(part)) (columns from p.start[1]) of the FP8 source `info`, dequantised
+        with the step's block scale p.scale to bfloat16 as vLLM does, then cast to h's dtype."""
+        assert p.scale is not None
+        scale = self.tensors[p.scale]
+        out = dequantize_fp8(part, info.shape, self.scales[p.scale], scale.dtype, scale.shape, row, p.start[1])
+        self._write(h, out, "BF16", None)
 
     def _write_fill(self, h: _Holder, p: Fill) -> None:
         data = fill_bytes(p.value, p.count, h.tensor.dtype)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 
 # --dtype: torch's names; "auto" is config.json's torch_dtype, resolved by the planner
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# --platform: the vLLM platform whose model class names the keys (DeepSeek-V3.2 / GLM-5: issue 27)
+PLATFORMS = ("cuda", "rocm", "cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,9 @@ class Layout:
     moe_backend: vLLM's --moe-backend the experts are laid out for.
     moe_pin: the --moe-backend the serve line must name because the layout depends on it (planned).
     quantization: the checkpoint's quantization record as the manifest holds it (planned), or None.
+    platform: the vLLM platform the folder's key names are for, where they depend on it (DeepSeek-V3.2's
+        CUDA, ROCm and CPU classes name the same parameters differently); None where they do not
+        (planned: the planner keeps it only for such architectures).
     """
 
     tp: int = 1
@@ -35,6 +40,7 @@ class Layout:
     moe_backend: str = "auto"
     moe_pin: str | None = None
     quantization: dict | None = field(default=None, compare=True, hash=False)
+    platform: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
@@ -51,6 +57,8 @@ class Layout:
             raise ValueError(f"partition must be positive layer counts, not {self.partition!r}")
         if not isinstance(self.moe_backend, str) or (self.moe_pin is not None and not isinstance(self.moe_pin, str)):
             raise ValueError(f"moe_backend must be a name, not {self.moe_backend!r} / {self.moe_pin!r}")
+        if self.platform is not None and self.platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, not {self.platform!r}")
         if self.quantization is not None and not isinstance(self.quantization, dict):
             raise ValueError(f"quantization must be an object or null, not {self.quantization!r}")
 

@@ -25,6 +25,8 @@ class Read:
     rows: the source rows [r0, r1) it holds; None: the whole tensor (it is up-sampled).
     piece: None: fed to every rank's copy of the step's tensor (one pass over the source);
         (holder, piece): the one piece it is read for (a tensor one pass cannot serve).
+    scale: the whole block-scale tensor of an FP8 source the step dequantises (`Slice.scale`), kept
+        by the executor for the reads of that source, which follow it.
     """
 
     info: TensorInfo
@@ -32,6 +34,7 @@ class Read:
     nbytes: int
     rows: tuple[int, int] | None
     piece: tuple[int, int] | None = None
+    scale: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,11 @@ def schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> li
 
 def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterator[Read]:
     """The reads that make one tensor name's copies (`out`): one pass over each source in row
-    chunks, or, where the pieces' order does not allow that, one read per piece."""
+    chunks, or, where the pieces' order does not allow that, one read per piece. The block scales of
+    FP8 sources it dequantises come first, whole."""
+    scales = dict.fromkeys(p.scale for t in out for p in t.pieces if isinstance(p, Slice) and p.scale)
+    for name in scales:
+        yield Read(tensors[name], 0, tensors[name].nbytes, None, scale=True)
     sources = _sources(out)
     if not _streamable(out, list(sources)):
         for h, t in enumerate(out):

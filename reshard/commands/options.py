@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import click
 
-from reshard.layout import DTYPES, Layout
+from reshard.layout import DTYPES, PLATFORMS, Layout
 from reshard.plan.backends import MOE_BACKENDS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -106,22 +106,41 @@ moe_backend_option = click.option(
     "block FP8; flashinfer_trtllm, aiter with bf16); the serve line pins the backend whenever the layout "
     "depends on it.",
 )
+platform_option = click.option(
+    "--platform",
+    "platform",
+    default="cuda",
+    show_default=True,
+    type=click.Choice(PLATFORMS),
+    help="The vLLM platform that will serve the folder, where the model's key names depend on it "
+    "(DeepSeek-V3.2 / GLM-5: vLLM's CUDA and CPU classes name the same weights differently); recorded, "
+    "and the reshard loader refuses the folder on another platform. Ignored by other models.",
+)
 
 
 def layout_options(command: Callable) -> Callable:
-    """--tp, --pp, --ep, --dtype, --pp-layer-partition and --moe-backend, given to `command` as one
+    """--tp, --pp, --ep, --dtype, --pp-layer-partition, --moe-backend and --platform, given to `command` as one
     `layout: Layout` (the defaults above are the only ones)."""
 
     @functools.wraps(command)
-    def with_layout(*args, tp, pp, ep, dtype, pp_partition, moe_backend, **kwargs):
+    def with_layout(*args, tp, pp, ep, dtype, pp_partition, moe_backend, platform, **kwargs):
         partition = tuple(pp_partition) if pp_partition else None
         if partition and len(partition) != pp:  # known without the model: usage (one that misfits it: exit 3)
             raise click.BadParameter(
                 f"{len(partition)} layer counts for --pp {pp}: give one per pipeline stage",
                 param_hint="'--pp-layer-partition'",
             )
-        return command(*args, layout=Layout(tp, pp, ep, dtype, partition, moe_backend), **kwargs)
+        layout = Layout(tp, pp, ep, dtype, partition, moe_backend, platform=platform)
+        return command(*args, layout=layout, **kwargs)
 
-    for option in (moe_backend_option, partition_option, dtype_option, ep_option, pp_option, tp_option):
+    for option in (
+        platform_option,
+        moe_backend_option,
+        partition_option,
+        dtype_option,
+        ep_option,
+        pp_option,
+        tp_option,
+    ):
         with_layout = option(with_layout)
     return with_layout

@@ -86,3 +86,35 @@ class Caster:
 
     def _dtype(self, code: str):  # a torch.dtype
         return getattr(self.torch(), DTYPE_CODES[code])
+
+
+def dequantize_fp8(
+    part: np.ndarray,
+    shape: tuple[int, ...],
+    scale: np.ndarray,
+    scale_dtype: str,
+    scale_shape: tuple[int, ...],
+    row: int,
+    col: int,
+) -> np.ndarray:
+    """Block-FP8 (e4m3) weight bytes as bfloat16 bytes, exactly as vLLM's `scaled_dequantize(w, s,
+    group_shape=(rows // s_rows, cols // s_cols), out_dtype=bfloat16)`: both to float32, multiplied
+    elementwise, rounded to bfloat16 (deepseek_v2._try_load_fp8_indexer_wk; E8M0 scales decoded first).
+
+    part: uint8 [n, c, 1], rows [row, row + n) and columns [col, col + c) of the [rows, cols] weight `shape`;
+    scale: the whole scale tensor's bytes ([s_rows, s_cols, itemsize] uint8) of `scale_dtype`."""
+    torch = import_torch("dequantizing an FP8 weight")
+    gr, gc = shape[0] // scale_shape[0], shape[1] // scale_shape[1]
+    n, c = part.shape[0], part.shape[1]
+    w = torch.from_numpy(np.ascontiguousarray(part)).view(torch.float8_e4m3fn).reshape(n, c)
+    raw = torch.from_numpy(np.ascontiguousarray(scale))
+    if scale_dtype in ("F8_E8M0", "U8"):
+        s = raw.view(torch.float8_e8m0fnu).to(torch.float32)
+    else:
+        s = raw.view(getattr(torch, DTYPE_CODES[scale_dtype])).to(torch.float32)
+    s = s.reshape(scale_shape)
+    rows = torch.arange(row, row + n) // gr
+    cols = torch.arange(col, col + c) // gc
+    full = s[rows][:, cols]
+    out = (w.to(torch.float32) * full).to(torch.bfloat16)
+    return out.contiguous().view(torch.uint8).numpy().reshape(n, c, 2)

@@ -172,6 +172,7 @@ def layout_json(lay: Layout, architecture: str, vllm_layout: str = VLLM_LAYOUT) 
         "pp_layer_partition": list(lay.partition or ()),
         "moe_backend": lay.moe_backend,
         "moe_backend_pinned": lay.moe_pin,
+        **({"platform": lay.platform} if lay.platform else {}),  # only where the key names depend on it
     }
 
 
@@ -278,8 +279,12 @@ def _layout(lay: object) -> tuple[str, Layout, str]:
     _need(quant is None or isinstance(quant, dict), f"layout.quantization is {quant!r}")
     backend, pin = lay.get("moe_backend") or "auto", lay.get("moe_backend_pinned")
     _need(isinstance(backend, str) and (pin is None or isinstance(pin, str)), f"layout.moe_backend is {backend!r}")
+    platform = lay.get("platform")
+    _need(platform is None or isinstance(platform, str), f"layout.platform is {platform!r}")
     try:
-        layout = Layout(lay["tp"], lay["pp"], lay["ep"], dtype, tuple(part) if part else None, backend, pin, quant)
+        layout = Layout(
+            lay["tp"], lay["pp"], lay["ep"], dtype, tuple(part) if part else None, backend, pin, quant, platform
+        )
     except ValueError as e:
         raise ManifestProblem(f"layout: {e}") from None
     arch = lay.get("architecture")

@@ -185,6 +185,7 @@ def _plain_rows(ctx: Context, lay: _Layout, prefix: str, per_tp: list[list[OutTe
     target = prefix + m.name
     slots = [prefix + s for s in lay.slots]
     ts, offs, outs = slot_sources(ctx, lay, target, slots, lay.param)
+    scales = [_dequant_scale(ctx, lay, target, i, t) for i, t in enumerate(ts)]
     rest = ts[0].shape[1:]
     for t in ts:
         if t.shape[1:] != rest:
@@ -192,11 +193,44 @@ def _plain_rows(ctx: Context, lay: _Layout, prefix: str, per_tp: list[list[OutTe
     for r in range(ctx.tp):
         slot_rows = lay.rows(ctx, target, outs, r)
         pieces = tuple(
-            Slice(t.name, (o + a, *(0,) * len(rest)), (o + b, *rest))
-            for t, o, (a, b, _) in zip(ts, offs, slot_rows, strict=True)
+            Slice(t.name, (o + a, *(0,) * len(rest)), (o + b, *rest), scale=s)
+            for t, o, s, (a, b, _) in zip(ts, offs, scales, slot_rows, strict=True)
         )
         shape = (sum(b - a for a, b, _ in slot_rows), *rest)
         per_tp[r].append(OutTensor(f"{target}.{lay.param}", m.dtype or ctx.dtype, shape, pieces))
+
+
+def _dequant_scale(ctx: Context, lay: _Layout, target: str, slot: int, t: TensorInfo) -> str | None:
+    """The scale tensor of slot `slot`'s FP8 weight `t` that vLLM dequantises at load into the unquantized
+    module (Merged.dequant: DeepSeek-V3.2's indexer wk, deepseek_v2._try_load_fp8_indexer_wk); None for a
+    plain weight. Any other FP8 weight of an unquantized module is refused: vLLM would copy its values
+    without their scales."""
+    if not t.dtype.startswith("F8"):
+        return None
+    if slot not in getattr(lay.rule, "dequant", ()) or t.dtype != "F8_E4M3" or len(t.shape) != 2:
+        raise UnsupportedError(
+            f"{t.name} is {t.dtype}, and vLLM builds {target} unquantized: it would load the FP8 values without "
+            "their scales",
+            f"store {t.name} in bf16 in the checkpoint, or serve it with vLLM's default loader",
+        )
+    base = t.name.removesuffix(".weight")
+    found = [n for n in (f"{base}.weight_scale_inv", f"{base}.weight_scale") if n in ctx.ckpt.tensors]
+    if len(found) != 1:
+        raise SourceError(
+            f"{t.name} is FP8 and the checkpoint has {len(found) or 'no'} scale tensor(s) for it "
+            f"({', '.join(found) or base + '.weight_scale_inv'}): vLLM dequantises it with exactly one",
+            "the checkpoint is incomplete",
+        )
+    s = ctx.src(found[0], target)
+    if len(s.shape) != 2 or not all(s.shape) or t.shape[0] % s.shape[0] or t.shape[1] % s.shape[1]:
+        raise UnsupportedError(
+            f"{s.name} has shape {list(s.shape)}, not blocks that divide {t.name}'s {list(t.shape)}: "
+            "vLLM's scaled_dequantize fails on it (its group shape asserts), reshard writes 2-D block scales only",
+            "serve the original checkpoint with vLLM's default loader",
+        )
+    if s.dtype not in ("F32", "BF16", "F16", "F8_E8M0", "U8"):
+        raise UnsupportedError(f"{s.name} is {s.dtype}: not a scale dtype vLLM dequantises with")
+    return s.name
 
 
 def _bias(

@@ -37,6 +37,9 @@ class Slice:
     fill: float = 0.0
     perm: tuple[int, ...] | None = None
     step: int = 1  # every step-th row of [start[0], stop[0]) (Llama-4's q/k rows, even then odd per head)
+    # an FP8 source dequantised with this 2-D block-scale tensor to bf16 (vLLM's scaled_dequantize: fp8 and
+    # scale to float32, multiplied, rounded to bfloat16), then cast to the tensor's dtype (issue 27)
+    scale: str | None = None
 
     def row_of(self, other: Slice) -> bool:
         """Both are the same single source row (Llama-4's gate and up halves of an expert): the executor's

@@ -19,7 +19,7 @@ from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
 from reshard.plan.remote import RemoteCode, remote_code
 from reshard.plan.slicers import add_module, padded_vocab
-from reshard.rules import Attention, Rule, Vocab, get_architecture
+from reshard.rules import Attention, Rule, Vocab, for_checkpoint, for_platform, get_architecture
 
 
 def build_plan(
@@ -51,6 +51,9 @@ def build_plan(
     """
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     arch_name, arch = get_architecture(ckpt.config)
+    arch, platform = for_platform(
+        arch_name, for_checkpoint(arch_name, arch, ckpt.tensors), ckpt.config, layout.platform
+    )
     _refuse_opt_in_layouts(ckpt.config)
     code = RemoteCode() if trust_remote_code is None else remote_code(ckpt, arch_name, trust_remote_code)
     ctx = Context(
@@ -81,14 +84,24 @@ def build_plan(
             partition=tuple(b - a for a, b in ranges),
             quantization=ctx.quant.to_json() if ctx.quant else None,
             moe_pin=ctx.moe_pin,
+            platform=platform,
         ),
         files=assign_files(per_rank, pp=pp, max_part_size=max_part_size),
         layer_ranges=ranges,
-        notes=ctx.notes + ([code.note] if code.note else []),
+        notes=ctx.notes + ([code.note] if code.note else []) + platform_note(arch_name, platform),
         config_patch=ctx.config_patch,
         serve_flags=arch.serve_flags,
         remote_code=code,
     )
+
+
+def platform_note(arch_name: str, platform: str | None) -> list[str]:
+    if platform is None:
+        return []
+    return [
+        f"key names of vLLM's {arch_name} on {platform.upper()} (they differ per platform): the folder loads only "
+        f"on {platform.upper()} (`--platform` cuda|cpu); reshard's loader refuses it elsewhere"
+    ]
 
 
 def _refuse_opt_in_layouts(config: dict) -> None:

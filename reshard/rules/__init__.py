@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from reshard.errors import UnsupportedError
 from reshard.rules.deepseek import DEEPSEEK_V2
+from reshard.rules.dsa import DSA_CUDA, DSA_PLATFORMS, GLM4_MOE_LITE, sparse_layers_refused
 from reshard.rules.gemma import GEMMA2, GEMMA3
 from reshard.rules.glm import GLM4_MOE
 from reshard.rules.gptoss import GPT_OSS
@@ -12,7 +15,7 @@ from reshard.rules.llama4 import LLAMA4, LLAMA4_TEXT
 from reshard.rules.minimax import MINIMAX_M2
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
-from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_NEXT
+from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_5_MOE_TEXT_PREFIXED, QWEN3_NEXT
 from reshard.rules.spec import Architecture, Mixers, WeightsMapper
 from reshard.rules.styles import (
     QKV,
@@ -44,16 +47,14 @@ for _arch in (
     *(GPT_OSS, LLAMA4, LLAMA4_TEXT, QWEN3_NEXT, QWEN3_5_MOE, GLM4_MOE, MINIMAX_M2),  # issue 15
 ):
     register(_arch)
+for _arch in (QWEN3_5_MOE_TEXT, GLM4_MOE_LITE, DSA_CUDA):  # issue 27: DSA / text-only families
+    register(_arch)
 
 
 # Relatives of supported families that reshard refuses by name: config.json name -> why.
 REFUSED: dict[str, str] = {}
 REFUSED.update(  # issue 15: neighbours of GLM-4.5/4.6, MiniMax-M2 and Kimi-K2
     {
-        "Glm4MoeLiteForCausalLM": "GLM-4.7-Flash's latent attention (glm4_moe_lite.py) has no rule table "
-        "checked against vLLM",
-        "GlmMoeDsaForCausalLM": "GLM-5's sparse-attention indexer weights (vLLM deepseek_v32.py) have no rule table",
-        "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse-attention indexer weights have no rule table",
         "KimiK25ForConditionalGeneration": "Kimi-K2.5 wraps the text model with a vision tower; "
         "its multimodal layout is not written",
         "KimiLinearForCausalLM": "Kimi-Linear's linear-attention (KDA) layers have no rule table",
@@ -63,6 +64,43 @@ REFUSED.update(  # issue 15: neighbours of GLM-4.5/4.6, MiniMax-M2 and Kimi-K2
         "there is nothing to pre-shard",
     }
 )
+
+
+# issue 27: architectures whose vLLM class names the weights differently per platform -> per platform,
+# the table or why that platform is refused
+BY_PLATFORM: dict[str, dict[str, Architecture | str]] = {name: DSA_PLATFORMS for name in DSA_CUDA.names}
+
+
+def for_platform(name: str, arch: Architecture, config: dict, platform: str | None) -> tuple[Architecture, str | None]:
+    """The table of `arch` (config.json's `name`) for vLLM on `platform` (None: CUDA), and the platform the
+    folder must record: None where the names do not depend on it."""
+    tables = BY_PLATFORM.get(name)
+    if tables is None:
+        return arch, None
+    platform = platform or "cuda"
+    table = tables[platform]
+    if isinstance(table, str):
+        raise UnsupportedError(
+            f"--platform {platform} for {name}: {table}",
+            f"use --platform {' or --platform '.join(p for p, t in tables.items() if not isinstance(t, str))}, "
+            "or serve the original checkpoint with vLLM's default loader",
+        )
+    why = sparse_layers_refused(arch.text(config))
+    if why:
+        raise UnsupportedError(f"{name}: {why}", "serve the original checkpoint with vLLM's default loader")
+    return table, platform
+
+
+# issue 27: tables whose checkpoint prefix differs by export -> (the prefix, the table that reads it)
+BY_PREFIX: dict[str, tuple[str, Architecture]] = {
+    "Qwen3_5MoeForCausalLM": ("model.language_model.", QWEN3_5_MOE_TEXT_PREFIXED),  # vLLM strips it
+}
+
+
+def for_checkpoint(name: str, arch: Architecture, tensors: Iterable[str]) -> Architecture:
+    """The table of `arch` (config.json's `name`) that reads this checkpoint's tensor names."""
+    prefix, table = BY_PREFIX.get(name, ("", arch))
+    return table if prefix and any(n.startswith(prefix) for n in tensors) else arch
 
 
 def get_architecture(config: dict) -> tuple[str, Architecture]:
@@ -85,6 +123,7 @@ def get_architecture(config: dict) -> tuple[str, Architecture]:
 
 __all__ = [
     "ARCHITECTURES",
+    "BY_PLATFORM",
     "QKV",
     "REFUSED",
     "Architecture",
@@ -102,6 +141,8 @@ __all__ = [
     "Rule",
     "Vocab",
     "WeightsMapper",
+    "for_checkpoint",
+    "for_platform",
     "get_architecture",
     "register",
 ]

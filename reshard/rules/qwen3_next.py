@@ -23,6 +23,8 @@ the serve line names; the tower's weights (`model.visual.*`) are not written. MT
 belong to vLLM's draft model and are skipped by the main model, as here.
 """
 
+from dataclasses import replace
+
 from reshard.rules.llama import ATTN, FROM_HIDDEN, MLP, NORMS, TOP
 from reshard.rules.moe import sparse_layer
 from reshard.rules.spec import Architecture, Mixers, WeightsMapper
@@ -45,24 +47,23 @@ NEXT_MAPPER = WeightsMapper(
     }
 )
 
-# vLLM qwen3_5.py Qwen3_5Model.hf_to_vllm_mapper, with Qwen3VLForConditionalGeneration's prefixes
-QWEN35_MAPPER = (
-    NEXT_MAPPER
-    | WeightsMapper(
-        orig_to_new_stacked={
-            ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
-            ".in_proj_z": (".in_proj_qkvz", 3),
-            ".in_proj_b": (".in_proj_ba", 0),
-            ".in_proj_a": (".in_proj_ba", 1),
-        }
-    )
-    | WeightsMapper(
-        orig_to_new_prefix={
-            "model.visual.": "visual.",
-            "lm_head.": "language_model.lm_head.",
-            "model.language_model.": "language_model.model.",
-        }
-    )
+# vLLM qwen3_5.py Qwen3_5Model.hf_to_vllm_mapper
+QWEN35_STACKED = NEXT_MAPPER | WeightsMapper(
+    orig_to_new_stacked={
+        ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
+        ".in_proj_z": (".in_proj_qkvz", 3),
+        ".in_proj_b": (".in_proj_ba", 0),
+        ".in_proj_a": (".in_proj_ba", 1),
+    }
+)
+
+# with Qwen3VLForConditionalGeneration's prefixes
+QWEN35_MAPPER = QWEN35_STACKED | WeightsMapper(
+    orig_to_new_prefix={
+        "model.visual.": "visual.",
+        "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.",
+    }
 )
 
 
@@ -174,4 +175,27 @@ QWEN3_5_MOE = Architecture(
     skip_prefixes=("mtp.", "model.visual."),
     text_config="text_config",
     serve_flags=("--language-model-only",),
+)
+
+# issue 27: the text-only class vLLM 0.32 registers (qwen3_5.py Qwen3_5MoeForCausalLM over
+# Qwen3_5ForCausalLMBase): the text model under `model.` and `lm_head` (no `language_model.`), built
+# from hf_text_config, no vision tower so no --language-model-only. Its mapper drops `mtp.` and strips a
+# leftover `model.language_model.` prefix (community exports): QWEN3_5_MOE_TEXT reads the `model.` names
+# transformers' Qwen3_5MoeForCausalLM writes, QWEN3_5_MOE_TEXT_PREFIXED the others (rules.for_checkpoint).
+QWEN3_5_MOE_TEXT = Architecture(
+    names=("Qwen3_5MoeForCausalLM",),
+    hf_to_vllm=QWEN35_STACKED,
+    top=TOP,
+    layer=NORMS,
+    mixers=Mixers(layer_type, {"full_attention": FULL_ATTENTION, "linear_attention": QWEN35_LINEAR}),
+    moe_mlp=SPARSE_MOE,
+    is_moe_layer=lambda config, layer: True,
+    experts_key=("num_experts",),
+    every_stage=("model.embed_tokens",),
+    skip_prefixes=("mtp.",),
+)
+
+QWEN3_5_MOE_TEXT_PREFIXED = replace(
+    QWEN3_5_MOE_TEXT,
+    hf_to_vllm=QWEN35_STACKED | WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."}),
 )

@@ -131,12 +131,15 @@ class Merged(Linear):
         sizes: per slot, the config keys whose product is its row count (vLLM's `output_sizes`),
             where a tensor holds several slots.
         disable_tp: whole on every rank (vLLM's `disable_tp=True`, DeepSeek's fused_qkv_a_proj).
+        dequant: slots whose FP8 (e4m3) checkpoint weight vLLM dequantises at load with its block scale
+            (`weight_scale_inv` / `weight_scale`) into this unquantized module (DeepSeek-V3.2's indexer wk).
     """
 
     _: KW_ONLY
     fused: tuple[str, ...] = ()
     sizes: Sizes = ()
     disable_tp: bool = False
+    dequant: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,12 @@ def read_output(
                             "reading it back is not supported",
                             "merge or re-shard from the original Hugging Face checkpoint",
                         )
+                    if p.scale is not None:  # issue 27
+                        raise UnsupportedError(
+                            f"{path} holds {p.source} dequantised from FP8 with {p.scale} (vLLM's load-time "
+                            "dequantisation of DeepSeek-V3.2's indexer wk); the FP8 bytes cannot be read back",
+                            "merge or re-shard from the original Hugging Face checkpoint",
+                        )
                     if dtypes.setdefault(p.source, t.dtype) != t.dtype:
                         raise SourceError(f"{p.source} is stored in two dtypes; cannot read it back")
                     regions.setdefault(p.source, []).append(Region(f.name, pos, p.start, p.stop, p.up, p.pad))

@@ -120,6 +120,7 @@ def _manifest_folder(
         recorded.ep if ep is None else ep,
         recorded.dtype,
         moe_backend=recorded.moe_backend,
+        platform=recorded.platform,
     )
     folder = Folder(out, m, recorded)
     if not asked.same_ranks(recorded):

@@ -108,6 +108,13 @@ def engine_problems(manifest: Manifest, engine: Engine) -> list[str]:
         out.append(
             f"made for --moe-backend {pinned} (the experts' layout depends on it), this engine runs {runs.moe_backend}"
         )
+    # issue 27: DeepSeek-V3.2 / GLM-5 key names depend on vLLM's platform (its CUDA and CPU classes differ)
+    if made.platform and runs.platform and made.platform != runs.platform:
+        out.append(
+            f"made for vLLM on {made.platform.upper()}, this engine runs on {runs.platform.upper()}: vLLM's "
+            f"{manifest.architecture or 'model'} class names the weights differently there "
+            f"(re-save with `reshard save --platform {runs.platform}`)"
+        )
     spec = manifest.vllm_versions
     if spec is not None:
         try:

@@ -152,6 +152,7 @@ class ReshardModelLoader(BaseModelLoader):
             ep=bool(par.enable_expert_parallel),
             dtype=dtype if dtype in DTYPES else "auto",  # another dtype than reshard writes: never a match
             moe_backend=str(getattr(cfg.kernel_config, "moe_backend", "auto")),
+            platform=_platform(),
         )
         return Engine(
             layout=layout,
@@ -161,6 +162,20 @@ class ReshardModelLoader(BaseModelLoader):
             pp_rank=get_pp_group().rank_in_group,
             lora=cfg.lora_config is not None,
         )
+
+
+def _platform() -> str | None:
+    """The naming platform of the running vLLM (reshard.layout.PLATFORMS): XPU runs the generic
+    (CPU-named) classes; None for a platform reshard does not name."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_rocm():
+        return "rocm"
+    if current_platform.is_cpu() or current_platform.is_xpu():
+        return "cpu"
+    return None
 
 
 def _retie_word_embeddings(model: nn.Module, model_config: ModelConfig) -> None:

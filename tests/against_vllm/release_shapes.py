@@ -30,11 +30,11 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
 from tests.against_vllm import vllm_state  # noqa: E402
-from tests.fixtures import fp4_releases, qwen_next_releases, releases  # noqa: E402
+from tests.fixtures import dsa_releases, fp4_releases, qwen_next_releases, releases  # noqa: E402
 from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
 
 # each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes); optional side_files(), MOE_BACKEND (issue 26)
-REGISTRIES = (releases, qwen_next_releases, fp4_releases)
+REGISTRIES = (releases, qwen_next_releases, fp4_releases, dsa_releases)
 _MOE_BACKEND = ["auto"]  # the release's --moe-backend, set before the ranks fork
 
 TP = 8
@@ -54,6 +54,7 @@ def _rank(rank: int, port: int, vllm_config, out: Path) -> None:
     vllm_state._force_moe_backend(_MOE_BACKEND[0])
     vllm_state._allow_nvfp4(_MOE_BACKEND[0])  # issue 26: NVFP4 kernel/backend selection only
     vllm_state._allow_wna16_moe()  # Kimi-K2-Thinking's INT4 experts: no WNA16 MoE backend on CPU (selection only)
+    vllm_state._allow_sparse_mla_build()  # issue 27: DSA releases
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=TP, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"

@@ -97,6 +97,7 @@ class Case:
         s += f"-{self.shards}files" if self.shards > 1 else ""
         s += f"-{lay.dtype}" if lay.dtype != "auto" else ""
         s += f"-{lay.moe_backend}" if lay.moe_backend != "auto" else ""
+        s += f"-{lay.platform}" if lay.platform else ""  # issue 27
         return s
 
     @property
@@ -114,6 +115,8 @@ class Case:
             args += ["--dtype", lay.dtype]
         if lay.moe_backend != "auto":
             args += ["--moe-backend", lay.moe_backend]
+        if lay.platform:  # issue 27: DSA key names per vLLM platform
+            args += ["--platform", lay.platform]
         if self.arch == "kimi-k2":  # its tokenizer is tokenization_kimi.py: copied only when asked
             args.append("--trust-remote-code")
         return args
@@ -142,8 +145,9 @@ def case(
     shards: int = 1,
     dtype: str = "auto",
     moe_backend: str = "auto",
+    platform: str | None = None,
 ) -> Case:
-    return Case(arch, Layout(tp, pp, ep, dtype, None, moe_backend), shards)
+    return Case(arch, Layout(tp, pp, ep, dtype, None, moe_backend, platform=platform), shards)
 
 
 STATE_CASES: list[Case] = (
@@ -358,6 +362,29 @@ STATE_CASES += [
     case("deepseek-v3+ct-nvfp4", 2),
     case("deepseek-v3+mo-nvfp4", 2, ep=True, moe_backend="flashinfer_trtllm"),
 ]
+
+# issue 27: DSA / text-only families (tests/fixtures/tiny.py), one vLLM process per source. DeepSeek-V3.2 and
+# GLM-5 on this CPU are vLLM's generic deepseek_v2 class: reshard's `--platform cpu` output is compared as
+# is; its default (CUDA-named, models/deepseek_v32/nvidia) output through the documented renaming
+# (test_dsa_cuda_names_after_renaming). Qwen3_5MoeForCausalLM: text model under model.*, no tower.
+# GLM-4.7-Flash: DeepSeek MLA + GLM-4.5 MoE.
+STATE_CASES += [
+    case("deepseek-v32", 2, platform="cpu"),
+    case("deepseek-v32", 2, ep=True, platform="cpu"),
+    case("deepseek-v32", 1, pp=2, platform="cpu"),
+    case("glm5", 4, platform="cpu"),
+    # block FP8 as released: wq_b with its scales, the FP8 wk dequantised as vLLM's loader does
+    case("deepseek-v32-fp8", 2, platform="cpu"),
+    case("qwen3.5-moe-text", 2),
+    case("qwen3.5-moe-text", 4, ep=True),
+    case("qwen3.5-moe-text", 1, pp=2),
+    case("glm4.7-flash", 2),
+    case("glm4.7-flash", 4, ep=True),
+    case("glm4.7-flash", 1, pp=2),
+]
+GEN_CASES += [case("qwen3.5-moe-text", 2), case("glm4.7-flash", 2)]
+MOE += ["deepseek-v32", "deepseek-v32-fp8", "glm5", "qwen3.5-moe-text", "glm4.7-flash"]  # marks only
+DSA_CUDA_CASES = [case("deepseek-v32", 2), case("glm5", 4)]  # compared with the cpu cases' dumps
 
 
 def _params(cases: list[Case]):
@@ -601,3 +628,21 @@ def test_served_state_matches(case: Case, suite: Suite, tmp_path: Path):
 
     with safe_open(str(tmp_path / "default-rank0.safetensors"), "pt") as fh:
         assert any(k.endswith("rotary_emb.cos_sin_cache") for k in fh.keys())  # noqa: SIM118
+
+
+# --------------------------------------------------------------------------- #
+# issue 27: DSA's CUDA key names, compared with vLLM CPU's state through the renaming
+# --------------------------------------------------------------------------- #
+@needs_reshard
+@pytest.mark.moe
+@pytest.mark.parametrize("case", _params(DSA_CUDA_CASES))
+def test_dsa_cuda_names_after_renaming(case: Case, suite: Suite, tmp_path: Path):
+    from tests.against_vllm.dsa_names import renamed_copy
+
+    res = suite.resharded(case)
+    assert res.rc == 0, f"reshard failed:\n{res.output[-4000:]}"
+    exp = suite.expected(Case(case.arch, case.layout.but(platform="cpu"), case.shards))
+    renamed, changed = renamed_copy(res.out, tmp_path / "renamed")
+    assert changed, "the CUDA-named output had no name that vLLM's CPU class spells differently"
+    problems = vllm_state.compare(exp, renamed, case.layout.tp, pp=case.layout.pp)
+    assert not problems, _fmt(problems)

@@ -15,19 +15,25 @@ from pathlib import Path
 
 TEXT_ONLY = frozenset({"Qwen3_5MoeForConditionalGeneration", "Llama4ForConditionalGeneration"})
 STUBS = Path(__file__).resolve().parent / "stubs"
+# issue 27: the text-only Qwen3.5-MoE class lives in vLLM's qwen3_5.py too (torchvision imported), no tower
+NEEDS_TORCHVISION = TEXT_ONLY | {"Qwen3_5MoeForCausalLM"}
 
 
-def language_model_only(model_dir: str | os.PathLike) -> bool:
+def _architectures(model_dir: str | os.PathLike) -> list[str]:
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return any(a in TEXT_ONLY for a in config.get("architectures") or [])
+        return []
+    return list(config.get("architectures") or [])
+
+
+def language_model_only(model_dir: str | os.PathLike) -> bool:
+    return any(a in TEXT_ONLY for a in _architectures(model_dir))
 
 
 def env(model_dir: str | os.PathLike, base: dict[str, str]) -> dict[str, str]:
-    """``base`` with the torchvision stub first on PYTHONPATH when ``model_dir`` is text-only."""
-    if not language_model_only(model_dir):
+    """``base`` with the torchvision stub first on PYTHONPATH when ``model_dir``'s vLLM code imports it."""
+    if not any(a in NEEDS_TORCHVISION for a in _architectures(model_dir)):
         return base
     paths = [str(STUBS), *filter(None, base.get("PYTHONPATH", "").split(os.pathsep))]
     return {**base, "PYTHONPATH": os.pathsep.join(paths)}

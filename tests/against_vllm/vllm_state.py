@@ -230,6 +230,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
     _force_moe_backend(case.get("moe_backend", "auto"))
     _allow_wna16_moe()
     _allow_nvfp4(case.get("moe_backend", "auto"))  # issue 26: NVFP4
+    _allow_sparse_mla_build()  # issue 27
     model_config = vllm_config.model_config
     dump_dir = Path(case["dump_dir"])
     with set_current_vllm_config(vllm_config):
@@ -422,6 +423,26 @@ def _fill_unread_nvfp4_input_scales(model) -> None:
                 p = getattr(m, name, None)
                 if p is not None:
                     p.data.fill_(1.0)
+
+
+# issue 27: DSA (DeepSeek-V3.2 / GLM-5)
+def _allow_sparse_mla_build() -> None:
+    """Let DeepSeek-V3.2's sparse MLA be *built* on this CPU: vLLM CPU refuses to select an attention
+    backend for it ("Sparse Attention is not supported on CPU.", platforms/cpu.py), so the selection
+    (only) falls back to XPU's sparse MLA backend, the one vLLM picks for the same generic class on
+    XPU. Backends hold no parameters: the state is the model code's. It cannot run here (no GEN case)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cls = type(current_platform)
+    select = cls.get_attn_backend_cls
+
+    def selected(selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_sparse:
+            return AttentionBackendEnum.XPU_MLA_SPARSE.get_path()
+        return select(selected_backend, attn_selector_config, num_heads)
+
+    cls.get_attn_backend_cls = staticmethod(selected)
 
 
 def _zero_moe_padding(model) -> None:
