@@ -23,6 +23,7 @@ auto_awq.py). The layouts before vLLM's post-processing, per rank (K / N: in / o
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -244,6 +245,17 @@ class Gptq(_KFirst):
         # vLLM's maybe_update_config: the modules holding a tensor of a non-float dtype
         floats = ("qweight", "qzeros", "g_idx")
         return replace(self, layers=tuple(sorted({n.rsplit(".", 1)[0] for n in names if n.endswith(floats)})))
+
+    def config_patch(self, config: dict) -> dict:
+        """vLLM finds GPTQ's quantized modules in the checkpoint's files (maybe_update_config: those with a
+        non-float tensor) unless config.json lists them; in an output's files they are fused (qkv_proj,
+        gate_up_proj), which vLLM's substring match takes for unquantized: list the source's instead
+        (its linear modules: vLLM's MoE method does not look)."""
+        qc = config.get("quantization_config") or {}
+        if qc.get("modules_in_block_to_quantize") or not self.layers:
+            return {}
+        linear = [m for m in self.layers if not re.search(r"\.experts\.\d+\.", m)] or list(self.layers)
+        return {"quantization_config": {**qc, "modules_in_block_to_quantize": linear}}
 
     def _drop(self, sources: Sources, slot: str, in_size: int) -> None:
         with contextlib.suppress(SourceError):

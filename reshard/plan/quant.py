@@ -49,6 +49,10 @@ class Quant:
         """The scheme once the checkpoint's tensor names are known (GPTQ: which modules it quantizes)."""
         return self
 
+    def config_patch(self, config: dict) -> dict:
+        """Keys the copied config.json needs for vLLM to build the same layers from the output's files."""
+        return {}
+
     def check_weight(self, w: TensorInfo) -> None:
         """A weight this scheme quantizes must be stored quantized."""
         if w.dtype != self.weight_dtype:

@@ -122,7 +122,7 @@ class Case:
         m = []
         if self.arch.split("+")[0] in MOE + HYBRID:
             m.append(pytest.mark.moe)
-        if "+ct-w" in self.arch:
+        if "+ct-w" in self.arch or "+gptq" in self.arch or "+awq" in self.arch:
             m.append(pytest.mark.intquant)
         elif "fp8" in self.arch or "+ct" in self.arch:
             m.append(pytest.mark.fp8)
@@ -303,6 +303,27 @@ STATE_CASES += [
     case("deepseek-v3+ct-w4a16-g32-experts", 2, ep=True),
 ]
 GEN_CASES += [case("llama+ct-w4a16-asym", 2), case("llama+ct-w8a8-static", 2)]
+
+# issue 26: GPTQ / AWQ as AutoGPTQ and AutoAWQ write them (tests/fixtures/gptq.py), one vLLM process per
+# source. K-first int32 packing: GPTQ qweight [K / 8, N] (4-bit, groups of 32; 8-bit and channelwise
+# with row-parallel scales whole), AWQ [K, N / 8]; a merged layer's shards side by side in columns, k/v
+# replicated at TP 4. Experts in Marlin's K-first layout with zero w13_bias / w2_bias (qwen3-moe-wide:
+# hidden 128, whole groups per rank, so vLLM's own check picks Marlin; only the CPU kernel choice is
+# forced, vllm_state._allow_wna16_moe).
+STATE_CASES += [
+    case("llama+gptq", 2),
+    case("llama+gptq", 4),
+    case("llama+gptq", 1, pp=2),
+    case("qwen3+gptq-channel", 2),
+    case("qwen3+gptq-b8", 2),
+    case("llama+awq", 2),
+    case("llama+awq", 4),
+    case("qwen3-moe-wide+gptq", 2),
+    case("qwen3-moe-wide+gptq", 2, ep=True),
+    case("qwen3-moe-wide+gptq", 1, pp=2),
+]
+GEN_CASES += [case("llama+gptq", 2)]
+MOE += ["qwen3-moe-wide"]  # marks only
 
 
 def _params(cases: list[Case]):
