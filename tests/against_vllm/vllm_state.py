@@ -381,6 +381,9 @@ def _allow_gptq() -> None:
             return WNA16MoEBackend.MARLIN, None
 
     auto_gptq.select_wna16_moe_backend = selected
+    from vllm.model_executor.layers.quantization import moe_wna16
+
+    moe_wna16.select_wna16_moe_backend = selected  # the fallback layout's kernel, likewise
     if hasattr(auto_awq, "select_wna16_moe_backend"):
         auto_awq.select_wna16_moe_backend = selected
 
