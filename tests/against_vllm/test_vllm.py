@@ -322,7 +322,7 @@ STATE_CASES += [
     case("qwen3-moe-wide+gptq", 2, ep=True),
     case("qwen3-moe-wide+gptq", 1, pp=2),
 ]
-GEN_CASES += [case("llama+gptq", 2)]
+GEN_CASES += [case("llama+gptq", 2), case("llama+awq", 2)]
 MOE += ["qwen3-moe-wide"]  # marks only
 
 
