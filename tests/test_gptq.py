@@ -123,9 +123,10 @@ def test_gptq_channelwise_row_parallel_scales_are_whole(gq, tmp_path):
         assert torch.equal(sd[a + "qkv_proj.scales"], _cols(hf, [f"{a}{s}_proj.scales" for s in "qkv"], 2, r))
 
 
+@pytest.mark.parametrize("scheme", ["gptq", "awq"])
 @pytest.mark.parametrize("ep", [False, True])
-def test_gptq_moe_marlin_layout(gq, tmp_path, ep):
-    src = gq("qwen3-moe-wide", "gptq")
+def test_moe_marlin_layout(gq, tmp_path, ep, scheme):
+    src = gq("qwen3-moe-wide", scheme)
     res = save(str(src), tmp_path / "o", tp=2, ep=ep, max_part_size=MAX)
     assert any("Marlin layout" in n for n in res.plan.notes)
     hf = load_file(str(src / "model.safetensors"))
@@ -141,6 +142,11 @@ def test_gptq_moe_marlin_layout(gq, tmp_path, ep):
             w2 = torch.stack([_rows(hf[f"{h}{e}.down_proj.{p}"], tp, sr) for e in experts])
             assert torch.equal(sd[f"{t}w2_{p}"], w2), p
         n, ip = len(experts), 64 // tp
+        if scheme == "awq":  # [E, H, 2 I_p / 8], [E, I_p, H / 8]; no biases
+            assert list(sd[t + "w13_qweight"].shape) == [n, 128, 2 * ip // 8]
+            assert list(sd[t + "w2_qweight"].shape) == [n, ip, 128 // 8]
+            assert not [k for k in sd if k.endswith("_bias")]
+            continue
         assert list(sd[t + "w13_qweight"].shape) == [n, 128 // 8, 2 * ip]
         assert list(sd[t + "w2_qweight"].shape) == [n, ip // 8, 128]
         # zero biases vLLM registers and no checkpoint tensor fills
@@ -216,6 +222,7 @@ def test_gptq_expert_biases_are_refused(gq, tmp_path):
         ("llama", "awq", dict(tp=4)),
         ("qwen3-moe-wide", "gptq", dict(tp=2)),
         ("qwen3-moe-wide", "gptq-b8", dict(tp=2, ep=True)),
+        ("qwen3-moe-wide", "awq", dict(tp=2)),
     ],
 )
 def test_merge_round_trips_byte_identical(gq, tmp_path, arch, scheme, layout):
@@ -235,6 +242,7 @@ def test_merge_round_trips_byte_identical(gq, tmp_path, arch, scheme, layout):
         ("llama", "gptq", dict(tp=4), dict(tp=2, pp=2)),
         ("llama", "awq", dict(tp=2), dict(tp=4)),
         ("qwen3-moe-wide", "gptq", dict(tp=2), dict(tp=2, ep=True)),
+        ("qwen3-moe-wide", "awq", dict(tp=2, ep=True), dict(tp=2)),
     ],
 )
 def test_reshard_an_output_equals_resharding_the_original(gq, tmp_path, arch, scheme, first, second):

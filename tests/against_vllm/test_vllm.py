@@ -321,6 +321,8 @@ STATE_CASES += [
     case("qwen3-moe-wide+gptq", 2),
     case("qwen3-moe-wide+gptq", 2, ep=True),
     case("qwen3-moe-wide+gptq", 1, pp=2),
+    case("qwen3-moe-wide+awq", 2),
+    case("qwen3-moe-wide+awq", 2, ep=True),
 ]
 GEN_CASES += [case("llama+gptq", 2), case("llama+awq", 2)]
 MOE += ["qwen3-moe-wide"]  # marks only
