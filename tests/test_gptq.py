@@ -193,10 +193,25 @@ def test_refusals(gq, tmp_path, arch, scheme, layout, message):
     assert e.value.exit_code == 3
 
 
-def test_awq_8bit_is_refused(gq, tmp_path):
-    src = _copy(gq("llama", "awq"), tmp_path / "src", bits=8)
-    with pytest.raises(UnsupportedError, match="AWQ with 8-bit weights"):
+@pytest.mark.parametrize("qc, message", [(dict(bits=8), "AWQ with 8-bit weights"), (dict(version="gemv"), "GEMM")])
+def test_awq_config_refusals(gq, tmp_path, qc, message):
+    src = _copy(gq("llama", "awq"), tmp_path / "src", **qc)
+    with pytest.raises(UnsupportedError, match=message):
         save(str(src), tmp_path / "o", tp=2, max_part_size=MAX)
+
+
+def test_gptq_output_config_lists_the_quantized_linear_modules(gq, tmp_path):
+    """vLLM would otherwise take them from the output's files, where q/k/v and gate/up are fused, and
+    build those layers unquantized."""
+    src = gq("qwen3-moe-wide", "gptq")
+    save(str(src), tmp_path / "o", tp=2, max_part_size=MAX)
+    qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    listed = qc["modules_in_block_to_quantize"]
+    assert "model.layers.0.self_attn.q_proj" in listed and "model.layers.1.self_attn.o_proj" in listed
+    assert not [m for m in listed if ".experts." in m or m.endswith("mlp.gate")]
+    original = json.loads((src / "config.json").read_text())["quantization_config"]
+    assert original["modules_in_block_to_quantize"] is None
+    assert {**qc, "modules_in_block_to_quantize": None} == original  # nothing else changed
 
 
 def test_gptq_expert_biases_are_refused(gq, tmp_path):

@@ -334,6 +334,10 @@ def awq_from_config(qc: dict) -> Quant:
         raise UnsupportedError(f"AWQ with {bits}-bit weights: vLLM 0.32's AWQ takes 4 bits", "use a 4-bit checkpoint")
     if not isinstance(group, int) or group <= 0:
         raise UnsupportedError(f"AWQ group size {group!r}: reshard writes grouped AWQ only", "use a grouped checkpoint")
+    if str(qc.get("version", "gemm")).lower() != "gemm":  # vLLM's AWQ reads GEMM's [K, N / 8] only
+        raise UnsupportedError(
+            f"AWQ version {qc.get('version')!r}: vLLM 0.32 loads AutoAWQ's GEMM layout only", "use a GEMM checkpoint"
+        )
     if not qc.get("zero_point", True):
         raise UnsupportedError("AWQ without zero points: vLLM 0.32's AWQ kernels take zero points")
     return Awq(None, False, tuple(qc.get("modules_to_not_convert") or []), None, 4, group)
