@@ -289,7 +289,7 @@ class Executor:
         src_dtype = self.tensors[p.source].dtype
         if p.up:
             idx = tuple(slice(x, y) for x, y in zip(a, b, strict=True))
-            self._write(h, upsample(arr, p.up)[idx], src_dtype, None)
+            self._write(h, upsample(arr, p.up)[idx], src_dtype, None, p if p.perm else None)
         else:
             idx = (slice(None, None, p.step), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
             self._write(h, arr[idx], src_dtype, lease, p)

@@ -120,6 +120,8 @@ def _streamable(tensors: list[OutTensor], sources: list[str]) -> bool:
             return False  # side-by-side parts: each from its own read
         prev: Slice | None = None
         for p in (p for p in t.pieces if isinstance(p, Slice)):
+            if p.perm and p.perm[0] != 0:
+                return False  # a transpose of the source's rows: each piece from its own read, whole
             if p.step > 1 or (prev is not None and rank[p.source] < rank[prev.source]):
                 return False  # strided rows (each piece from its own read), or sources out of order
             back = prev is not None and p.source == prev.source and (p.up or bounds(p)[0][0] < bounds(prev)[1][0])

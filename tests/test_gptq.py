@@ -155,6 +155,48 @@ def test_moe_marlin_layout(gq, tmp_path, ep, scheme):
         assert "model.layers.1.mlp.experts.gate.weight" in sd  # the router: no qweight, not quantized
 
 
+@pytest.mark.parametrize("ep", [False, True])
+def test_gptq_moe_wna16_layout(gq, tmp_path, ep):
+    """Group 64 with 32 intermediate rows per rank: vLLM's MoeWNA16Method, uint8 N-first (int32 qweight
+    transposed, viewed as bytes), scales transposed and repeated to group 32; with EP (64 rows) Marlin's."""
+    src = gq("qwen3-moe-wide", "gptq-g64")
+    res = save(str(src), tmp_path / "o", tp=2, ep=ep, max_part_size=MAX)
+    assert any("so vLLM builds MoeWNA16Method" in n for n in res.plan.notes) != ep
+    hf = load_file(str(src / "model.safetensors"))
+    t = "model.layers.1.mlp.experts.routed_experts."
+    h = "model.layers.1.mlp.experts."
+    if ep:
+        assert _rank(tmp_path / "o", 0)[t + "w13_qweight"].dtype == torch.int32
+        return
+    for r in (0, 1):
+        sd = _rank(tmp_path / "o", r)
+        s0, ip = 32 * r, 32
+
+        def nfirst(name: str) -> torch.Tensor:  # vLLM's loaded_weight.T.contiguous().view(torch.uint8)
+            return hf[name].T.contiguous().view(torch.uint8)
+
+        def scales(name: str) -> torch.Tensor:  # .T, repeat_interleave(64 / 32, 1)
+            return hf[name].T.repeat_interleave(2, 1)
+
+        w13 = torch.stack(
+            [torch.cat([nfirst(f"{h}{e}.{p}_proj.qweight")[s0 : s0 + ip] for p in ("gate", "up")]) for e in range(8)]
+        )
+        assert torch.equal(sd[t + "w13_qweight"], w13)
+        w2 = torch.stack([nfirst(f"{h}{e}.down_proj.qweight")[:, s0 // 2 : (s0 + ip) // 2] for e in range(8)])
+        assert torch.equal(sd[t + "w2_qweight"], w2)
+        s13 = torch.stack(
+            [torch.cat([scales(f"{h}{e}.{p}_proj.scales")[s0 : s0 + ip] for p in ("gate", "up")]) for e in range(8)]
+        )
+        assert torch.equal(sd[t + "w13_scales"], s13)
+        s2 = torch.stack([scales(f"{h}{e}.down_proj.scales")[:, s0 // 32 : (s0 + ip) // 32] for e in range(8)])
+        assert torch.equal(sd[t + "w2_scales"], s2)
+        assert not [k for k in sd if k.startswith(t) and ("qzeros" in k or "bias" in k)]
+    report = verify(tmp_path / "o", against=str(src), deep=True)
+    assert report.exit_code == 0, [f.message for f in report.findings]
+    with pytest.raises(UnsupportedError, match="transposed"):  # not read back
+        merge(tmp_path / "o", tmp_path / "hf")
+
+
 @pytest.mark.parametrize(
     "qc, message",
     [
@@ -183,8 +225,10 @@ def test_gptq_channelwise_act_order_is_allowed(gq, tmp_path):
     [
         ("llama", "gptq", dict(tp=8), "per-rank input size 16 is not a multiple of the quantization group 32"),
         ("llama", "awq", dict(tp=8), "per-rank input size 16 is not a multiple of the quantization group 32"),
-        ("qwen3-moe", "gptq", dict(tp=2), "hidden size 64 is not a multiple of 128.*MoeWNA16Method"),
-        ("qwen3-moe-wide", "gptq", dict(tp=4), "per-rank intermediate size 16 is not a multiple of the group 32"),
+        # vLLM's fallback (MoeWNA16Method) asserts a group of at least 32 dividing I_p
+        ("qwen3-moe", "gptq", dict(tp=2), "no group of at least 32 divides the per-rank intermediate size 16"),
+        ("qwen3-moe-wide", "gptq", dict(tp=4), "no group of at least 32 divides the per-rank intermediate size 16"),
+        ("qwen3-moe-wide", "awq-g64", dict(tp=2), "32 is not a multiple of the group 64.*MoeWNA16Method"),
     ],
 )
 def test_refusals(gq, tmp_path, arch, scheme, layout, message):

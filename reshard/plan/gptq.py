@@ -32,6 +32,7 @@ from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan.expertblocks import RankScales
 from reshard.plan.geometry import LinearRank, MoeSplit, Sources
+from reshard.plan.gptqwna16 import wna16_group, wna16_rank
 from reshard.plan.kvscales import KvHeads
 from reshard.plan.model import Fill, OutTensor, Slice, side_by_side
 from reshard.plan.quant import Quant
@@ -132,7 +133,10 @@ class _KFirst(Quant):
         schemes the whole layer)."""
         g, kp, npk, zp = self.group, self.k_pack, self.n_pack, self.zpack
         hidden, inter, ip = split.hidden, split.inter, split.ip
-        self._check_marlin(split)
+        why = self._marlin_refused(split)
+        wna16 = why is not None
+        if wna16:
+            self._check_wna16(split, why)
         for size, unit, what in ((ip, kp, "weights"), (ip, npk, "weights"), (ip, zp, "zero points")):
             if size % unit:
                 raise UnsupportedError(
@@ -162,6 +166,12 @@ class _KFirst(Quant):
                         "serve this checkpoint with vLLM's default loader",
                     )
                 self._drop(sources, f"{split.base}.{e}.{proj}", inter if proj == down else hidden)
+        if wna16:
+            sources.note(
+                f"{split.target}: {why}, so vLLM builds MoeWNA16Method's experts (uint8, N-first, scales repeated "
+                "to a finer group), on every GPU: written so; `reshard merge` and re-shard cannot read them back"
+            )
+            return lambda r: wna16_rank(self.bits, self.group, split, found, r)
         sources.note(self.moe_note())
         return lambda r: self._expert_rank(split, found, r)
 
@@ -199,10 +209,10 @@ class _KFirst(Quant):
             out.append(OutTensor(f"{t}.w2_bias", split.dtype, (n, hidden), (Fill(0.0, n * hidden),)))
         return out
 
-    def _check_marlin(self, split: MoeSplit) -> None:
-        """vLLM's check_moe_marlin_supports_layer (allow_tile_padding): else it builds MoeWNA16Method."""
+    def _marlin_refused(self, split: MoeSplit) -> str | None:
+        """Why vLLM's check_moe_marlin_supports_layer (allow_tile_padding) fails: it then builds MoeWNA16Method."""
         g, ip, hidden = self.group, split.ip, split.hidden
-        why = (
+        return (
             f"hidden size {hidden} is not a multiple of 128"
             if hidden % 128
             else f"group size {g} is not one of {list(MARLIN_MOE_GROUPS)}"
@@ -211,13 +221,19 @@ class _KFirst(Quant):
             if g > 0 and ip % g
             else None
         )
-        if why:
+
+    def _check_wna16(self, split: MoeSplit, why: str) -> None:
+        """MoeWNA16Method's layout is written for symmetric grouped GPTQ only (AWQ's nibbles are reordered
+        and GPTQ zero points shifted at load: values, not copies)."""
+        g = self.group
+        if self.method != "gptq" or g <= 0:
             works = f"use --ep, or a --tp that keeps whole groups: {_tps(split.inter, g)}" if g > 0 else "use --ep"
             raise UnsupportedError(
                 f"{split.target}: {why}, so vLLM serves these {self.method} experts with MoeWNA16Method (uint8, "
-                "N-first, zero points and scales converted at load), a layout reshard does not write",
-                works if not hidden % 128 and g in MARLIN_MOE_GROUPS else "serve with vLLM's default loader",
+                "N-first, values converted at load), a layout reshard does not write for this format",
+                works if not split.hidden % 128 and g in MARLIN_MOE_GROUPS else "serve with vLLM's default loader",
             )
+        wna16_group(g, split.ip, split.hidden, split.target)
 
     def moe_note(self) -> str:
         return (

@@ -323,6 +323,10 @@ STATE_CASES += [
     case("qwen3-moe-wide+gptq", 1, pp=2),
     case("qwen3-moe-wide+awq", 2),
     case("qwen3-moe-wide+awq", 2, ep=True),
+    # group 64, 32 intermediate rows per rank: vLLM's own check picks MoeWNA16Method (uint8, N-first, scales
+    # repeated to group 32); with EP (64 rows) Marlin's
+    case("qwen3-moe-wide+gptq-g64", 2),
+    case("qwen3-moe-wide+gptq-g64", 2, ep=True),
 ]
 GEN_CASES += [case("llama+gptq", 2), case("llama+awq", 2)]
 MOE += ["qwen3-moe-wide"]  # marks only
