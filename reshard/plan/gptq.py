@@ -17,7 +17,8 @@ auto_awq.py). The layouts before vLLM's post-processing, per rank (K / N: in / o
   [E, I_p, H / 8], scales and zero points as GPTQ's, no biases. vLLM takes this method when
   `check_moe_marlin_supports_layer` holds: not ROCm, H % 128 == 0, G in {-1, 32, 64, 128}, I_p % G == 0
   (the same on every CUDA GPU, whatever --moe-backend says); otherwise `MoeWNA16Method` (uint8, N-first,
-  GPTQ zero points shifted by one, scales repeated to a smaller group), which reshard does not write.
+  scales repeated to a smaller group): written for symmetric grouped GPTQ (reshard.plan.gptqwna16),
+  refused for AWQ (its nibbles are reordered at load).
 """
 
 from __future__ import annotations
