@@ -44,7 +44,7 @@ from reshard.io.memory import Lease, Memory
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
 from reshard.io.writer import FileWriter, Sink, Written
-from reshard.plan import Fill, OutFile, OutTensor, Plan, Slice
+from reshard.plan import Cols, Fill, OutFile, OutTensor, Plan, Slice
 from reshard.schedule import ALL_ROWS, DEFAULT_CHUNK, Read, Step, bounds, file_header, schedule, shape_of
 
 # ---- the executor ----------------------------------------------------------------------------------
@@ -53,12 +53,13 @@ from reshard.schedule import ALL_ROWS, DEFAULT_CHUNK, Read, Step, bounds, file_h
 class _Holder:
     """One rank's copy of the tensor being written, and how far its pieces have been emitted."""
 
-    __slots__ = ("cursor", "tensor", "writer")
+    __slots__ = ("cursor", "parts", "tensor", "writer")
 
     def __init__(self, tensor: OutTensor, writer: Worker) -> None:
         self.tensor = tensor
         self.writer = writer
         self.cursor = 0
+        self.parts: list[np.ndarray] = []  # a Cols piece's parts read so far
 
 
 @dataclass(frozen=True)
@@ -276,12 +277,26 @@ class Executor:
         self._advance_fills(h)
         assert h.cursor == i
         p = h.tensor.pieces[i]
+        if isinstance(p, Cols):
+            q = p.parts[len(h.parts)]
+            a, b = bounds(q)
+            idx = tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True))
+            h.parts.append(self.cast(arr[(slice(None), *idx)], self.tensors[q.source].dtype, h.tensor.dtype).copy())
+            if len(h.parts) < len(p.parts):
+                return
+            out = np.concatenate(h.parts, axis=-2)  # the last dim before the item's bytes
+            h.parts = []
+            h.writer.write(out, self.mem.account(out.nbytes))
+            self.progress(out.nbytes)
+            h.cursor += 1
+            self._advance_fills(h)
+            return
         assert isinstance(p, Slice)
         a, b = bounds(p)
         src_dtype = self.tensors[p.source].dtype
         if p.up:
             idx = tuple(slice(x, y) for x, y in zip(a, b, strict=True))
-            self._write(h, upsample(arr, p.up)[idx], src_dtype, None)
+            self._write(h, upsample(arr, p.up)[idx], src_dtype, None, p if p.perm else None)
         else:
             idx = (slice(None, None, p.step), *tuple(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
             if p.scale:

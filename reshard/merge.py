@@ -21,6 +21,7 @@ from reshard.io.memory import DEFAULT_MAX_MEMORY
 from reshard.layout import Layout
 from reshard.names import CONFIG, INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
+from reshard.plan.gptq import restore_g_idx
 from reshard.plan.intquant import weight_shapes
 from reshard.publish import copy_files, side_files, staged, swap_in, write_config
 from reshard.rules import get_architecture
@@ -51,12 +52,14 @@ def merge_plan(ckpt: Checkpoint, max_shard_size: int) -> Plan:
 
 def restored_tensors(ckpt: Checkpoint) -> list[OutTensor]:
     """Tensors the output does not hold but whose values follow from those it does: compressed-tensors'
-    `weight_shape` of the shards vLLM loads and drops (reshard.plan.intquant.weight_shapes)."""
+    `weight_shape` of the shards vLLM loads and drops (reshard.plan.intquant.weight_shapes), GPTQ's
+    `g_idx` (reshard.plan.gptq.restore_g_idx)."""
     manifest = ckpt.manifest
     assert manifest is not None and manifest.source_tensors is not None
     held = {n: manifest.source_tensors[n] for n in ckpt.tensors}
     missing = {n: manifest.source_tensors[n] for n in ckpt.missing}
-    return weight_shapes(missing, held, manifest.layout.quantization)
+    quant = manifest.layout.quantization
+    return weight_shapes(missing, held, quant) + restore_g_idx(missing, quant)  # issue 26: GPTQ's g_idx
 
 
 # (original dtype, stored dtype) pairs that round-trip exactly: the stored one holds every value

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.io.writer import page_aligned_header
-from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key
+from reshard.plan import Cols, OutFile, OutTensor, Plan, Slice, natural_key
 
 DEFAULT_CHUNK = 32 * 1024 * 1024
 ALL_ROWS = 1 << 62
@@ -24,7 +24,8 @@ class Read:
 
     rows: the source rows [r0, r1) it holds; None: the whole tensor (it is up-sampled).
     piece: None: fed to every rank's copy of the step's tensor (one pass over the source);
-        (holder, piece): the one piece it is read for (a tensor one pass cannot serve).
+        (holder, piece): the one piece it is read for (a tensor one pass cannot serve; a `Cols`
+        piece: one read per part, in order).
     scale: the whole block-scale tensor of an FP8 source the step dequantises (`Slice.scale`), kept
         by the executor for the reads of that source, which follow it.
     """
@@ -81,10 +82,10 @@ def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: in
     if not _streamable(out, list(sources)):
         for h, t in enumerate(out):
             for i, p in enumerate(t.pieces):
-                if isinstance(p, Slice):
-                    info = tensors[p.source]
-                    (a, *_), (b, *_) = bounds(p)
-                    yield _whole(info, (h, i)) if p.up else _rows(info, a, b, (h, i))
+                for q in p.parts if isinstance(p, Cols) else (p,) if isinstance(p, Slice) else ():
+                    info = tensors[q.source]
+                    (a, *_), (b, *_) = bounds(q)
+                    yield _whole(info, (h, i)) if q.up else _rows(info, a, b, (h, i))
         return
     for s, (up, lo, hi) in sources.items():
         info = tensors[s]
@@ -110,7 +111,7 @@ def _sources(tensors: list[OutTensor]) -> dict[str, tuple[bool, int, int]]:
     the span of its rows the pieces use."""
     out: dict[str, tuple[bool, int, int]] = {}
     for t in tensors:
-        for p in t.pieces:
+        for p in (q for x in t.pieces for q in (x.parts if isinstance(x, Cols) else (x,))):
             if isinstance(p, Slice):
                 (a, *_), (b, *_) = bounds(p)
                 up, lo, hi = out.get(p.source, (False, a, b))
@@ -122,8 +123,12 @@ def _streamable(tensors: list[OutTensor], sources: list[str]) -> bool:
     """Can one pass over each source, in order, emit every tensor's pieces in order?"""
     rank = {s: i for i, s in enumerate(sources)}
     for t in tensors:
+        if any(isinstance(p, Cols) for p in t.pieces):
+            return False  # side-by-side parts: each from its own read
         prev: Slice | None = None
         for p in (p for p in t.pieces if isinstance(p, Slice)):
+            if p.perm and p.perm[0] != 0:
+                return False  # a transpose of the source's rows: each piece from its own read, whole
             if p.step > 1 or (prev is not None and rank[p.source] < rank[prev.source]):
                 return False  # strided rows (each piece from its own read), or sources out of order
             back = prev is not None and p.source == prev.source and (p.up or bounds(p)[0][0] < bounds(prev)[1][0])

@@ -70,7 +70,11 @@ class Caster:
         return self._torch
 
     def __call__(self, data: np.ndarray, src: str, dst: str) -> np.ndarray:
-        """`data` (uint8, [..., itemsize of src]) as `dst` elements: `data` itself when nothing changes."""
+        """`data` (uint8, [..., itemsize of src]) as `dst` elements: `data` itself when nothing changes.
+        I32 -> U8 is not a cast but vLLM's `.view(torch.uint8)` of int32-packed weights (MoeWNA16's
+        experts, reshard.plan.gptq): the same bytes, four elements each."""
+        if (src, dst) == ("I32", "U8"):
+            return np.ascontiguousarray(data).reshape(*data.shape[:-2], data.shape[-2] * 4, 1)
         if src == dst and self.device == "cpu":
             return data
         if self.device == "cpu" and dst == "F32" and src in ("BF16", "F16"):

@@ -40,7 +40,10 @@ class Context:
                 "written untied, and the copied config.json says tie_word_embeddings: false"
             )
         self.dims = dims_from_config(ckpt.config, arch, untie)
-        self.quant: Quant | None = quant_from_config(self.config)
+        quant = quant_from_config(self.config)
+        self.quant: Quant | None = quant.for_checkpoint(ckpt.tensors) if quant else None
+        if self.quant:
+            self.config_patch.update(self.quant.config_patch(ckpt.config))
         fp8 = self.quant is not None and self.quant.method == "fp8"
         # vLLM KV-cache parameter -> the checkpoint tensors vLLM loads into it
         self.kv_scales = kv_scale_sources(ckpt.tensors, fp8_config=fp8)

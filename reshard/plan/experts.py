@@ -25,6 +25,11 @@ def experts(ctx: Context, m: Experts, prefix: str, per_tp: list[list[OutTensor]]
     split = _split(ctx, m, prefix)
     scheme = ctx.quant if ctx.quantized([split.base], experts=True) else None
     split = _allocation(ctx, split, scheme)
+    if scheme is not None and scheme.k_first:  # GPTQ / AWQ: the scheme lays out the weights too
+        rank = scheme.expert_scales(ctx, split)
+        for r in range(ctx.tp):
+            per_tp[r].extend(rank(r))
+        return
     weights = _weights(ctx, split, scheme)
     scales = scheme.expert_scales(ctx, split) if scheme else None
     wdtype = scheme.weight_dtype if scheme else ctx.dtype

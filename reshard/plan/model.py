@@ -70,7 +70,26 @@ class Fill:
         return self.count
 
 
-Piece = Slice | Fill
+@dataclass(frozen=True, slots=True)
+class Cols:
+    """Slices of equal extents in every dim but the last, side by side along it: each row of the
+    block is the first part's row, then the second's... (a K-first packed weight of a merged layer,
+    GPTQ's qweight [K/8, N]: q's, k's and v's output columns next to each other). Plain slices
+    only (no up-sampling, padding, transpose or stride)."""
+
+    parts: tuple[Slice, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.parts)
+
+
+Piece = Slice | Fill | Cols
+
+
+def side_by_side(parts: list[Slice]) -> Slice | Cols:
+    """One Slice, or the Cols of several."""
+    return parts[0] if len(parts) == 1 else Cols(tuple(parts))
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ per channel, per tensor). The planner never asks which scheme it has.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,11 +36,22 @@ class Quant:
     scale_name: ClassVar[str] = "weight_scale"
     weight_dtype: ClassVar[str] = "F8_E4M3"  # the FP8 schemes' (reshard.plan.intquant: the integer ones)
     weight_param: ClassVar[str] = "weight"  # the weight's name, in the checkpoint and in vLLM
+    k_first: ClassVar[bool] = False  # weights stored [in, out] (GPTQ / AWQ, reshard.plan.gptq): their own walks
+    k_pack: ClassVar[int] = 1  # K-first weights: values per int32 along the input dim
+    n_pack: ClassVar[int] = 1  # ... and along the output dim
 
     @property
     def pack(self) -> int:
         """Weight values per stored element along the input dim (packed integer formats: 32 / bits)."""
         return 1
+
+    def for_checkpoint(self, names: Iterable[str]) -> Quant:
+        """The scheme once the checkpoint's tensor names are known (GPTQ: which modules it quantizes)."""
+        return self
+
+    def config_patch(self, config: dict) -> dict:
+        """Keys the copied config.json needs for vLLM to build the same layers from the output's files."""
+        return {}
 
     def check_weight(self, w: TensorInfo) -> None:
         """A weight this scheme quantizes must be stored quantized."""

@@ -4,6 +4,7 @@ FP8 and MXFP4 schemes; reshard.plan.intquant: compressed-tensors' integer ones).
 from __future__ import annotations
 
 from reshard.errors import UnsupportedError
+from reshard.plan.gptq import awq_from_config, gptq_from_config
 from reshard.plan.intquant import int_compressed_tensors
 from reshard.plan.kvscales import kv_cache_scheme
 from reshard.plan.modelopt import FP8_ALGOS, modelopt_algo, modelopt_fp8
@@ -41,12 +42,17 @@ def quant_from_config(config: dict) -> Quant | None:
         return Mxfp4(None, False, ())
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    # issue 26: GPTQ / AWQ (vLLM's aliases of AutoGPTQConfig / AutoAWQConfig)
+    if method in ("gptq", "gptq_marlin", "auto_gptq"):
+        return gptq_from_config(qc)
+    if method in ("awq", "awq_marlin", "auto_awq"):
+        return awq_from_config(qc)
     if method != "fp8":
         raise UnsupportedError(
             f"quantization {method!r} is not supported",
             "supported: fp8 (block, per-tensor), compressed-tensors FP8 (tensor, channel, block), W4A16 "
-            "(pack-quantized), W8A8-int8 (int-quantized) and NVFP4 (nvfp4-pack-quantized), mxfp4 (gpt-oss), "
-            "modelopt FP8 (FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO) and NVFP4",
+            "(pack-quantized), W8A8-int8 (int-quantized) and NVFP4 (nvfp4-pack-quantized), gptq (symmetric "
+            "4/8-bit), awq (4-bit), mxfp4 (gpt-oss), modelopt FP8 (FP8, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO) and NVFP4",
         )
     block = qc.get("weight_block_size")
     if block is not None:

@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader, Source
-from reshard.errors import ReshardError, SourceError
+from reshard.errors import ReshardError, SourceError, UnsupportedError
 from reshard.folderview import view_manifest
 from reshard.format import ITEMSIZE
 from reshard.hashing import NONE, hash_bytes, new_hasher
@@ -159,6 +159,12 @@ class BucketOutputReader(OutputReader):
     """`OutputReader` over ranged GETs, hashing each file in order where the reads allow."""
 
     def __init__(self, source: BucketOutputSource, regions: dict[str, list[Region]]) -> None:
+        if any(r.stride for regs in regions.values() for r in regs):
+            raise UnsupportedError(
+                f"{source.view.display} holds K-first packed weights side by side (GPTQ / AWQ merged layers); "
+                "reading them back from a bucket is not supported",
+                "download the output, or re-shard from the original Hugging Face checkpoint",
+            )
         super().__init__(source.root, regions)
         self.view = source.view
         self.lock = threading.Lock()

@@ -23,7 +23,7 @@ from reshard.folderview import FolderView, LocalView, view_manifest
 from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest
-from reshard.plan import Slice, build_plan
+from reshard.plan import Cols, Slice, build_plan
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import OutputReader, Region
 
@@ -99,6 +99,14 @@ def read_output(
                     if dtypes.setdefault(p.source, t.dtype) != t.dtype:
                         raise SourceError(f"{p.source} is stored in two dtypes; cannot read it back")
                     regions.setdefault(p.source, []).append(Region(f.name, pos, p.start, p.stop, p.up, p.pad))
+                elif isinstance(p, Cols):  # each part's rows, every `stride` bytes, after the parts before it
+                    item = ITEMSIZE[t.dtype]
+                    widths = [(q.stop[-1] - q.start[-1]) * item for q in p.parts]
+                    for q, col in zip(p.parts, (sum(widths[:j]) for j in range(len(widths))), strict=True):
+                        if dtypes.setdefault(q.source, t.dtype) != t.dtype:
+                            raise SourceError(f"{q.source} is stored in two dtypes; cannot read it back")
+                        region = Region(f.name, pos + col, q.start, q.stop, None, None, sum(widths))
+                        regions.setdefault(q.source, []).append(region)
                 pos += nbytes
     tensors = {}
     for name, regs in regions.items():

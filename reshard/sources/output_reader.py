@@ -25,6 +25,7 @@ class Region:
     stop: tuple[int, ...]
     up: tuple[int, ...] | None
     pad: tuple[int, ...] | None = None  # stored padded to this extent (plan.model.Slice.pad)
+    stride: int = 0  # bytes from one stored row to the next when other parts sit beside it (plan.model.Cols)
 
 
 class OutputReader:
@@ -64,7 +65,12 @@ class OutputReader:
                 inner = tuple(y - x for x, y in zip(a[1:], b[1:], strict=True))
                 stored = r.pad[1:] if r.pad else inner  # a padded region: its rows are wider in the file
                 rb = math.prod(stored) * item
-                data = self._pread(r.file, r.offset + (lo - a[0]) * rb, (hi - lo) * rb)
+                if r.stride:  # rows beside other parts': read the span, keep this part's bytes of each row
+                    span = self._pread(r.file, r.offset + (lo - a[0]) * r.stride, (hi - lo - 1) * r.stride + rb)
+                    rows_ = np.frombuffer(span + bytes(r.stride - rb), np.uint8).reshape(hi - lo, r.stride)
+                    data = rows_[:, :rb].tobytes()
+                else:
+                    data = self._pread(r.file, r.offset + (lo - a[0]) * rb, (hi - lo) * rb)
                 block = np.frombuffer(data, np.uint8).reshape((hi - lo, *stored, item))
                 block = block[(slice(None), *(slice(0, n) for n in inner))]
                 idx = (slice(lo - r0, hi - r0), *(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))

@@ -7,7 +7,7 @@ import pytest
 MARKERS = {
     "generation": "greedy generation with vllm.LLM (default loader vs sharded_state)",
     "fp8": "block-FP8 checkpoints",
-    "intquant": "compressed-tensors integer checkpoints (W4A16 pack-quantized, W8A8-int8)",
+    "intquant": "integer checkpoints (CT W4A16 pack-quantized, W8A8-int8; GPTQ, AWQ)",
     "ep": "expert-parallel layouts (--ep / enable_expert_parallel)",
     "pp": "pipeline-parallel layouts (--pp)",
     "harness": "checks of the vLLM ground-truth harness itself (no reshard needed)",

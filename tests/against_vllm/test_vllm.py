@@ -125,7 +125,7 @@ class Case:
         m = []
         if self.arch.split("+")[0] in MOE + HYBRID:
             m.append(pytest.mark.moe)
-        if "+ct-w" in self.arch or "nvfp4" in self.arch:  # issue 26: integer and NVFP4 formats
+        if any(f in self.arch for f in ("+ct-w", "nvfp4", "+gptq", "+awq")):  # issue 26: integer and FP4 formats
             m.append(pytest.mark.intquant)
         elif "fp8" in self.arch or "+ct" in self.arch:
             m.append(pytest.mark.fp8)
@@ -385,6 +385,33 @@ STATE_CASES += [
 GEN_CASES += [case("qwen3.5-moe-text", 2), case("glm4.7-flash", 2)]
 MOE += ["deepseek-v32", "deepseek-v32-fp8", "glm5", "qwen3.5-moe-text", "glm4.7-flash"]  # marks only
 DSA_CUDA_CASES = [case("deepseek-v32", 2), case("glm5", 4)]  # compared with the cpu cases' dumps
+
+# issue 26: GPTQ / AWQ as AutoGPTQ and AutoAWQ write them (tests/fixtures/gptq.py), one vLLM process per
+# source. K-first int32 packing: GPTQ qweight [K / 8, N] (4-bit, groups of 32; 8-bit and channelwise
+# with row-parallel scales whole), AWQ [K, N / 8]; a merged layer's shards side by side in columns, k/v
+# replicated at TP 4. Experts in Marlin's K-first layout with zero w13_bias / w2_bias (qwen3-moe-wide:
+# hidden 128, whole groups per rank, so vLLM's own check picks Marlin; only the CPU kernel choice is
+# forced, vllm_state._allow_wna16_moe).
+STATE_CASES += [
+    case("llama+gptq", 2),
+    case("llama+gptq", 4),
+    case("llama+gptq", 1, pp=2),
+    case("qwen3+gptq-channel", 2),
+    case("qwen3+gptq-b8", 2),
+    case("llama+awq", 2),
+    case("llama+awq", 4),
+    case("qwen3-moe-wide+gptq", 2),
+    case("qwen3-moe-wide+gptq", 2, ep=True),
+    case("qwen3-moe-wide+gptq", 1, pp=2),
+    case("qwen3-moe-wide+awq", 2),
+    case("qwen3-moe-wide+awq", 2, ep=True),
+    # group 64, 32 intermediate rows per rank: vLLM's own check picks MoeWNA16Method (uint8, N-first, scales
+    # repeated to group 32); with EP (64 rows) Marlin's
+    case("qwen3-moe-wide+gptq-g64", 2),
+    case("qwen3-moe-wide+gptq-g64", 2, ep=True),
+]
+GEN_CASES += [case("llama+gptq", 2), case("llama+awq", 2)]
+MOE += ["qwen3-moe-wide"]  # marks only
 
 
 def _params(cases: list[Case]):

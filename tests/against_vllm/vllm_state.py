@@ -231,6 +231,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
     _allow_wna16_moe()
     _allow_nvfp4(case.get("moe_backend", "auto"))  # issue 26: NVFP4
     _allow_sparse_mla_build()  # issue 27
+    _allow_gptq()  # issue 26: GPTQ / AWQ
     model_config = vllm_config.model_config
     dump_dir = Path(case["dump_dir"])
     with set_current_vllm_config(vllm_config):
@@ -336,6 +337,58 @@ def _force_moe_backend(name: str) -> None:
         u_oracle.map_unquantized_backend(moe_config.moe_backend),
         None,
     )
+
+
+def _allow_gptq() -> None:
+    """issue 26: let GPTQ / AWQ layers be *built* on this CPU. Only kernel checks are relaxed: Marlin's
+    platform check for 8-bit GPTQ linears (``verify_marlin_supported``: CPU vLLM builds 4-bit only), and
+    the experts' kernel choice (no CPU WNA16 MoE kernel takes these tiny shapes: Marlin's, as a CUDA GPU
+    picks). The parameters (``create_weights``) and loaders stay vLLM's; the Marlin-or-MoeWNA16 layout
+    choice (``check_moe_marlin_supports_layer``) is not patched. 8-bit linears get a kernel that is never
+    run (no CPU kernel takes uint8b128; the parameters do not depend on it)."""
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+    from vllm.model_executor.layers.quantization import auto_awq, auto_gptq
+
+    class Unbuilt(MPLinearKernel):  # the layer is built and loaded, never run
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 0
+
+        @classmethod
+        def can_implement(cls, c):
+            return True, None
+
+        def process_weights_after_loading(self, layer) -> None:
+            raise NotImplementedError("no CPU kernel for this layer")
+
+        def apply_weights(self, layer, x, bias=None):
+            raise NotImplementedError("no CPU kernel for this layer")
+
+    choose = auto_gptq.choose_mp_linear_kernel
+
+    def chosen(*a, **k):
+        try:
+            return choose(*a, **k)
+        except ValueError:  # 8-bit GPTQ: CPU vLLM has no linear kernel for uint8b128
+            return Unbuilt
+
+    auto_gptq.choose_mp_linear_kernel = chosen
+    auto_gptq.verify_marlin_supported = lambda *a, **k: None
+    select = auto_gptq.select_wna16_moe_backend
+
+    def selected(*a, **k):
+        try:
+            return select(*a, **k)
+        except (ValueError, NotImplementedError):
+            return WNA16MoEBackend.MARLIN, None
+
+    auto_gptq.select_wna16_moe_backend = selected
+    from vllm.model_executor.layers.quantization import moe_wna16
+
+    moe_wna16.select_wna16_moe_backend = selected  # the fallback layout's kernel, likewise
+    if hasattr(auto_awq, "select_wna16_moe_backend"):
+        auto_awq.select_wna16_moe_backend = selected
 
 
 def _allow_wna16_moe() -> None:
