@@ -172,6 +172,9 @@ def layout_json(lay: Layout, architecture: str, vllm_layout: str = VLLM_LAYOUT) 
         "pp_layer_partition": list(lay.partition or ()),
         "moe_backend": lay.moe_backend,
         "moe_backend_pinned": lay.moe_pin,
+        # issue 27: a multimodal model's encoder, as vLLM's --mm-encoder-tp-mode / --language-model-only
+        "mm_encoder_tp_mode": lay.mm_encoder_tp_mode,
+        "language_model_only": lay.language_model_only,
     }
 
 
@@ -278,8 +281,13 @@ def _layout(lay: object) -> tuple[str, Layout, str]:
     _need(quant is None or isinstance(quant, dict), f"layout.quantization is {quant!r}")
     backend, pin = lay.get("moe_backend") or "auto", lay.get("moe_backend_pinned")
     _need(isinstance(backend, str) and (pin is None or isinstance(pin, str)), f"layout.moe_backend is {backend!r}")
+    mm, lm_only = lay.get("mm_encoder_tp_mode"), lay.get("language_model_only", False)  # absent before issue 27
+    _need(mm is None or isinstance(mm, str), f"layout.mm_encoder_tp_mode is {mm!r}")
+    _need(isinstance(lm_only, bool), f"layout.language_model_only is {lm_only!r}")
     try:
-        layout = Layout(lay["tp"], lay["pp"], lay["ep"], dtype, tuple(part) if part else None, backend, pin, quant)
+        layout = Layout(
+            lay["tp"], lay["pp"], lay["ep"], dtype, tuple(part) if part else None, backend, pin, quant, mm, lm_only
+        )
     except ValueError as e:
         raise ManifestProblem(f"layout: {e}") from None
     arch = lay.get("architecture")

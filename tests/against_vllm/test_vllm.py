@@ -97,6 +97,8 @@ class Case:
         s += f"-{self.shards}files" if self.shards > 1 else ""
         s += f"-{lay.dtype}" if lay.dtype != "auto" else ""
         s += f"-{lay.moe_backend}" if lay.moe_backend != "auto" else ""
+        s += f"-mm{lay.mm_encoder_tp_mode}" if lay.mm_encoder_tp_mode else ""  # issue 27
+        s += "-lmonly" if lay.language_model_only else ""
         return s
 
     @property
@@ -114,6 +116,10 @@ class Case:
             args += ["--dtype", lay.dtype]
         if lay.moe_backend != "auto":
             args += ["--moe-backend", lay.moe_backend]
+        if lay.mm_encoder_tp_mode:  # issue 27
+            args += ["--mm-encoder-tp-mode", lay.mm_encoder_tp_mode]
+        if lay.language_model_only:
+            args.append("--language-model-only")
         if self.arch == "kimi-k2":  # its tokenizer is tokenization_kimi.py: copied only when asked
             args.append("--trust-remote-code")
         return args
@@ -142,8 +148,11 @@ def case(
     shards: int = 1,
     dtype: str = "auto",
     moe_backend: str = "auto",
+    mm: str | None = None,
+    lm_only: bool = False,
 ) -> Case:
-    return Case(arch, Layout(tp, pp, ep, dtype, None, moe_backend), shards)
+    lay = Layout(tp, pp, ep, dtype, None, moe_backend, mm_encoder_tp_mode=mm, language_model_only=lm_only)
+    return Case(arch, lay, shards)
 
 
 STATE_CASES: list[Case] = (
@@ -416,6 +425,8 @@ class Suite:
                         pp=c.layout.pp,
                         dtype=c.layout.dtype,
                         moe_backend=c.layout.moe_backend,
+                        mm_encoder_tp_mode=c.layout.mm_encoder_tp_mode,
+                        language_model_only=c.layout.language_model_only,
                         load_dir=r.out if (r is not None and r.rc == 0) else None,
                     )
                 )

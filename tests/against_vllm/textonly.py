@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 TEXT_ONLY = frozenset({"Qwen3_5MoeForConditionalGeneration", "Llama4ForConditionalGeneration"})
+# issue 27: vision towers built and checked; vLLM's Qwen-VL code imports torchvision too
+NEEDS_STUB = TEXT_ONLY | {"Qwen2_5_VLForConditionalGeneration"}
 STUBS = Path(__file__).resolve().parent / "stubs"
 
 
@@ -26,8 +28,12 @@ def language_model_only(model_dir: str | os.PathLike) -> bool:
 
 
 def env(model_dir: str | os.PathLike, base: dict[str, str]) -> dict[str, str]:
-    """``base`` with the torchvision stub first on PYTHONPATH when ``model_dir`` is text-only."""
-    if not language_model_only(model_dir):
+    """``base`` with the torchvision stub first on PYTHONPATH when ``model_dir`` needs it (NEEDS_STUB)."""
+    try:
+        archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        archs = []
+    if not any(a in NEEDS_STUB for a in archs):
         return base
     paths = [str(STUBS), *filter(None, base.get("PYTHONPATH", "").split(os.pathsep))]
     return {**base, "PYTHONPATH": os.pathsep.join(paths)}

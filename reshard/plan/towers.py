@@ -1,0 +1,96 @@
+"""Multimodal encoders (vision towers): which layout the folder holds, and each rank's tensors of it.
+
+vLLM builds a multimodal model's encoder beside its language model on every rank: its linear layers
+TP-sharded by default (`--mm-encoder-tp-mode weights`), whole on every rank with `data` (vLLM's
+`is_vit_use_data_parallel` -> `disable_tp`), absent with `--language-model-only`
+(`SupportsMultiModal._mark_tower_model`). The folder holds one of the three, so the layout records it
+and the serve line pins it. An encoder's modules are the generic styles (reshard.rules.styles),
+planned with the encoder's own sizes (`Context.tower`).
+"""
+
+from __future__ import annotations
+
+from reshard.errors import UnsupportedError
+from reshard.layout import Layout
+from reshard.plan.context import Context
+from reshard.plan.geometry import divisors
+from reshard.plan.model import OutTensor
+from reshard.plan.slicers import add_module
+from reshard.rules import Architecture
+
+
+def resolve_mm(arch_name: str, arch: Architecture, layout: Layout) -> tuple[str | None, bool]:
+    """(mm_encoder_tp_mode, language_model_only) of the folder, from what was asked.
+
+    A text model takes neither; a multimodal model whose tower has no rule table is written
+    --language-model-only whatever is asked (asking for an encoder layout is refused); otherwise
+    --language-model-only, or the encoder in the mode asked (weights by default)."""
+    asked, lm_only = layout.mm_encoder_tp_mode, layout.language_model_only
+    if not arch.towers and not arch.text_only:
+        if asked or lm_only:
+            flag = "--language-model-only" if lm_only else f"--mm-encoder-tp-mode {asked}"
+            raise UnsupportedError(f"{flag}: {arch_name} is a text model, it has no encoder", f"drop {flag}")
+        return None, False
+    if arch.text_only:
+        if asked:
+            raise UnsupportedError(
+                f"--mm-encoder-tp-mode {asked}: {arch_name}'s vision tower has no rule table in reshard; "
+                "its folders hold the text model only, served --language-model-only",
+                "drop --mm-encoder-tp-mode (the folder is written as with --language-model-only)",
+            )
+        return None, True
+    if lm_only:
+        if asked:
+            raise UnsupportedError(
+                f"--mm-encoder-tp-mode {asked} with --language-model-only: a folder without its encoder has no "
+                "encoder layout",
+                "pass one of them",
+            )
+        return None, True
+    mode = asked or "weights"
+    if mode == "data" and not all(t.data_mode for t in arch.towers):
+        raise UnsupportedError(
+            f"--mm-encoder-tp-mode data: vLLM's {arch_name} does not support it and falls back to weights "
+            "(its encoder is then TP-sharded)",
+            "use --mm-encoder-tp-mode weights (the default) or --language-model-only",
+        )
+    return mode, False
+
+
+def tower_skips(arch: Architecture, layout: Layout) -> tuple[str, ...]:
+    """Checkpoint prefixes of the encoders the folder leaves out (--language-model-only)."""
+    return tuple(p for t in arch.towers for p in t.skip) if layout.language_model_only else ()
+
+
+def check_towers(ctx: Context, layout: Layout) -> None:
+    """vLLM splits an encoder's heads across the TP ranks in weights mode; it fails to build otherwise."""
+    if layout.mm_encoder_tp_mode != "weights":
+        return
+    for tower in ctx.arch.towers:
+        heads = ctx.tower(tower, ctx.tp).dims.num_heads
+        if heads % ctx.tp:
+            raise UnsupportedError(
+                f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM splits the encoder's "
+                "heads across the TP ranks (--mm-encoder-tp-mode weights) and fails to build",
+                f"use --mm-encoder-tp-mode data (the encoder whole on every rank), --language-model-only, "
+                f"or a --tp that divides it: {divisors(heads)}",
+            )
+
+
+def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> None:
+    """Append the encoders' tensors to every rank: split over the ranks (weights) or whole on each (data)."""
+    if layout.mm_encoder_tp_mode is None:
+        return
+    data = layout.mm_encoder_tp_mode == "data"
+    for tower in ctx.arch.towers:
+        sub = ctx.tower(tower, 1 if data else ctx.tp)
+        parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
+        for m in tower.top:
+            if m.present(sub.config):
+                add_module(sub, m, "", parts)
+        for block in range(sub.dims.num_layers):
+            for m in tower.block:
+                if m.present(sub.config):
+                    add_module(sub, m, tower.block_prefix.format(layer=block), parts)
+        for r in range(ctx.tp):
+            per_tp[r].extend(parts[0 if data else r])
