@@ -59,7 +59,7 @@ class Layout:
             raise ValueError(f"partition must be positive layer counts, not {self.partition!r}")
         if not isinstance(self.moe_backend, str) or (self.moe_pin is not None and not isinstance(self.moe_pin, str)):
             raise ValueError(f"moe_backend must be a name, not {self.moe_backend!r} / {self.moe_pin!r}")
-        if self.mm_encoder_tp_mode not in MM_ENCODER_TP_MODES + (None,):
+        if self.mm_encoder_tp_mode not in (*MM_ENCODER_TP_MODES, None):
             raise ValueError(f"mm_encoder_tp_mode must be weights, data or null, not {self.mm_encoder_tp_mode!r}")
         if not isinstance(self.language_model_only, bool):
             raise ValueError(f"language_model_only must be true or false, not {self.language_model_only!r}")

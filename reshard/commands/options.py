@@ -137,9 +137,20 @@ def layout_options(command: Callable) -> Callable:
                 f"{len(partition)} layer counts for --pp {pp}: give one per pipeline stage",
                 param_hint="'--pp-layer-partition'",
             )
-        layout = Layout(tp, pp, ep, dtype, partition, moe_backend, mm_encoder_tp_mode=mm_mode, language_model_only=lm_only)
+        layout = Layout(
+            tp, pp, ep, dtype, partition, moe_backend, mm_encoder_tp_mode=mm_mode, language_model_only=lm_only
+        )
         return command(*args, layout=layout, **kwargs)
 
-    for option in (lm_only_option, mm_mode_option, moe_backend_option, partition_option, dtype_option, ep_option, pp_option, tp_option):
+    for option in (
+        lm_only_option,
+        mm_mode_option,
+        moe_backend_option,
+        partition_option,
+        dtype_option,
+        ep_option,
+        pp_option,
+        tp_option,
+    ):
         with_layout = option(with_layout)
     return with_layout

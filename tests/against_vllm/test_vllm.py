@@ -336,6 +336,18 @@ STATE_CASES += [
 # CPU build of vLLM 0.32 does not have (the engine fails to start, with or without reshard)
 GEN_CASES += [case("llama-256+mo-fp8-pb", 2)]
 
+# issue 27: vision towers (tests/fixtures/tiny.py, the releases' tensor names), one vLLM process per source.
+# Qwen2.5-VL: the tower TP-sharded (--mm-encoder-tp-mode weights, vLLM's default) at TP 2, 4 and PP 2 (on
+# every stage), whole on every rank (data) at TP 2, and left out (--language-model-only) at TP 2.
+STATE_CASES += [
+    case("qwen2.5-vl", 2),
+    case("qwen2.5-vl", 4),
+    case("qwen2.5-vl", 2, pp=2),
+    case("qwen2.5-vl", 2, mm="data"),
+    case("qwen2.5-vl", 2, lm_only=True),
+]
+GEN_CASES += [case("qwen2.5-vl", 2)]
+
 
 def _params(cases: list[Case]):
     return [pytest.param(c, id=c.id, marks=c.marks()) for c in cases]
