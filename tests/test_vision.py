@@ -1,0 +1,168 @@
+"""Vision towers (issue 27): Qwen2.5-VL's encoder TP-sharded (--mm-encoder-tp-mode weights), whole on every
+rank (data) or left out (--language-model-only); the choice recorded, pinned and checked by the plugin.
+
+Byte-for-byte agreement with vLLM itself is tests/against_vllm/test_vllm.py (`# issue 27` block); here the
+tower's split against vLLM's QKVParallelLinear / Row / Merged loaders read as formulas, the refusals, the
+manifest, merge and re-shard.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from reshard.layout import Layout
+from reshard.manifest import read_manifest
+from reshard.merge import merge
+from reshard.names import MANIFEST
+from reshard.plan import DEFAULT_MAX_PART, build_plan
+from reshard.sources import open_source
+from reshard.vllm_plugin import checks
+from reshard.vllm_plugin.checks import Engine
+from tests.fixtures.cli import run
+from tests.fixtures.reference import load_source
+from tests.fixtures.saving import save
+from tests.test_reshard_merge import assert_same, load_dir
+
+B = "visual.blocks.0."
+
+
+def _rank(folder, r: int) -> dict[str, torch.Tensor]:
+    got = {}
+    for f in folder.glob(f"model-rank-{r}-part-*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            got.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118
+    return got
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tower_split_as_vllm_loads_it(tiny, tmp_path, tp):
+    """qkv fused [q; k; v] over 4 heads of 8: each of q, k, v cut by heads, with its bias; proj and the
+    MLP's down by input columns (bias whole); gate_up [gate; up] each split; merger mlp.0 rows, mlp.2
+    columns; norms and the Conv3d patch embedding whole."""
+    src = tiny("qwen2.5-vl")
+    result = save(str(src), tmp_path / "out", tp=tp, max_part_size=DEFAULT_MAX_PART)
+    assert result.plan.serve_command("OUT").endswith("--mm-encoder-tp-mode weights")
+    hf = load_source(src, open_source(str(src)).checkpoint)
+    qkv, bias = hf[B + "attn.qkv.weight"], hf[B + "attn.qkv.bias"]
+    for r in range(tp):
+        got = _rank(tmp_path / "out", r)
+        want = torch.cat([part.chunk(tp)[r] for part in qkv.chunk(3)])
+        assert torch.equal(got[B + "attn.qkv.weight"], want)
+        assert torch.equal(got[B + "attn.qkv.bias"], torch.cat([p.chunk(tp)[r] for p in bias.chunk(3)]))
+        assert torch.equal(got[B + "attn.proj.weight"], hf[B + "attn.proj.weight"].chunk(tp, dim=1)[r])
+        assert torch.equal(got[B + "attn.proj.bias"], hf[B + "attn.proj.bias"])
+        gate, up = hf[B + "mlp.gate_proj.weight"], hf[B + "mlp.up_proj.weight"]
+        assert torch.equal(got[B + "mlp.gate_up_proj.weight"], torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]]))
+        assert torch.equal(got[B + "mlp.down_proj.weight"], hf[B + "mlp.down_proj.weight"].chunk(tp, dim=1)[r])
+        assert torch.equal(got["visual.merger.mlp.0.weight"], hf["visual.merger.mlp.0.weight"].chunk(tp)[r])
+        assert torch.equal(got["visual.merger.mlp.2.weight"], hf["visual.merger.mlp.2.weight"].chunk(tp, dim=1)[r])
+        assert torch.equal(got["visual.patch_embed.proj.weight"], hf["visual.patch_embed.proj.weight"])
+        assert torch.equal(got[B + "norm1.weight"], hf[B + "norm1.weight"])
+        assert "language_model.model.layers.0.self_attn.qkv_proj.weight" in got
+        assert "language_model.lm_head.weight" in got
+
+
+def test_data_mode_whole_tower_on_every_rank(tiny, tmp_path):
+    src = tiny("qwen2.5-vl")
+    save(str(src), tmp_path / "out", tp=2, mm="data", max_part_size=DEFAULT_MAX_PART)
+    hf = load_source(src, open_source(str(src)).checkpoint)
+    vision = {k: v for k, v in hf.items() if k.startswith("visual.") and "gate_proj" not in k and "up_proj" not in k}
+    for r in range(2):
+        got = _rank(tmp_path / "out", r)
+        for k, v in vision.items():
+            assert torch.equal(got[k], v), k
+        assert got[B + "mlp.gate_up_proj.weight"].shape == (128, 32)
+        assert got["language_model.model.layers.0.mlp.down_proj.weight"].shape == (64, 64)  # the text model split
+    lay = read_manifest(tmp_path / "out").layout
+    assert (lay.mm_encoder_tp_mode, lay.language_model_only) == ("data", False)
+    raw = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert raw["layout"]["mm_encoder_tp_mode"] == "data" and raw["serve"].endswith("--mm-encoder-tp-mode data")
+
+
+def test_language_model_only_leaves_the_tower_out(tiny, tmp_path):
+    src = tiny("qwen2.5-vl")
+    result = save(str(src), tmp_path / "out", tp=2, lm_only=True, max_part_size=DEFAULT_MAX_PART)
+    assert not [k for r in range(2) for k in _rank(tmp_path / "out", r) if k.startswith("visual.")]
+    assert result.plan.serve_command("OUT").endswith("--language-model-only")
+    assert any("under visual. left out" in n for n in result.plan.notes)
+    lay = read_manifest(tmp_path / "out").layout
+    assert (lay.mm_encoder_tp_mode, lay.language_model_only) == (None, True)
+
+
+def test_text_only_families_and_text_models_record_it(tiny):
+    qwen35 = build_plan(open_source(str(tiny("qwen3.5-moe"))).checkpoint, Layout(tp=2))
+    assert (qwen35.layout.mm_encoder_tp_mode, qwen35.layout.language_model_only) == (None, True)
+    assert qwen35.serve_command("OUT").count("--language-model-only") == 1
+    llama = build_plan(open_source(str(tiny("llama"))).checkpoint, Layout(tp=2))
+    assert (llama.layout.mm_encoder_tp_mode, llama.layout.language_model_only) == (None, False)
+
+
+def test_refusals(tiny):
+    src = str(tiny("qwen2.5-vl"))
+    code, _, err = run("plan", src, "--tp", "8")  # vision heads 4: weights mode cannot split them
+    assert code == 3 and "vision_config.num_heads=4 is not divisible by --tp 8" in err
+    assert "--mm-encoder-tp-mode data" in err
+    assert run("plan", src, "--tp", "8", "--mm-encoder-tp-mode", "data")[0] == 0
+    assert run("plan", src, "--tp", "8", "--language-model-only")[0] == 0
+    code, _, err = run("plan", src, "--tp", "2", "--language-model-only", "--mm-encoder-tp-mode", "data")
+    assert code == 3 and "pass one of them" in err
+    code, _, err = run("plan", str(tiny("llama")), "--tp", "2", "--mm-encoder-tp-mode", "data")
+    assert code == 3 and "is a text model" in err
+    code, _, err = run("plan", str(tiny("qwen3.5-moe")), "--tp", "2", "--mm-encoder-tp-mode", "weights")
+    assert code == 3 and "has no rule table" in err
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=4, mm="data")])
+def test_merge_round_trips_byte_identical(tiny, tmp_path, layout):
+    src = tiny("qwen2.5-vl")
+    save(str(src), tmp_path / "out", max_part_size=DEFAULT_MAX_PART, **layout)
+    result = merge(tmp_path / "out", tmp_path / "hf", max_shard_size=400_000)
+    assert result["not_in_output"] == []
+    assert_same(load_dir(tmp_path / "hf", "model*.safetensors"), load_dir(src, "model*.safetensors"))
+
+
+def test_reshard_an_output(tiny, tmp_path):
+    src = tiny("qwen2.5-vl")
+    save(str(src), tmp_path / "first", tp=2, max_part_size=DEFAULT_MAX_PART)
+    save(str(tmp_path / "first"), tmp_path / "via", tp=4, mm="data", max_part_size=DEFAULT_MAX_PART)
+    save(str(src), tmp_path / "direct", tp=4, mm="data", max_part_size=DEFAULT_MAX_PART)
+    assert_same(load_dir(tmp_path / "via", "model-*.safetensors"), load_dir(tmp_path / "direct", "model-*.safetensors"))
+
+
+def test_reshard_of_a_language_model_only_output_to_the_tower_is_refused(tiny, tmp_path):
+    save(str(tiny("qwen2.5-vl")), tmp_path / "first", tp=2, lm_only=True, max_part_size=DEFAULT_MAX_PART)
+    code, _, err = run("save", str(tmp_path / "first"), str(tmp_path / "via"), "--tp", "2")
+    assert code != 0 and "visual." in err
+
+
+def test_plugin_refuses_another_encoder_layout(tiny, tmp_path):
+    save(str(tiny("qwen2.5-vl")), tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
+    m = read_manifest(tmp_path / "out")
+    weights = Layout(tp=2, dtype="bfloat16", mm_encoder_tp_mode="weights")
+    engine = Engine(weights, quantization=None, vllm_version="0.32.0")
+    assert checks.engine_problems(m, engine) == []
+    data = replace(engine, layout=weights.but(mm_encoder_tp_mode="data"))
+    problems = checks.engine_problems(m, data)
+    assert problems == [
+        "made for --mm-encoder-tp-mode weights (the vision tower TP-sharded), this engine runs --mm-encoder-tp-mode data"
+    ]
+    message = checks.mismatch_message(tmp_path / "out", m, data, problems)
+    assert "--mm-encoder-tp-mode data`" in message  # the save line for this engine
+    text = replace(engine, layout=weights.but(mm_encoder_tp_mode=None, language_model_only=True))
+    assert checks.engine_problems(m, text) == [
+        "made with the vision tower (--mm-encoder-tp-mode weights), this engine runs --language-model-only "
+        "and would not load it"
+    ]
+    lm = replace(m, layout=m.layout.but(mm_encoder_tp_mode=None, language_model_only=True))
+    assert checks.engine_problems(lm, text) == []
+    assert checks.engine_problems(lm, engine) == [
+        "made --language-model-only (the files hold no vision tower), this engine builds the vision tower "
+        "(--mm-encoder-tp-mode weights)"
+    ]
+    old = replace(m, layout=m.layout.but(mm_encoder_tp_mode=None))  # written before issue 27: not checked
+    assert checks.engine_problems(old, text) == []
