@@ -111,7 +111,7 @@ class Context:
             return value
 
         heads = need(tower.heads)
-        sub.dims = Dims(need(tower.hidden), need(tower.depth), heads, heads, 0, False)
+        sub.dims = Dims(need(tower.hidden), 0, heads, heads, 0, False)  # its blocks: tower.blocks
         sub.tp = tp
         return sub
 

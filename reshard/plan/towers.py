@@ -88,9 +88,10 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
         for m in tower.top:
             if m.present(sub.config):
                 add_module(sub, m, "", parts)
-        for block in range(sub.dims.num_layers):
-            for m in tower.block:
-                if m.present(sub.config):
-                    add_module(sub, m, tower.block_prefix.format(layer=block), parts)
+        for blocks in tower.blocks:
+            for i in range(blocks.number(sub.config)):
+                for m in blocks.rules:
+                    if m.present(sub.config):
+                        add_module(sub, m, blocks.prefix.format(layer=i), parts)
         for r in range(ctx.tp):
             per_tp[r].extend(parts[0 if data else r])

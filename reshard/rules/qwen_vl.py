@@ -14,8 +14,8 @@ bias) / `mlp.down_proj` (row, bias); the merger's RMSNorm `ln_q`, `mlp.0` (colum
 and whole with `data` (reshard.plan.towers).
 """
 
-from reshard.rules.llama import MAPPER, MLP, QWEN2_ATTENTION
-from reshard.rules.spec import Architecture, Tower, WeightsMapper
+from reshard.rules.llama import MAPPER, MLP, QWEN2_ATTENTION, QWEN3_ATTENTION
+from reshard.rules.spec import Architecture, Blocks, Tower, WeightsMapper
 from reshard.rules.styles import QKV, Column, Merged, Replicate, Row, Vocab
 
 LM = "language_model.model."
@@ -41,15 +41,20 @@ QWEN2_5_VISION = Tower(
         Column(VIS + "merger.mlp.0", bias=True),
         Row(VIS + "merger.mlp.2", bias=True, dims=("out_hidden_size", None)),
     ),
-    block=(
-        Replicate("norm1"),
-        Replicate("norm2"),
-        QKV("attn.qkv", bias=True, fused=("q", "k", "v"), dims=(None, "hidden_size")),
-        Row("attn.proj", bias=True),
-        Merged("mlp.gate_up_proj", bias=True, dims=VISION_UP),
-        Row("mlp.down_proj", bias=True, dims=("hidden_size", "intermediate_size")),
+    blocks=(
+        Blocks(
+            VIS + "blocks.{layer}.",
+            (
+                Replicate("norm1"),
+                Replicate("norm2"),
+                QKV("attn.qkv", bias=True, fused=("q", "k", "v"), dims=(None, "hidden_size")),
+                Row("attn.proj", bias=True),
+                Merged("mlp.gate_up_proj", bias=True, dims=VISION_UP),
+                Row("mlp.down_proj", bias=True, dims=("hidden_size", "intermediate_size")),
+            ),
+            "depth",
+        ),
     ),
-    block_prefix=VIS + "blocks.{layer}.",
     skip=("visual.", "model.visual."),
 )
 
@@ -68,4 +73,75 @@ QWEN2_5_VL = Architecture(
     lm_head="language_model.lm_head",
     text_config="text_config",
     towers=(QWEN2_5_VISION,),
+)
+
+# Qwen3-VL (`Qwen3VLForConditionalGeneration`, vLLM qwen3_vl.py): the language model is vLLM's Qwen3 under
+# `language_model.` (checkpoint `model.language_model.*`, `lm_head`), the tower `model.visual.*`. The tower
+# (`Qwen3_VisionTransformer`): a Conv3d patch embedding with bias and a learned `pos_embed` (nn.Embedding),
+# both whole on every rank; blocks of LayerNorm `norm1`/`norm2` (weight and bias), the fused `attn.qkv`
+# and `attn.proj` as Qwen2.5-VL's, an MLP `mlp.linear_fc1` (column, bias) / `mlp.linear_fc2` (row, bias);
+# the merger (LayerNorm `norm`, `linear_fc1` column, `linear_fc2` row) and one deepstack merger per
+# `deepstack_visual_indexes` entry, built alike (its norm over the merged width).
+QWEN3_VL_MAPPER = MAPPER | WeightsMapper(
+    orig_to_new_prefix={
+        "model.visual.": "visual.",
+        "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.",
+    }
+)
+
+
+def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
+    return Replicate(name), Replicate(name, param="bias")
+
+
+def _merger(prefix: str) -> tuple:
+    return (
+        *_layer_norm(prefix + "norm"),
+        Column(prefix + "linear_fc1", bias=True),
+        Row(prefix + "linear_fc2", bias=True, dims=("out_hidden_size", None)),
+    )
+
+
+def _deepstack(config: dict) -> int:
+    return len(config.get("deepstack_visual_indexes") or [])
+
+
+QWEN3_VISION = Tower(
+    config="vision_config",
+    top=(
+        Replicate(VIS + "patch_embed.proj"),  # Conv3d [hidden, C, t, p, p] with its bias
+        Replicate(VIS + "patch_embed.proj", param="bias"),
+        Replicate(VIS + "pos_embed"),  # nn.Embedding [num_position_embeddings, hidden]: not a vocab split
+        *_merger(VIS + "merger."),
+    ),
+    blocks=(
+        Blocks(
+            VIS + "blocks.{layer}.",
+            (
+                *_layer_norm("norm1"),
+                *_layer_norm("norm2"),
+                QKV("attn.qkv", bias=True, fused=("q", "k", "v"), dims=(None, "hidden_size")),
+                Row("attn.proj", bias=True),
+                Column("mlp.linear_fc1", bias=True, dims=VISION_UP),
+                Row("mlp.linear_fc2", bias=True, dims=("hidden_size", "intermediate_size")),
+            ),
+            "depth",
+        ),
+        Blocks(VIS + "deepstack_merger_list.{layer}.", _merger(""), _deepstack),
+    ),
+    skip=("model.visual.",),
+)
+
+QWEN3_VL = Architecture(
+    names=("Qwen3VLForConditionalGeneration",),
+    hf_to_vllm=QWEN3_VL_MAPPER,
+    top=QWEN2_5_VL.top,
+    layer=QWEN3_ATTENTION,
+    dense_mlp=MLP,
+    layer_prefix=LM + "layers.{layer}.",
+    embedding=LM + "embed_tokens",
+    lm_head="language_model.lm_head",
+    text_config="text_config",
+    towers=(QWEN3_VISION,),
 )

@@ -90,6 +90,24 @@ class Mixers:
 
 
 @dataclass(frozen=True)
+class Blocks:
+    """A list of like modules of an encoder (its transformer blocks, Qwen3-VL's deepstack mergers).
+
+    Attributes:
+        prefix: where item `{layer}`'s modules live (vLLM's path from the model root).
+        rules: the modules of every item.
+        count: the config key (of the encoder's settings) of how many there are, or a function of them.
+    """
+
+    prefix: str
+    rules: tuple[Rule, ...]
+    count: str | Callable[[dict], int]
+
+    def number(self, config: dict) -> int:
+        return int(self.count(config) if callable(self.count) else config.get(self.count) or 0)
+
+
+@dataclass(frozen=True)
 class Tower:
     """A multimodal model's encoder (vision tower and its projector/merger), planned with its own sizes.
 
@@ -98,9 +116,9 @@ class Tower:
 
     Attributes:
         config: the config.json key of the tower's settings (`vision_config`); its `heads` and
-            `hidden` keys are the tower's head count and width, `depth` its number of blocks.
+            `hidden` keys are the tower's head count and width.
         top: modules outside the blocks (patch embedding, merger), vLLM paths from the model root.
-        block: modules of every block, under `block_prefix` (`{layer}` replaced).
+        blocks: its lists of like modules (`Blocks`).
         skip: checkpoint tensor-name prefixes of the tower, left out under --language-model-only.
         data_mode: vLLM's model supports `--mm-encoder-tp-mode data` (`supports_encoder_tp_data`);
             where not, vLLM falls back to weights.
@@ -108,10 +126,8 @@ class Tower:
 
     config: str
     top: tuple[Rule, ...]
-    block: tuple[Rule, ...]
-    block_prefix: str
+    blocks: tuple[Blocks, ...]
     skip: tuple[str, ...]
-    depth: str = "depth"
     heads: str = "num_heads"
     hidden: str = "hidden_size"
     data_mode: bool = True

@@ -345,6 +345,10 @@ STATE_CASES += [
     case("qwen2.5-vl", 2, pp=2),
     case("qwen2.5-vl", 2, mm="data"),
     case("qwen2.5-vl", 2, lm_only=True),
+    # Qwen3-VL: LayerNorms with bias, pos_embed and the Conv3d bias whole, deepstack mergers split
+    case("qwen3-vl", 2),
+    case("qwen3-vl", 4),
+    case("qwen3-vl", 2, pp=2),
 ]
 GEN_CASES += [case("qwen2.5-vl", 2)]
 

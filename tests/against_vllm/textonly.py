@@ -15,7 +15,11 @@ from pathlib import Path
 
 TEXT_ONLY = frozenset({"Qwen3_5MoeForConditionalGeneration", "Llama4ForConditionalGeneration"})
 # issue 27: vision towers built and checked; vLLM's Qwen-VL code imports torchvision too
-NEEDS_STUB = TEXT_ONLY | {"Qwen2_5_VLForConditionalGeneration"}
+NEEDS_STUB = TEXT_ONLY | {
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+}
 STUBS = Path(__file__).resolve().parent / "stubs"
 
 
