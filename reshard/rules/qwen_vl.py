@@ -14,9 +14,12 @@ bias) / `mlp.down_proj` (row, bias); the merger's RMSNorm `ln_q`, `mlp.0` (colum
 and whole with `data` (reshard.plan.towers).
 """
 
+from dataclasses import replace
+
 from reshard.rules.llama import MAPPER, MLP, QWEN2_ATTENTION, QWEN3_ATTENTION
+from reshard.rules.moe import sparse_layer
 from reshard.rules.spec import Architecture, Blocks, Tower, WeightsMapper
-from reshard.rules.styles import QKV, Column, Merged, Replicate, Row, Vocab
+from reshard.rules.styles import QKV, Column, FusedExperts, Merged, Replicate, Row, Vocab
 
 LM = "language_model.model."
 
@@ -144,4 +147,19 @@ QWEN3_VL = Architecture(
     lm_head="language_model.lm_head",
     text_config="text_config",
     towers=(QWEN3_VISION,),
+)
+
+# Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`, vLLM qwen3_vl_moe.py): the same tower over vLLM's
+# Qwen3-MoE (`Qwen3VLMoeDecoderLayer`, `is_fused_checkpoint_transposed`): the checkpoint's experts are
+# fused per layer, `mlp.experts.gate_up_proj` [E, hidden, 2I] (gate then up) and `mlp.experts.down_proj`
+# [E, I, hidden], transposed and halved as Llama-4's (reshard.plan.fusedexperts); the router
+# `mlp.gate` handed to the fused-MoE runner (`mlp.experts.gate`), built with the quant config.
+QWEN3_VL_MOE = replace(
+    QWEN3_VL,
+    names=("Qwen3VLMoeForConditionalGeneration",),
+    moe_mlp=(
+        Replicate("mlp.experts.gate", "mlp.gate", quant=True),
+        FusedExperts("mlp.experts.routed_experts", "mlp.experts.gate_up_proj", "mlp.experts.down_proj", halves=True),
+    ),
+    is_moe_layer=sparse_layer,
 )

@@ -349,7 +349,12 @@ STATE_CASES += [
     case("qwen3-vl", 2),
     case("qwen3-vl", 4),
     case("qwen3-vl", 2, pp=2),
+    # Qwen3-VL-MoE: the checkpoint's fused experts [E, in, out] transposed and halved (gate, up), TP 2 and EP
+    case("qwen3-vl-moe", 2),
+    case("qwen3-vl-moe", 2, ep=True),
+    case("qwen3-vl-moe", 2, pp=2),
 ]
+MOE.append("qwen3-vl-moe")  # marks only
 GEN_CASES += [case("qwen2.5-vl", 2)]
 
 
