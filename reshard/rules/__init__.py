@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from reshard.errors import UnsupportedError
 from reshard.rules.deepseek import DEEPSEEK_V2
-from reshard.rules.gemma import GEMMA2, GEMMA3
+from reshard.rules.gemma import GEMMA2, GEMMA3, GEMMA3_MM
 from reshard.rules.glm import GLM4_MOE
 from reshard.rules.gptoss import GPT_OSS
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
@@ -45,7 +45,7 @@ for _arch in (
     *(GPT_OSS, LLAMA4, LLAMA4_TEXT, QWEN3_NEXT, QWEN3_5_MOE, GLM4_MOE, MINIMAX_M2),  # issue 15
 ):
     register(_arch)
-for _arch in (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE):  # issue 27: vision towers
+for _arch in (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3_MM):  # issue 27: vision towers
     register(_arch)
 
 

@@ -354,6 +354,9 @@ STATE_CASES += [
     case("qwen3-vl-moe", 2, ep=True),
     case("qwen3-vl-moe", 2, pp=2),
 ]
+# Gemma-3: the SigLIP tower split (q/k/v stacked, biases), the projector's nn.Parameter replicated; vLLM's
+# Gemma3 has no data mode
+STATE_CASES += [case("gemma3-mm", 2), case("gemma3-mm", 4), case("gemma3-mm", 2, pp=2)]
 MOE.append("qwen3-vl-moe")  # marks only
 GEN_CASES += [case("qwen2.5-vl", 2)]
 
