@@ -166,3 +166,48 @@ def test_plugin_refuses_another_encoder_layout(tiny, tmp_path):
     ]
     old = replace(m, layout=m.layout.but(mm_encoder_tp_mode=None))  # written before issue 27: not checked
     assert checks.engine_problems(old, text) == []
+
+
+@pytest.mark.parametrize("arch", ["qwen3-vl", "qwen3-vl-moe", "gemma3-mm"])
+def test_other_towers_merge_back_or_say_why(tiny, tmp_path, arch):
+    """Qwen3-VL and Gemma-3 merge back byte-identical; Qwen3-VL-MoE's experts are written transposed
+    (vLLM's layout of the releases' [E, in, out]), refused as Llama-4's are."""
+    src = tiny(arch)
+    save(str(src), tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
+    code, _, err = run("merge", str(tmp_path / "out"), str(tmp_path / "hf"))
+    if arch == "qwen3-vl-moe":
+        assert code == 3 and "mlp.experts.down_proj transposed" in err
+        return
+    assert code == 0, err
+    assert_same(load_dir(tmp_path / "hf", "model*.safetensors"), load_dir(src, "model*.safetensors"))
+
+
+def test_gemma3_has_no_data_mode_and_its_projector_is_whole(tiny, tmp_path):
+    src = str(tiny("gemma3-mm"))
+    code, _, err = run("plan", src, "--tp", "2", "--mm-encoder-tp-mode", "data")
+    assert code == 3 and "does not support it and falls back to weights" in err
+    save(src, tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
+    hf = load_source(tiny("gemma3-mm"), open_source(src).checkpoint)
+    proj = "multi_modal_projector.mm_input_projection_weight"
+    for r in range(2):
+        got = _rank(tmp_path / "out", r)
+        assert torch.equal(got[proj], hf[proj])
+        q = hf["vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight"]
+        assert torch.equal(
+            got["vision_tower.vision_model.encoder.layers.0.self_attn.qkv_proj.weight"][:16], q.chunk(2)[r]
+        )
+
+
+def test_qwen3_vl_deepstack_mergers_split(tiny, tmp_path):
+    src = tiny("qwen3-vl")
+    save(str(src), tmp_path / "out", tp=4, max_part_size=DEFAULT_MAX_PART)
+    hf = load_source(src, open_source(str(src)).checkpoint)
+    d = "deepstack_merger_list.0."
+    for r in range(4):
+        got = _rank(tmp_path / "out", r)
+        assert torch.equal(
+            got["visual." + d + "linear_fc1.weight"], hf["model.visual." + d + "linear_fc1.weight"].chunk(4)[r]
+        )
+        assert torch.equal(got["visual." + d + "linear_fc2.bias"], hf["model.visual." + d + "linear_fc2.bias"])
+        assert torch.equal(got["visual.pos_embed.weight"], hf["model.visual.pos_embed.weight"])
+        assert torch.equal(got["visual.blocks.1.norm2.bias"], hf["model.visual.blocks.1.norm2.bias"])
