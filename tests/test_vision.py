@@ -137,7 +137,9 @@ def test_reshard_an_output(tiny, tmp_path):
 def test_reshard_of_a_language_model_only_output_to_the_tower_is_refused(tiny, tmp_path):
     save(str(tiny("qwen2.5-vl")), tmp_path / "first", tp=2, lm_only=True, max_part_size=DEFAULT_MAX_PART)
     code, _, err = run("save", str(tmp_path / "first"), str(tmp_path / "via"), "--tp", "2")
-    assert code != 0 and "visual." in err
+    assert code == 4 and "holds no tensor of Qwen2_5_VLForConditionalGeneration's vision tower" in err
+    assert "pass --language-model-only" in err
+    assert run("save", str(tmp_path / "first"), str(tmp_path / "via"), "--tp", "4", "--language-model-only")[0] == 0
 
 
 def test_plugin_refuses_another_encoder_layout(tiny, tmp_path):

@@ -10,7 +10,7 @@ planned with the encoder's own sizes (`Context.tower`).
 
 from __future__ import annotations
 
-from reshard.errors import UnsupportedError
+from reshard.errors import SourceError, UnsupportedError
 from reshard.layout import Layout
 from reshard.plan.context import Context
 from reshard.plan.geometry import divisors
@@ -83,6 +83,12 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
         return
     data = layout.mm_encoder_tp_mode == "data"
     for tower in ctx.arch.towers:
+        if not any(n.startswith(tower.skip) for n in ctx.ckpt.tensors):
+            raise SourceError(
+                f"the checkpoint holds no tensor of {ctx.arch.names[0]}'s vision tower (under "
+                f"{' or '.join(tower.skip)}): a text-only export, or an output saved with --language-model-only",
+                "pass --language-model-only, or save from a checkpoint with the tower",
+            )
         sub = ctx.tower(tower, 1 if data else ctx.tp)
         parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
         for m in tower.top:
