@@ -113,8 +113,21 @@ def test_refusals(tiny):
     assert code == 3 and "pass one of them" in err
     code, _, err = run("plan", str(tiny("llama")), "--tp", "2", "--mm-encoder-tp-mode", "data")
     assert code == 3 and "is a text model" in err
-    code, _, err = run("plan", str(tiny("qwen3.5-moe")), "--tp", "2", "--mm-encoder-tp-mode", "weights")
-    assert code == 3 and "has no rule table" in err
+    code, _, err = run("plan", str(tiny("llama4")), "--tp", "2", "--mm-encoder-tp-mode", "weights")
+    assert code == 3 and "Llama4ForConditionalGeneration's vision tower has no rule table" in err
+
+
+def test_qwen35_text_only_by_default_tower_when_asked(tiny):
+    ckpt = open_source(str(tiny("qwen3.5-moe"))).checkpoint
+    text = build_plan(ckpt, Layout(tp=2))
+    assert text.serve_command("OUT").endswith("--language-model-only")
+    assert any("under model.visual. left out" in n for n in text.notes)
+    tower = build_plan(ckpt, Layout(tp=2, mm_encoder_tp_mode="weights"))
+    assert tower.serve_command("OUT").endswith("--mm-encoder-tp-mode weights")
+    assert not any("model.visual." in n for n in tower.notes)
+    names = {t.name: t.shape for f in tower.files if f.tp_rank == 1 for t in f.tensors}
+    assert names["visual.blocks.0.attn.qkv.weight"] == (48, 32)
+    assert names["visual.pos_embed.weight"] == (64, 32)
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=4, mm="data")])

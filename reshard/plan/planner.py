@@ -19,7 +19,7 @@ from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
 from reshard.plan.remote import RemoteCode, remote_code
 from reshard.plan.slicers import add_module, padded_vocab
-from reshard.plan.towers import check_towers, plan_towers, resolve_mm, tower_skips
+from reshard.plan.towers import check_towers, plan_towers, resolve_mm, skipped_prefixes
 from reshard.rules import Attention, Rule, Vocab, get_architecture
 
 
@@ -77,7 +77,7 @@ def build_plan(
         for tp_rank, tensors in enumerate(plan_stage(ctx, ranges, pp_rank)):
             per_rank[(pp_rank, tp_rank)] = tensors
         plan_towers(ctx, layout, [per_rank[(pp_rank, r)] for r in range(tp)])  # on every stage, as vLLM
-    check_unused(ctx, ranges, tower_skips(arch, layout))
+    check_unused(ctx, ranges, skipped_prefixes(arch, layout))
     return Plan(
         source=ckpt.ref,
         architecture=arch_name,
@@ -203,15 +203,13 @@ def check_attention(ctx: Context) -> None:
         raise UnsupportedError(f"padded vocabulary {padded} (vocab_size {d.vocab}) is not divisible by --tp {tp}")
 
 
-def check_unused(ctx: Context, ranges: list[tuple[int, int]], skips: tuple[str, ...] = ()) -> None:
+def check_unused(ctx: Context, ranges: list[tuple[int, int]], skip_prefixes: tuple[str, ...]) -> None:
     """With every layer planned, a checkpoint tensor no rule read means the wrong architecture.
 
-    skips: checkpoint prefixes the layout leaves out besides the architecture's (an encoder under
-    --language-model-only)."""
+    skip_prefixes: checkpoint prefixes the layout leaves out (MTP, an encoder under --language-model-only)."""
     if ranges[0][0] != 0 or ranges[-1][1] != ctx.dims.num_layers:
         return
     arch = ctx.arch
-    skip_prefixes = arch.skip_prefixes + skips
     spec = spec_layer_prefixes(ctx) + skip_prefixes
     extra = [
         n

@@ -24,14 +24,15 @@ def resolve_mm(arch_name: str, arch: Architecture, layout: Layout) -> tuple[str 
 
     A text model takes neither; a multimodal model whose tower has no rule table is written
     --language-model-only whatever is asked (asking for an encoder layout is refused); otherwise
-    --language-model-only, or the encoder in the mode asked (weights by default)."""
+    --language-model-only, or the encoder in the mode asked: by default weights, or for a family
+    written text-only before (Qwen3.5-MoE: `--language-model-only` in its serve_flags) text-only still."""
     asked, lm_only = layout.mm_encoder_tp_mode, layout.language_model_only
     if not arch.towers and not arch.text_only:
         if asked or lm_only:
             flag = "--language-model-only" if lm_only else f"--mm-encoder-tp-mode {asked}"
             raise UnsupportedError(f"{flag}: {arch_name} is a text model, it has no encoder", f"drop {flag}")
         return None, False
-    if arch.text_only:
+    if arch.text_only and not arch.towers:
         if asked:
             raise UnsupportedError(
                 f"--mm-encoder-tp-mode {asked}: {arch_name}'s vision tower has no rule table in reshard; "
@@ -47,7 +48,9 @@ def resolve_mm(arch_name: str, arch: Architecture, layout: Layout) -> tuple[str 
                 "pass one of them",
             )
         return None, True
-    mode = asked or "weights"
+    mode = asked or (None if arch.text_only else "weights")
+    if mode is None:  # a family written text-only before its tower had a rule table: still its default
+        return None, True
     if mode == "data" and not all(t.data_mode for t in arch.towers):
         raise UnsupportedError(
             f"--mm-encoder-tp-mode data: vLLM's {arch_name} does not support it and falls back to weights "
@@ -57,9 +60,13 @@ def resolve_mm(arch_name: str, arch: Architecture, layout: Layout) -> tuple[str 
     return mode, False
 
 
-def tower_skips(arch: Architecture, layout: Layout) -> tuple[str, ...]:
-    """Checkpoint prefixes of the encoders the folder leaves out (--language-model-only)."""
-    return tuple(p for t in arch.towers for p in t.skip) if layout.language_model_only else ()
+def skipped_prefixes(arch: Architecture, layout: Layout) -> tuple[str, ...]:
+    """Checkpoint prefixes the folder leaves out: the architecture's (MTP, a tower without rules), the
+    encoders' under --language-model-only, none of a tower it holds."""
+    towers = tuple(p for t in arch.towers for p in t.skip)
+    if layout.language_model_only:
+        return tuple(dict.fromkeys(arch.skip_prefixes + towers))
+    return tuple(p for p in arch.skip_prefixes if p not in towers)
 
 
 def check_towers(ctx: Context, layout: Layout) -> None:

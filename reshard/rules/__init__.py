@@ -13,7 +13,7 @@ from reshard.rules.minimax import MINIMAX_M2
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
 from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_NEXT
-from reshard.rules.qwen_vl import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE
+from reshard.rules.qwen_vl import QWEN2_5_VL, QWEN3_5_MOE_VL, QWEN3_VL, QWEN3_VL_MOE
 from reshard.rules.spec import Architecture, Mixers, WeightsMapper
 from reshard.rules.styles import (
     QKV,
@@ -45,7 +45,7 @@ for _arch in (
     *(GPT_OSS, LLAMA4, LLAMA4_TEXT, QWEN3_NEXT, QWEN3_5_MOE, GLM4_MOE, MINIMAX_M2),  # issue 15
 ):
     register(_arch)
-for _arch in (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3_MM):  # issue 27: vision towers
+for _arch in (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3_MM, QWEN3_5_MOE_VL):  # issue 27: vision towers
     register(_arch)
 
 

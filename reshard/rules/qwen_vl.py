@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from reshard.rules.llama import MAPPER, MLP, QWEN2_ATTENTION, QWEN3_ATTENTION
 from reshard.rules.moe import sparse_layer
+from reshard.rules.qwen3_next import QWEN3_5_MOE
 from reshard.rules.spec import Architecture, Blocks, Tower, WeightsMapper
 from reshard.rules.styles import QKV, Column, FusedExperts, Merged, Replicate, Row, Vocab
 
@@ -163,3 +164,9 @@ QWEN3_VL_MOE = replace(
     ),
     is_moe_layer=sparse_layer,
 )
+
+# Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, vLLM qwen3_5.py) builds the same Qwen3_VisionTransformer
+# (`model.visual.*`; deepstack mergers only where vision_config lists deepstack_visual_indexes). Its folders
+# were written text-only before the tower had rules, and stay so by default (its serve_flags); the tower is
+# written with an explicit --mm-encoder-tp-mode (reshard.plan.towers.resolve_mm).
+QWEN3_5_MOE_VL = replace(QWEN3_5_MOE, towers=(QWEN3_VISION,))

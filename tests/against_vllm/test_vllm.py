@@ -357,6 +357,8 @@ STATE_CASES += [
 # Gemma-3: the SigLIP tower split (q/k/v stacked, biases), the projector's nn.Parameter replicated; vLLM's
 # Gemma3 has no data mode
 STATE_CASES += [case("gemma3-mm", 2), case("gemma3-mm", 4), case("gemma3-mm", 2, pp=2)]
+# Qwen3.5-MoE: text-only by default as before; its Qwen3-VL tower with an explicit mode
+STATE_CASES += [case("qwen3.5-moe", 2, mm="weights"), case("qwen3.5-moe", 2, ep=True, mm="data")]
 MOE.append("qwen3-vl-moe")  # marks only
 GEN_CASES += [case("qwen2.5-vl", 2)]
 
