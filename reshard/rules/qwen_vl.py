@@ -163,6 +163,7 @@ QWEN3_VL_MOE = replace(
         FusedExperts("mlp.experts.routed_experts", "mlp.experts.gate_up_proj", "mlp.experts.down_proj", halves=True),
     ),
     is_moe_layer=sparse_layer,
+    top_on_every_stage=True,  # vLLM's Qwen3MoeModel builds embed_tokens, norm and lm_head on every stage
 )
 
 # Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, vLLM qwen3_5.py) builds the same Qwen3_VisionTransformer

@@ -19,6 +19,7 @@ NEEDS_STUB = TEXT_ONLY | {
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
 }
 STUBS = Path(__file__).resolve().parent / "stubs"
 
