@@ -113,8 +113,6 @@ def test_refusals(tiny):
     assert code == 3 and "pass one of them" in err
     code, _, err = run("plan", str(tiny("llama")), "--tp", "2", "--mm-encoder-tp-mode", "data")
     assert code == 3 and "is a text model" in err
-    code, _, err = run("plan", str(tiny("llama4")), "--tp", "2", "--mm-encoder-tp-mode", "weights")
-    assert code == 3 and "Llama4ForConditionalGeneration's vision tower has no rule table" in err
 
 
 def test_qwen35_text_only_by_default_tower_when_asked(tiny):
@@ -226,3 +224,21 @@ def test_qwen3_vl_deepstack_mergers_split(tiny, tmp_path):
         assert torch.equal(got["visual." + d + "linear_fc2.bias"], hf["model.visual." + d + "linear_fc2.bias"])
         assert torch.equal(got["visual.pos_embed.weight"], hf["model.visual.pos_embed.weight"])
         assert torch.equal(got["visual.blocks.1.norm2.bias"], hf["model.visual.blocks.1.norm2.bias"])
+
+
+def test_llama4_tower_when_asked_projector_split_in_both_modes(tiny, tmp_path):
+    src = tiny("llama4")
+    ckpt = open_source(str(src)).checkpoint
+    assert build_plan(ckpt, Layout(tp=2)).layout.language_model_only
+    save(str(src), tmp_path / "w", tp=2, mm="weights", max_part_size=DEFAULT_MAX_PART)
+    save(str(src), tmp_path / "d", tp=2, mm="data", max_part_size=DEFAULT_MAX_PART)
+    hf = load_source(src, ckpt)
+    layer = "vision_model.model.layers.0.self_attn."
+    qkv = torch.cat([hf[layer + p + "_proj.weight"] for p in "qkv"])
+    proj = "multi_modal_projector.linear_1.weight"
+    for r in range(2):
+        w, d = _rank(tmp_path / "w", r), _rank(tmp_path / "d", r)
+        assert torch.equal(w[proj], hf[proj].chunk(2)[r]) and torch.equal(d[proj], hf[proj].chunk(2)[r])
+        assert torch.equal(d[layer + "qkv_proj.weight"], qkv)
+        assert torch.equal(w[layer + "qkv_proj.weight"], torch.cat([t.chunk(2)[r] for t in qkv.chunk(3)]))
+        assert torch.equal(w["vision_model.class_embedding"], hf["vision_model.class_embedding"])

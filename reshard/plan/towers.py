@@ -96,7 +96,8 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
                 f"{' or '.join(tower.skip)}): a text-only export, or an output saved with --language-model-only",
                 "pass --language-model-only, or save from a checkpoint with the tower",
             )
-        sub = ctx.tower(tower, 1 if data else ctx.tp)
+        whole = data and not tower.split_in_data_mode
+        sub = ctx.tower(tower, 1 if whole else ctx.tp)
         parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
         for m in tower.top:
             if m.present(sub.config):
@@ -107,4 +108,4 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
                     if m.present(sub.config):
                         add_module(sub, m, blocks.prefix.format(layer=i), parts)
         for r in range(ctx.tp):
-            per_tp[r].extend(parts[0 if data else r])
+            per_tp[r].extend(parts[0 if whole else r])

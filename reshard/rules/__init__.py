@@ -9,6 +9,7 @@ from reshard.rules.glm import GLM4_MOE
 from reshard.rules.gptoss import GPT_OSS
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
 from reshard.rules.llama4 import LLAMA4, LLAMA4_TEXT
+from reshard.rules.llama4_vision import LLAMA4_VL
 from reshard.rules.minimax import MINIMAX_M2
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
@@ -45,7 +46,7 @@ for _arch in (
     *(GPT_OSS, LLAMA4, LLAMA4_TEXT, QWEN3_NEXT, QWEN3_5_MOE, GLM4_MOE, MINIMAX_M2),  # issue 15
 ):
     register(_arch)
-for _arch in (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3_MM, QWEN3_5_MOE_VL):  # issue 27: vision towers
+for _arch in (QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3_MM, QWEN3_5_MOE_VL, LLAMA4_VL):  # issue 27: vision towers
     register(_arch)
 
 

@@ -122,6 +122,8 @@ class Tower:
         skip: checkpoint tensor-name prefixes of the tower, left out under --language-model-only.
         data_mode: vLLM's model supports `--mm-encoder-tp-mode data` (`supports_encoder_tp_data`);
             where not, vLLM falls back to weights.
+        split_in_data_mode: vLLM splits it across the TP ranks in data mode too (Llama-4's projector,
+            built without `disable_tp`).
     """
 
     config: str
@@ -131,6 +133,7 @@ class Tower:
     heads: str = "num_heads"
     hidden: str = "hidden_size"
     data_mode: bool = True
+    split_in_data_mode: bool = False
 
     def settings(self, config: dict) -> dict:
         inner = config.get(self.config)
@@ -174,9 +177,9 @@ class Architecture:
             hf_text_config, e.g. Llama-4's and Qwen3.5's `text_config`); its keys override the top
             level's (quantization_config stays top-level).
         serve_flags: `vllm serve` options the layout needs (--language-model-only).
-        towers: multimodal encoders vLLM builds beside the language model (`Tower`); none: the
-            model is text-only, or (with `--language-model-only` in serve_flags) its tower has no
-            rule table and is always left out.
+        towers: multimodal encoders vLLM builds beside the language model (`Tower`); none: a text
+            model, or (with `--language-model-only` in serve_flags) a tower without rules, always
+            left out.
     """
 
     names: tuple[str, ...]
@@ -220,7 +223,8 @@ class Architecture:
 
     @property
     def text_only(self) -> bool:
-        """A multimodal model whose tower has no rule table: always written --language-model-only."""
+        """A multimodal model written --language-model-only by default (its tower only when a
+        --mm-encoder-tp-mode is asked, where `towers` has its rules: Llama-4, Qwen3.5-MoE)."""
         return "--language-model-only" in self.serve_flags
 
     def shards(self, fused: str) -> tuple[str, ...]:

@@ -359,6 +359,8 @@ STATE_CASES += [
 STATE_CASES += [case("gemma3-mm", 2), case("gemma3-mm", 4), case("gemma3-mm", 2, pp=2)]
 # Qwen3.5-MoE: text-only by default as before; its Qwen3-VL tower with an explicit mode
 STATE_CASES += [case("qwen3.5-moe", 2, mm="weights"), case("qwen3.5-moe", 2, ep=True, mm="data")]
+# Llama-4: text-only by default as before; the tower with an explicit mode (the projector split in both)
+STATE_CASES += [case("llama4", 2, mm="weights"), case("llama4", 2, mm="data")]
 MOE.append("qwen3-vl-moe")  # marks only
 GEN_CASES += [case("qwen2.5-vl", 2)]
 
