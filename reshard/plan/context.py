@@ -35,7 +35,7 @@ class Context:
         self.used: set[str] = set()
         # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
         # ships its own lm_head; the sharded loader does not, so the output config must say so.
-        untie = bool(self.config.get("tie_word_embeddings")) and any(
+        untie = bool(self.config.get("tie_word_embeddings", arch.tie_default)) and any(
             n in ckpt.tensors for n in arch.hf_names(f"{arch.lm_head}.weight")
         )
         self.config_patch: dict = {"tie_word_embeddings": False} if untie else {}
@@ -148,7 +148,7 @@ def dims_from_config(config: dict, arch: Architecture, untied_by_checkpoint: boo
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         vocab=need("vocab_size"),
-        tie=bool(config.get("tie_word_embeddings", False)) and not untied_by_checkpoint,
+        tie=bool(config.get("tie_word_embeddings", arch.tie_default)) and not untied_by_checkpoint,
         num_experts=next((int(config[k]) for k in arch.experts_key if config.get(k)), 0) if arch.moe_mlp else 0,
         moe_intermediate=int(config.get(arch.moe_intermediate_key) or 0) if arch.moe_mlp else 0,
     )

@@ -117,4 +117,5 @@ GEMMA3_MM = replace(
     lm_head=LM + "lm_head",
     text_config="text_config",
     towers=(SIGLIP_TOWER,),
+    tie_default=True,  # transformers' Gemma3TextConfig; google/gemma-3-*-it leave it out
 )

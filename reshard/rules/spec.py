@@ -177,6 +177,8 @@ class Architecture:
             hf_text_config, e.g. Llama-4's and Qwen3.5's `text_config`); its keys override the top
             level's (quantization_config stays top-level).
         serve_flags: `vllm serve` options the layout needs (--language-model-only).
+        tie_default: tie_word_embeddings where config.json does not say (transformers' default for
+            the model's config class: True for Gemma-3's, whose releases leave it out).
         towers: multimodal encoders vLLM builds beside the language model (`Tower`); none: a text
             model, or (with `--language-model-only` in serve_flags) a tower without rules, always
             left out.
@@ -203,6 +205,7 @@ class Architecture:
     text_config: str | None = None
     serve_flags: tuple[str, ...] = ()
     towers: tuple[Tower, ...] = ()
+    tie_default: bool = False
 
     def text(self, config: dict) -> dict:
         """The settings of the language model: config.json, or its text_config over it."""

@@ -30,10 +30,14 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
 from tests.against_vllm import vllm_state  # noqa: E402
-from tests.fixtures import qwen_next_releases, releases  # noqa: E402
+from tests.fixtures import qwen_next_releases, releases, vision_releases  # noqa: E402
 from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
 
-REGISTRIES = (releases, qwen_next_releases)  # each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes)
+REGISTRIES = (
+    releases,
+    qwen_next_releases,
+    vision_releases,
+)  # vision_releases: issue 27  # each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes)
 
 TP = 8
 
