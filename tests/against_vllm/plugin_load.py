@@ -80,7 +80,8 @@ def _rank(rank: int, world: int, port: int, cfg, case: dict, out: Path) -> None:
     from tests.against_vllm import vllm_state
 
     torch.set_num_threads(1)
-    os.environ["VLLM_DIST_IDENT"] = str(port)
+    # per case: a case whose ranks were refused leaves its shared memory behind, and ports get reused
+    os.environ["VLLM_DIST_IDENT"] = f"{port}c{case['_index']}"
     vllm_state._allow_missing_fp8_linear_kernel(out)
     vllm_state._force_moe_backend(case.get("moe_backend", "auto"))
     res: dict = {"ok": False, "error": None, "mismatch": [], "warnings": []}
