@@ -242,3 +242,28 @@ def test_llama4_tower_when_asked_projector_split_in_both_modes(tiny, tmp_path):
         assert torch.equal(d[layer + "qkv_proj.weight"], qkv)
         assert torch.equal(w[layer + "qkv_proj.weight"], torch.cat([t.chunk(2)[r] for t in qkv.chunk(3)]))
         assert torch.equal(w["vision_model.class_embedding"], hf["vision_model.class_embedding"])
+
+
+def test_verify_deep_against_the_source(tiny, tmp_path):
+    src = tiny("qwen2.5-vl")
+    save(str(src), tmp_path / "out", tp=2, mm="data", max_part_size=DEFAULT_MAX_PART)
+    code, out, err = run("verify", str(tmp_path / "out"), "--against", str(src), "--deep")
+    assert code == 0, out + err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("mm_encoder_tp_mode", "pipeline", "mm_encoder_tp_mode must be weights, data or null"),
+        ("mm_encoder_tp_mode", 1, "layout.mm_encoder_tp_mode is 1"),
+        ("language_model_only", "yes", "layout.language_model_only is 'yes'"),
+    ],
+)
+def test_manifest_refuses_a_bad_encoder_layout(tiny, tmp_path, key, value, message):
+    save(str(tiny("qwen2.5-vl")), tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
+    path = tmp_path / "out" / MANIFEST
+    obj = json.loads(path.read_text())
+    obj["layout"][key] = value
+    path.write_text(json.dumps(obj))
+    code, out, err = run("verify", str(tmp_path / "out"))
+    assert code == 7 and message in out + err, (code, out + err)
