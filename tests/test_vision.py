@@ -267,3 +267,15 @@ def test_manifest_refuses_a_bad_encoder_layout(tiny, tmp_path, key, value, messa
     path.write_text(json.dumps(obj))
     code, out, err = run("verify", str(tmp_path / "out"))
     assert code == 7 and message in out + err, (code, out + err)
+
+
+def test_a_quantized_tower_is_refused(tiny, tmp_path):
+    """Quantization tools that convert every 2-D weight also convert the tower; its quantized vLLM layout
+    is not checked, so only the text model is written (--language-model-only)."""
+    from tests.fixtures.quant import convert
+
+    src = convert(tiny("qwen2.5-vl"), tmp_path / "fp8", "ct-channel")
+    code, _, err = run("plan", str(src), "--tp", "2")
+    assert code == 3 and "visual.merger.mlp.0: the checkpoint's compressed-tensors quantization applies" in err
+    assert "pass --language-model-only" in err
+    assert run("plan", str(src), "--tp", "2", "--language-model-only")[0] == 0

@@ -16,7 +16,7 @@ from reshard.plan.context import Context
 from reshard.plan.geometry import divisors
 from reshard.plan.model import OutTensor
 from reshard.plan.slicers import add_module
-from reshard.rules import Architecture
+from reshard.rules import Architecture, Linear, Rule
 
 
 def resolve_mm(arch_name: str, arch: Architecture, layout: Layout) -> tuple[str | None, bool]:
@@ -101,11 +101,32 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
         parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
         for m in tower.top:
             if m.present(sub.config):
+                _check_unquantized(sub, m, "")
                 add_module(sub, m, "", parts)
         for blocks in tower.blocks:
             for i in range(blocks.number(sub.config)):
                 for m in blocks.rules:
                     if m.present(sub.config):
+                        _check_unquantized(sub, m, blocks.prefix.format(layer=i))
                         add_module(sub, m, blocks.prefix.format(layer=i), parts)
         for r in range(ctx.tp):
             per_tp[r].extend(parts[0 if whole else r])
+
+
+QUANT_WEIGHTS = (".weight", ".weight_packed", ".qweight")
+
+
+def _check_unquantized(ctx: Context, m: Rule, prefix: str) -> None:
+    """A tower layer the checkpoint's quantization applies to (not on its ignore list) is refused: no
+    quantized tower's vLLM layout is checked (the releases leave their towers in bf16)."""
+    if ctx.quant is None or not isinstance(m, Linear) or not m.quant:
+        return
+    names = ctx.arch.hf_names(prefix + m.hf)
+    name = next((n for n in names if any(n + w in ctx.ckpt.tensors for w in QUANT_WEIGHTS)), names[0])
+    if ctx.quant.quantizes([name]):
+        raise UnsupportedError(
+            f"{name}: the checkpoint's {ctx.quant.method} quantization applies to this vision tower layer, "
+            "whose quantized vLLM layout reshard has not checked",
+            "pass --language-model-only (the text model alone), or use a checkpoint whose quantization_config "
+            "leaves the tower out",
+        )
