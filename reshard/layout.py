@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # --platform: the vLLM platform whose model class names the keys (DeepSeek-V3.2 / GLM-5: issue 27)
 PLATFORMS = ("cuda", "rocm", "cpu")
+# vLLM's --mm-encoder-tp-mode
+MM_ENCODER_TP_MODES = ("weights", "data")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,10 @@ class Layout:
     platform: the vLLM platform the folder's key names are for, where they depend on it (DeepSeek-V3.2's
         CUDA, ROCm and CPU classes name the same parameters differently); None where they do not
         (planned: the planner keeps it only for such architectures).
+    mm_encoder_tp_mode: vLLM's --mm-encoder-tp-mode for a multimodal model's encoder: "weights" (its
+        linear layers TP-sharded) or "data" (whole on every rank); None: no encoder in the folder
+        (planned: a text-only model, or --language-model-only).
+    language_model_only: vLLM's --language-model-only: a multimodal model written without its encoder.
     """
 
     tp: int = 1
@@ -41,6 +47,8 @@ class Layout:
     moe_pin: str | None = None
     quantization: dict | None = field(default=None, compare=True, hash=False)
     platform: str | None = None
+    mm_encoder_tp_mode: str | None = None
+    language_model_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
@@ -59,6 +67,10 @@ class Layout:
             raise ValueError(f"moe_backend must be a name, not {self.moe_backend!r} / {self.moe_pin!r}")
         if self.platform is not None and self.platform not in PLATFORMS:
             raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, not {self.platform!r}")
+        if self.mm_encoder_tp_mode not in (*MM_ENCODER_TP_MODES, None):
+            raise ValueError(f"mm_encoder_tp_mode must be weights, data or null, not {self.mm_encoder_tp_mode!r}")
+        if not isinstance(self.language_model_only, bool):
+            raise ValueError(f"language_model_only must be true or false, not {self.language_model_only!r}")
         if self.quantization is not None and not isinstance(self.quantization, dict):
             raise ValueError(f"quantization must be an object or null, not {self.quantization!r}")
 
@@ -70,6 +82,12 @@ class Layout:
     def engine_rank(self, pp_rank: int, tp_rank: int) -> int:
         """vLLM's global rank of (pp_rank, tp_rank): pp_rank * tp + tp_rank (`save --ranks` numbers)."""
         return pp_rank * self.tp + tp_rank
+
+    def mm_flags(self) -> tuple[str, ...]:
+        """The `vllm serve` options the encoder's layout needs (pinned even where vLLM's default)."""
+        if self.language_model_only:
+            return ("--language-model-only",)
+        return (f"--mm-encoder-tp-mode {self.mm_encoder_tp_mode}",) if self.mm_encoder_tp_mode else ()
 
     def same_ranks(self, other: Layout) -> bool:
         """Both split the model over the same ranks the same way (tp, pp, ep)."""

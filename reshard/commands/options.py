@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import click
 
-from reshard.layout import DTYPES, PLATFORMS, Layout
+from reshard.layout import DTYPES, MM_ENCODER_TP_MODES, PLATFORMS, Layout
 from reshard.plan.backends import MOE_BACKENDS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -117,24 +117,52 @@ platform_option = click.option(
     "and the reshard loader refuses the folder on another platform. Ignored by other models.",
 )
 
+# issue 27: a multimodal model's encoder
+mm_mode_option = click.option(
+    "--mm-encoder-tp-mode",
+    "mm_mode",
+    type=click.Choice(MM_ENCODER_TP_MODES),
+    default=None,
+    help="vLLM's --mm-encoder-tp-mode for a multimodal model: weights (default: the vision tower TP-sharded) or "
+    "data (whole on every rank); recorded and pinned in the serve line.",
+)
+lm_only_option = click.option(
+    "--language-model-only",
+    "lm_only",
+    is_flag=True,
+    help="vLLM's --language-model-only: write a multimodal model's text model alone (no vision tower).",
+)
+
 
 def layout_options(command: Callable) -> Callable:
-    """--tp, --pp, --ep, --dtype, --pp-layer-partition, --moe-backend and --platform, given to `command` as one
-    `layout: Layout` (the defaults above are the only ones)."""
+    """--tp, --pp, --ep, --dtype, --pp-layer-partition, --moe-backend, --platform, --mm-encoder-tp-mode and
+    --language-model-only, given to `command` as one `layout: Layout` (the defaults above are the only ones)."""
 
     @functools.wraps(command)
-    def with_layout(*args, tp, pp, ep, dtype, pp_partition, moe_backend, platform, **kwargs):
+    def with_layout(*args, tp, pp, ep, dtype, pp_partition, moe_backend, platform, mm_mode, lm_only, **kwargs):
         partition = tuple(pp_partition) if pp_partition else None
         if partition and len(partition) != pp:  # known without the model: usage (one that misfits it: exit 3)
             raise click.BadParameter(
                 f"{len(partition)} layer counts for --pp {pp}: give one per pipeline stage",
                 param_hint="'--pp-layer-partition'",
             )
-        layout = Layout(tp, pp, ep, dtype, partition, moe_backend, platform=platform)
+        layout = Layout(
+            tp,
+            pp,
+            ep,
+            dtype,
+            partition,
+            moe_backend,
+            platform=platform,
+            mm_encoder_tp_mode=mm_mode,
+            language_model_only=lm_only,
+        )
         return command(*args, layout=layout, **kwargs)
 
     for option in (
         platform_option,
+        lm_only_option,
+        mm_mode_option,
         moe_backend_option,
         partition_option,
         dtype_option,

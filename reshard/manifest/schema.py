@@ -8,27 +8,29 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS
-from reshard.format import DTYPE_CODES, ITEMSIZE
+from reshard.format import ITEMSIZE
 from reshard.hashing import ALGORITHMS, FIELD, LEGACY, NONE
 from reshard.layout import Layout
-from reshard.names import file_pattern, parse_rank_file
+from reshard.manifest.layoutjson import layout_json, parse_layout
+from reshard.manifest.validate import (
+    MAX_DIMS,
+    MAX_FILES,
+    MAX_PART,
+    MAX_PP,
+    MAX_SIZE,
+    MAX_TENSORS,
+    MAX_TP,
+    ManifestProblem,
+    as_int,
+    as_list,
+    need,
+    optional,
+    strings,
+)
+from reshard.names import parse_rank_file
 
 FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
-
-# bounds on what a manifest may say, far above any real model, so a hostile or damaged one is refused
-# before anything sized by it is built (memory stays flat)
-MAX_TP = MAX_PP = 4096
-MAX_WORLD = 65536
-MAX_PART = 10**6
-MAX_SIZE = 2**50  # bytes of one file, and of the whole
-MAX_FILES = 10**6  # rank files, copied files, source tensors
-MAX_TENSORS = 10**7  # tensors over all rank files
-MAX_DIMS = 64
-
-
-class ManifestProblem(ValueError):
-    """What makes a manifest unusable, as a phrase (`layout.tp is 0`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,24 +160,6 @@ class Manifest:
         return {**self.extra, **out}
 
 
-def layout_json(lay: Layout, architecture: str, vllm_layout: str = VLLM_LAYOUT) -> dict:
-    """The manifest's `layout` object (also what `plan --json` prints)."""
-    return {
-        "vllm_layout": vllm_layout,
-        "architecture": architecture,
-        "tp": lay.tp,
-        "pp": lay.pp,
-        "ep": lay.ep,
-        "dtype": lay.dtype,
-        "quantization": lay.quantization,
-        "pattern": file_pattern(lay.pp),
-        "pp_layer_partition": list(lay.partition or ()),
-        "moe_backend": lay.moe_backend,
-        "moe_backend_pinned": lay.moe_pin,
-        **({"platform": lay.platform} if lay.platform else {}),  # only where the key names depend on it
-    }
-
-
 def _digest(entry: dict, algorithm: str, digest: str | None) -> dict:
     if algorithm != NONE and digest is not None:
         entry[algorithm] = digest
@@ -212,21 +196,21 @@ def parse(obj: object) -> Manifest:
     algorithm = obj.get(FIELD, LEGACY)
     if algorithm not in ALGORITHMS:
         raise ManifestProblem(f"checksum {algorithm!r} is not one of {', '.join(ALGORITHMS)} (a newer reshard?)")
-    _need(isinstance(obj["run_id"], str), "run_id is not a string")
-    _need(isinstance(obj["source"], dict), "source is not an object")
-    architecture, layout, vllm_layout = _layout(obj["layout"])
+    need(isinstance(obj["run_id"], str), "run_id is not a string")
+    need(isinstance(obj["source"], dict), "source is not an object")
+    architecture, layout, vllm_layout = parse_layout(obj["layout"])
     spec = obj.get("vllm_versions")
-    _need(spec is None or isinstance(spec, str), f"vllm_versions is {spec!r}")
+    need(spec is None or isinstance(spec, str), f"vllm_versions is {spec!r}")
     if spec is None:
         spec = VLLM_VERSIONS if vllm_layout == VLLM_LAYOUT else None
-    files = _list(obj["files"], "files", MAX_FILES)
+    files = as_list(obj["files"], "files", MAX_FILES)
     seen: set[str] = set()
     records = tuple(_file(i, e, seen, algorithm) for i, e in enumerate(files))
-    _need(sum(len(f.tensors) for f in records) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
+    need(sum(len(f.tensors) for f in records) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
     world = layout.tp * layout.pp
     ranks = None
     if "ranks" in obj:
-        ranks = tuple(_int(r, "ranks", world - 1) for r in _list(obj["ranks"], "ranks", world))
+        ranks = tuple(as_int(r, "ranks", world - 1) for r in as_list(obj["ranks"], "ranks", world))
     return Manifest(
         run_id=obj["run_id"],
         source=obj["source"],
@@ -238,73 +222,37 @@ def parse(obj: object) -> Manifest:
         created=str(obj.get("created", "")),
         vllm_layout=vllm_layout,
         vllm_versions=spec,
-        total_bytes=_int(obj.get("total_bytes", sum(f.size for f in records)), "total_bytes", MAX_SIZE),
-        copied=tuple(_inside(n, "copied") for n in _strings(_optional(obj, "copied"), "copied")),
+        total_bytes=as_int(obj.get("total_bytes", sum(f.size for f in records)), "total_bytes", MAX_SIZE),
+        copied=tuple(_inside(n, "copied") for n in strings(optional(obj, "copied"), "copied")),
         copied_files=tuple(
-            _side(i, e, algorithm) for i, e in enumerate(_list(_optional(obj, "copied_files"), "copied_files"))
+            _side(i, e, algorithm) for i, e in enumerate(as_list(optional(obj, "copied_files"), "copied_files"))
         ),
         source_tensors=_source_tensors(obj.get("source_tensors")),
         serve=str(obj.get("serve") or ""),
         serve_reshard=obj.get("serve_reshard") if isinstance(obj.get("serve_reshard"), str) else None,
-        notes=tuple(_strings(obj.get("notes") or [], "notes")),
+        notes=tuple(strings(obj.get("notes") or [], "notes")),
         ranks=ranks,
-        all_files=tuple(_strings(obj.get("all_files") or [], "all_files")) if "ranks" in obj else None,
+        all_files=tuple(strings(obj.get("all_files") or [], "all_files")) if "ranks" in obj else None,
         extra={k: v for k, v in obj.items() if k not in _KNOWN},
         source_files=_source_files(obj["source_files"]) if "source_files" in obj else None,
         store_sha256=_store_sums(obj["store_sha256"]) if obj.get("store_sha256") is not None else None,
     )
 
 
-def _layout(lay: object) -> tuple[str, Layout, str]:
-    _need(isinstance(lay, dict), "layout is not an object")
-    assert isinstance(lay, dict)
-    for k, most in (("tp", MAX_TP), ("pp", MAX_PP)):
-        _need(type(lay.get(k)) is int and 1 <= lay[k] <= most, f"layout.{k} is {lay.get(k)!r} (at most {most})")
-    _need(lay["tp"] * lay["pp"] <= MAX_WORLD, f"layout.tp * layout.pp is over {MAX_WORLD}")
-    _need(isinstance(lay.get("ep"), bool), f"layout.ep is {lay.get('ep')!r}")
-    part = lay.get("pp_layer_partition")
-    _need(
-        part is None
-        or part == []
-        or (
-            isinstance(part, list)
-            and len(part) == lay["pp"]
-            and all(type(x) is int and 1 <= x <= MAX_PART for x in part)
-        ),
-        f"layout.pp_layer_partition is {str(part)[:100]} (one layer count per pipeline stage)",
-    )
-    dtype = lay.get("dtype") or "auto"
-    dtype = DTYPE_CODES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    quant = lay.get("quantization")
-    _need(quant is None or isinstance(quant, dict), f"layout.quantization is {quant!r}")
-    backend, pin = lay.get("moe_backend") or "auto", lay.get("moe_backend_pinned")
-    _need(isinstance(backend, str) and (pin is None or isinstance(pin, str)), f"layout.moe_backend is {backend!r}")
-    platform = lay.get("platform")
-    _need(platform is None or isinstance(platform, str), f"layout.platform is {platform!r}")
-    try:
-        layout = Layout(
-            lay["tp"], lay["pp"], lay["ep"], dtype, tuple(part) if part else None, backend, pin, quant, platform
-        )
-    except ValueError as e:
-        raise ManifestProblem(f"layout: {e}") from None
-    arch = lay.get("architecture")
-    return (arch if isinstance(arch, str) else ""), layout, str(lay.get("vllm_layout") or "")
-
-
 def _file(i: int, e: object, seen: set[str], algorithm: str) -> FileRecord:
-    _need(isinstance(e, dict), f"files[{i}] is not an object")
+    need(isinstance(e, dict), f"files[{i}] is not an object")
     assert isinstance(e, dict)
     name = e.get("name")
-    _need(
+    need(
         isinstance(name, str) and parse_rank_file(name) is not None and "/" not in name and "\n" not in name,
         f"files[{i}].name {name!r} is not a rank file name",
     )
-    _need(name not in seen, f"{name} is listed twice")
+    need(name not in seen, f"{name} is listed twice")
     seen.add(name)
     for k, most in (("tp_rank", MAX_TP), ("pp_rank", MAX_PP), ("part", MAX_PART), ("size", MAX_SIZE)):
-        _need(type(e.get(k)) is int and 0 <= e[k] <= most, f"files[{i}].{k} is {e.get(k)!r}")
+        need(type(e.get(k)) is int and 0 <= e[k] <= most, f"files[{i}].{k} is {e.get(k)!r}")
     digest = e.get(algorithm) if algorithm != NONE else None
-    _need(algorithm == NONE or isinstance(digest, str), f"files[{i}].{algorithm} is {e.get(algorithm)!r}")
+    need(algorithm == NONE or isinstance(digest, str), f"files[{i}].{algorithm} is {e.get(algorithm)!r}")
     ts = e.get("tensors")
     ok = isinstance(ts, list) and all(
         isinstance(t, dict)
@@ -315,7 +263,7 @@ def _file(i: int, e: object, seen: set[str], algorithm: str) -> FileRecord:
         and all(type(n) is int and 0 <= n <= MAX_SIZE for n in t["shape"])
         for t in ts
     )
-    _need(ok, f"files[{i}].tensors is malformed")
+    need(ok, f"files[{i}].tensors is malformed")
     tensors = tuple(TensorRecord(t["name"], t["dtype"], tuple(t["shape"])) for t in ts)  # type: ignore[union-attr]
     return FileRecord(name, e["tp_rank"], e["pp_rank"], e["part"], e["size"], digest, tensors)  # type: ignore[arg-type]
 
@@ -324,7 +272,7 @@ def _side(i: int, e: object, algorithm: str) -> SideRecord:
     ok = isinstance(e, dict) and isinstance(e.get("name"), str) and type(e.get("size")) is int
     ok = ok and 0 <= e["size"] <= MAX_SIZE  # type: ignore[index]
     digest = e.get(algorithm) if ok and algorithm != NONE else None  # type: ignore[union-attr]
-    _need(ok and (algorithm == NONE or isinstance(digest, str)), f"copied_files[{i}] is malformed ({str(e)[:200]})")
+    need(ok and (algorithm == NONE or isinstance(digest, str)), f"copied_files[{i}] is malformed ({str(e)[:200]})")
     return SideRecord(_inside(e["name"], f"copied_files[{i}].name"), e["size"], digest)  # type: ignore[index]
 
 
@@ -332,29 +280,29 @@ def _inside(name: str, what: str) -> str:
     """A copied file's name: relative, inside the folder (no leading `/`, no `..`, no NUL)."""
     path = PurePosixPath(name)
     ok = bool(name) and not path.is_absolute() and ".." not in path.parts and "\0" not in name and "\\" not in name
-    _need(ok, f"{what} {name[:200]!r} is not a name inside the folder")
+    need(ok, f"{what} {name[:200]!r} is not a name inside the folder")
     return name
 
 
 def _source_tensors(src: object) -> dict[str, tuple[str, tuple[int, ...]]] | None:
     if src is None:
         return None
-    _need(isinstance(src, dict) and len(src) <= MAX_FILES, "source_tensors is not an object of tensors")
+    need(isinstance(src, dict) and len(src) <= MAX_FILES, "source_tensors is not an object of tensors")
     out = {}
     for name, v in src.items():  # type: ignore[union-attr]
         ok = isinstance(v, list) and len(v) == 2 and v[0] in ITEMSIZE and isinstance(v[1], list)
         ok = ok and len(v[1]) <= MAX_DIMS and all(type(n) is int and 0 <= n <= MAX_SIZE for n in v[1])
-        _need(ok, f"source_tensors[{name[:200]!r}] is {str(v)[:200]}")
+        need(ok, f"source_tensors[{name[:200]!r}] is {str(v)[:200]}")
         out[name] = (v[0], tuple(v[1]))
     return out
 
 
 def _source_files(v: object) -> tuple[SourceFileRecord, ...]:
     out = []
-    for i, e in enumerate(_list(v, "source_files")):
+    for i, e in enumerate(as_list(v, "source_files")):
         ok = isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("check"), str)
         ok = ok and type(e.get("size")) is int and (e.get("sha256") is None or isinstance(e.get("sha256"), str))
-        _need(ok, f"source_files[{i}] is malformed")
+        need(ok, f"source_files[{i}] is malformed")
         out.append(SourceFileRecord(e["name"], e["size"], e.get("sha256"), e["check"]))  # type: ignore[index,union-attr]
     return tuple(out)
 
@@ -362,32 +310,5 @@ def _source_files(v: object) -> tuple[SourceFileRecord, ...]:
 def _store_sums(v: object) -> dict[str, str]:
     ok = isinstance(v, dict) and len(v) <= MAX_FILES
     ok = ok and all(isinstance(k, str) and isinstance(x, str) and len(x) < 200 for k, x in v.items())  # type: ignore[union-attr]
-    _need(ok, "store_sha256 is not an object of names and checksums")
+    need(ok, "store_sha256 is not an object of names and checksums")
     return dict(v)  # type: ignore[arg-type]
-
-
-def _optional(obj: dict, key: str) -> object:
-    """A list the manifest may leave out (or null): [] then."""
-    v = obj.get(key)
-    return [] if v is None else v
-
-
-def _need(ok: bool, problem: str) -> None:
-    if not ok:
-        raise ManifestProblem(problem)
-
-
-def _list(v: object, what: str, most: int = MAX_FILES) -> list:
-    _need(isinstance(v, list), f"{what} is not a list")
-    _need(len(v) <= most, f"{what} lists more than {most}")  # type: ignore[arg-type]
-    return v  # type: ignore[return-value]
-
-
-def _strings(v: object, what: str) -> list[str]:
-    _need(isinstance(v, list) and all(isinstance(s, str) for s in v), f"{what} is not a list of names")
-    return v  # type: ignore[return-value]
-
-
-def _int(v: object, what: str, most: int = MAX_SIZE) -> int:
-    _need(type(v) is int and 0 <= v <= most, f"{what} is {v!r}")
-    return v  # type: ignore[return-value]

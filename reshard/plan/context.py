@@ -6,6 +6,8 @@ strays can be refused), collects notes for the user, and holds the quantization 
 
 from __future__ import annotations
 
+import copy
+
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
@@ -14,6 +16,7 @@ from reshard.plan.kvscales import KV_PARAMS, kv_scale_sources
 from reshard.plan.quant import Quant
 from reshard.plan.quantconfig import quant_from_config
 from reshard.rules import Architecture
+from reshard.rules.spec import Tower
 
 
 class Context:
@@ -32,7 +35,9 @@ class Context:
         self.used: set[str] = set()
         # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
         # ships its own lm_head; the sharded loader does not, so the output config must say so.
-        untie = bool(self.config.get("tie_word_embeddings")) and arch.hf_name(f"{arch.lm_head}.weight") in ckpt.tensors
+        untie = bool(self.config.get("tie_word_embeddings", arch.tie_default)) and any(
+            n in ckpt.tensors for n in arch.hf_names(f"{arch.lm_head}.weight")
+        )
         self.config_patch: dict = {"tie_word_embeddings": False} if untie else {}
         if untie:
             self.note(
@@ -51,7 +56,8 @@ class Context:
     # ---- the checkpoint (reshard.plan.geometry.Sources) ------------------------------------------
 
     def src(self, name: str, why: str) -> TensorInfo:
-        name = self.arch.hf_name(name)  # rules name tensors after vLLM's modules
+        names = self.arch.hf_names(name)  # rules name tensors after vLLM's modules
+        name = next((n for n in names if n in self.ckpt.tensors), names[0])
         t = self.ckpt.tensors.get(name)
         if t is None:
             raise SourceError(
@@ -95,6 +101,23 @@ class Context:
                 found[param] = names[0]
         return found
 
+    def tower(self, tower: Tower, tp: int) -> Context:
+        """This context for a multimodal encoder: its settings and sizes, `tp` ranks (1: whole on every
+        rank, --mm-encoder-tp-mode data); the checkpoint, used tensors, notes and quantization shared."""
+        sub = copy.copy(self)
+        sub.config = tower.settings(self.ckpt.config)
+
+        def need(key: str) -> int:
+            value = sub.config.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SourceError(f"config.json lacks {tower.config}.{key}, which {self.arch.names[0]} needs")
+            return value
+
+        heads = need(tower.heads)
+        sub.dims = Dims(need(tower.hidden), 0, heads, heads, 0, False)  # its blocks: tower.blocks
+        sub.tp = tp
+        return sub
+
     def split(self, size: int, what: str) -> int:
         """`size` / tp, refused when it does not divide."""
         if size % self.tp:
@@ -107,7 +130,7 @@ class Context:
 
 def merged_config(config: dict, arch: Architecture) -> dict:
     """config.json as the rules read it: a multimodal model's text config over the top level."""
-    if arch.text_config and not isinstance(config.get(arch.text_config), dict):
+    if arch.text_config and not isinstance(config.get(arch.text_config), dict) and "hidden_size" not in config:
         raise SourceError(f"config.json lacks {arch.text_config!r}, which {arch.names[0]} needs")
     return arch.text(config)
 
@@ -128,7 +151,7 @@ def dims_from_config(config: dict, arch: Architecture, untied_by_checkpoint: boo
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         vocab=need("vocab_size"),
-        tie=bool(config.get("tie_word_embeddings", False)) and not untied_by_checkpoint,
+        tie=bool(config.get("tie_word_embeddings", arch.tie_default)) and not untied_by_checkpoint,
         num_experts=next((int(config[k]) for k in arch.experts_key if config.get(k)), 0) if arch.moe_mlp else 0,
         moe_intermediate=int(config.get(arch.moe_intermediate_key) or 0) if arch.moe_mlp else 0,
     )

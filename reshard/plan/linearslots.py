@@ -63,6 +63,7 @@ def bias_tensor(
     slot_rows: list[tuple[int, int, int]],
 ) -> OutTensor:
     bs = [ctx.src(f"{s}.bias", target) for s in slots]
+    bs = bs * len(offs) if lay.fused else bs  # a fused tensor's bias holds every slot (Qwen2.5-VL's attn.qkv)
     if lay.rows is whole_rows:
         pieces = tuple(dict.fromkeys(whole(b) for b in bs))  # a fused bias once
         n = sum(b.shape[0] for b in dict.fromkeys(bs))

@@ -14,7 +14,7 @@ from reshard import __version__, names, serve
 from reshard.errors import SourceError
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.layout import Layout
-from reshard.manifest.schema import layout_json
+from reshard.manifest.layoutjson import layout_json
 from reshard.plan.remote import RemoteCode
 
 

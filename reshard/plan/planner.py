@@ -19,6 +19,7 @@ from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
 from reshard.plan.remote import RemoteCode, remote_code
 from reshard.plan.slicers import add_module, padded_vocab
+from reshard.plan.towers import check_towers, plan_towers, resolve_mm, skipped_prefixes
 from reshard.rules import Attention, Rule, Vocab, for_checkpoint, for_platform, get_architecture
 
 
@@ -70,12 +71,16 @@ def build_plan(
             "drop --ep: a dense model's layout is the same without it",
         )
     check_attention(ctx)
+    mm_mode, lm_only = resolve_mm(arch_name, arch, layout)  # issue 27: the encoder's layout
+    layout = layout.but(mm_encoder_tp_mode=mm_mode, language_model_only=lm_only)
+    check_towers(ctx, layout)
     ranges = pp_ranges(ctx.dims.num_layers, pp, list(layout.partition) if layout.partition else None)
     per_rank = {}
     for pp_rank in range(len(ranges)):
         for tp_rank, tensors in enumerate(plan_stage(ctx, ranges, pp_rank)):
             per_rank[(pp_rank, tp_rank)] = tensors
-    check_unused(ctx, ranges)
+        plan_towers(ctx, layout, [per_rank[(pp_rank, r)] for r in range(tp)])  # on every stage, as vLLM
+    check_unused(ctx, ranges, skipped_prefixes(arch, layout))
     return Plan(
         source=ckpt.ref,
         architecture=arch_name,
@@ -90,7 +95,7 @@ def build_plan(
         layer_ranges=ranges,
         notes=ctx.notes + ([code.note] if code.note else []) + platform_note(arch_name, platform),
         config_patch=ctx.config_patch,
-        serve_flags=arch.serve_flags,
+        serve_flags=tuple(f for f in arch.serve_flags if f != "--language-model-only") + layout.mm_flags(),
         remote_code=code,
     )
 
@@ -211,25 +216,27 @@ def check_attention(ctx: Context) -> None:
         raise UnsupportedError(f"padded vocabulary {padded} (vocab_size {d.vocab}) is not divisible by --tp {tp}")
 
 
-def check_unused(ctx: Context, ranges: list[tuple[int, int]]) -> None:
-    """With every layer planned, a checkpoint tensor no rule read means the wrong architecture."""
+def check_unused(ctx: Context, ranges: list[tuple[int, int]], skip_prefixes: tuple[str, ...]) -> None:
+    """With every layer planned, a checkpoint tensor no rule read means the wrong architecture.
+
+    skip_prefixes: checkpoint prefixes the layout leaves out (MTP, an encoder under --language-model-only)."""
     if ranges[0][0] != 0 or ranges[-1][1] != ctx.dims.num_layers:
         return
     arch = ctx.arch
-    spec = spec_layer_prefixes(ctx) + arch.skip_prefixes
+    spec = spec_layer_prefixes(ctx) + skip_prefixes
     extra = [
         n
         for n in ctx.ckpt.tensors
         if n not in ctx.used and not any(n.endswith(s) for s in arch.ignore) and not n.startswith(spec)
     ]
-    for prefix in arch.skip_prefixes:
+    for prefix in skip_prefixes:
         skipped = sum(1 for n in ctx.ckpt.tensors if n.startswith(prefix))
         if skipped:
             ctx.note(
                 f"{skipped} checkpoint tensor(s) under {prefix} left out: vLLM's {arch.names[0]} does not load them"
             )
     if ctx.dims.tie:
-        extra = [n for n in extra if n != arch.hf_name(f"{arch.lm_head}.weight")]  # vLLM skips it when tied
+        extra = [n for n in extra if n not in arch.hf_names(f"{arch.lm_head}.weight")]  # vLLM skips it when tied
     skipped = skip_kv_scales_vllm_ignores(ctx, extra)
     extra = [n for n in extra if n not in skipped]
     if extra:

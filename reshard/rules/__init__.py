@@ -7,15 +7,17 @@ from collections.abc import Iterable
 from reshard.errors import UnsupportedError
 from reshard.rules.deepseek import DEEPSEEK_V2
 from reshard.rules.dsa import DSA_CUDA, DSA_PLATFORMS, GLM4_MOE_LITE, sparse_layers_refused
-from reshard.rules.gemma import GEMMA2, GEMMA3
+from reshard.rules.gemma import GEMMA2, GEMMA3, GEMMA3_MM
 from reshard.rules.glm import GLM4_MOE
 from reshard.rules.gptoss import GPT_OSS
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
 from reshard.rules.llama4 import LLAMA4, LLAMA4_TEXT
+from reshard.rules.llama4_vision import LLAMA4_VL
 from reshard.rules.minimax import MINIMAX_M2
 from reshard.rules.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from reshard.rules.phi3 import PHI3
 from reshard.rules.qwen3_next import QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_5_MOE_TEXT_PREFIXED, QWEN3_NEXT
+from reshard.rules.qwen_vl import QWEN2_5_VL, QWEN3_5_MOE_VL, QWEN3_VL, QWEN3_VL_MOE
 from reshard.rules.spec import Architecture, Mixers, WeightsMapper
 from reshard.rules.styles import (
     QKV,
@@ -47,7 +49,10 @@ for _arch in (
     *(GPT_OSS, LLAMA4, LLAMA4_TEXT, QWEN3_NEXT, QWEN3_5_MOE, GLM4_MOE, MINIMAX_M2),  # issue 15
 ):
     register(_arch)
-for _arch in (QWEN3_5_MOE_TEXT, GLM4_MOE_LITE, DSA_CUDA):  # issue 27: DSA / text-only families
+for _arch in (
+    *(QWEN3_5_MOE_TEXT, GLM4_MOE_LITE, DSA_CUDA),  # issue 27: DSA / text-only families
+    *(QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3_MM, QWEN3_5_MOE_VL, LLAMA4_VL),  # issue 27: vision towers
+):
     register(_arch)
 
 

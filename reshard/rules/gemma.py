@@ -6,9 +6,11 @@ no lm_head module at all (the logits use the embedding), so its file keeps
 only as `lm_head.weight`. Embedding, norm and lm_head are built on every pipeline stage.
 """
 
+from dataclasses import replace
+
 from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, MAPPER, UP
-from reshard.rules.spec import Architecture
-from reshard.rules.styles import QKV, Merged, Replicate, Row, Vocab
+from reshard.rules.spec import Architecture, Blocks, Tower, WeightsMapper
+from reshard.rules.styles import QKV, Column, Merged, Replicate, Row, Vocab
 
 NORMS = (
     Replicate("input_layernorm"),
@@ -44,4 +46,76 @@ GEMMA3 = Architecture(
     layer=(*NORMS, *ATTENTION, Replicate("self_attn.q_norm"), Replicate("self_attn.k_norm"), ATTN),
     dense_mlp=GEMMA_MLP,
     top_on_every_stage=True,
+)
+
+# issue 27: Gemma-3 with its SigLIP vision tower (vLLM gemma3_mm.py, siglip.py). The releases name the text
+# model `language_model.model.*`, the tower `vision_tower.vision_model.*` and the projector
+# `multi_modal_projector.*`, as vLLM does (exports after transformers 4.52 say `model.language_model.*`,
+# ...: vLLM's mapper). The tower: a Conv2d patch embedding with bias and a learned position embedding
+# (whole on every rank), encoder layers of LayerNorms (weight and bias), q/k/v stacked into
+# `self_attn.qkv_proj` (bias), `self_attn.out_proj` (row, bias), `mlp.fc1` (column, bias) / `mlp.fc2`
+# (row, bias), a final `post_layernorm`; no pooling head (vision_use_head false). The projector is a plain
+# nn.Parameter `mm_input_projection_weight` [vision hidden, text hidden] and a GemmaRMSNorm, replicated.
+# vLLM's Gemma3 does not support --mm-encoder-tp-mode data (it falls back to weights).
+GEMMA3_MM_MAPPER = MAPPER | WeightsMapper(
+    orig_to_new_prefix={
+        "model.language_model.": "language_model.model.",
+        "model.vision_tower.": "vision_tower.",
+        "model.multi_modal_projector.": "multi_modal_projector.",
+        "lm_head.": "language_model.lm_head.",
+    }
+)
+SIGLIP = "vision_tower.vision_model."
+LM = "language_model."
+
+
+def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
+    return Replicate(name), Replicate(name, param="bias")
+
+
+SIGLIP_TOWER = Tower(
+    config="vision_config",
+    top=(
+        Replicate(SIGLIP + "embeddings.patch_embedding"),  # Conv2d [hidden, C, p, p] with its bias
+        Replicate(SIGLIP + "embeddings.patch_embedding", param="bias"),
+        Replicate(SIGLIP + "embeddings.position_embedding"),
+        *_layer_norm(SIGLIP + "post_layernorm"),
+        Replicate("multi_modal_projector", param="mm_input_projection_weight"),
+        Replicate("multi_modal_projector.mm_soft_emb_norm"),
+    ),
+    blocks=(
+        Blocks(
+            SIGLIP + "encoder.layers.{layer}.",
+            (
+                *_layer_norm("layer_norm1"),
+                *_layer_norm("layer_norm2"),
+                QKV("self_attn.qkv_proj", bias=True, dims=(None, "hidden_size")),
+                Row("self_attn.out_proj", bias=True),
+                Column("mlp.fc1", bias=True, dims=("intermediate_size", "hidden_size")),
+                Row("mlp.fc2", bias=True, dims=("hidden_size", "intermediate_size")),
+            ),
+            "num_hidden_layers",
+        ),
+    ),
+    skip=("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+    heads="num_attention_heads",
+    data_mode=False,
+)
+
+GEMMA3_MM = replace(
+    GEMMA3,
+    names=("Gemma3ForConditionalGeneration",),
+    hf_to_vllm=GEMMA3_MM_MAPPER,
+    top=tuple(
+        replace(m, name=LM + m.name, tied=LM + m.tied if m.tied else None)
+        if isinstance(m, Vocab)
+        else replace(m, name=LM + m.name)
+        for m in GEMMA3.top
+    ),
+    layer_prefix=LM + "model.layers.{layer}.",
+    embedding=LM + "model.embed_tokens",
+    lm_head=LM + "lm_head",
+    text_config="text_config",
+    towers=(SIGLIP_TOWER,),
+    tie_default=True,  # transformers' Gemma3TextConfig; google/gemma-3-*-it leave it out
 )

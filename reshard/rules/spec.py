@@ -57,10 +57,17 @@ class WeightsMapper:
 
     def hf_name(self, name: str) -> str:
         """The checkpoint's name of a tensor named after vLLM's module path (the prefixes inverted)."""
-        for orig, new in self.orig_to_new_prefix.items():
-            if name.startswith(new):
-                return orig + name[len(new) :]
-        return name
+        return self.hf_names(name)[0]
+
+    def hf_names(self, name: str) -> tuple[str, ...]:
+        """Every checkpoint name vLLM maps to `name`, the first prefix's first (Qwen2.5-VL's releases
+        say `model.layers.`, newer exports `model.language_model.layers.`; both are its
+        `language_model.model.layers.`), and `name` itself where no prefix would rename it."""
+        prefixes = self.orig_to_new_prefix
+        found = [orig + name[len(new) :] for orig, new in prefixes.items() if name.startswith(new)]
+        if not any(name.startswith(orig) for orig in prefixes):
+            found.append(name)  # vLLM keeps a name no prefix of its mapper matches (Qwen2.5-VL's `visual.`)
+        return tuple(dict.fromkeys(found))
 
 
 def stacked_params_mapping(rows: Iterable[tuple[str, str, ShardId]]) -> dict[str, tuple[str, ShardId]]:
@@ -80,6 +87,57 @@ class Mixers:
 
     def of(self, config: dict, layer: int) -> tuple[Rule, ...]:
         return self.by_type[self.layer_type(config, layer)]
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A list of like modules of an encoder (its transformer blocks, Qwen3-VL's deepstack mergers).
+
+    Attributes:
+        prefix: where item `{layer}`'s modules live (vLLM's path from the model root).
+        rules: the modules of every item.
+        count: the config key (of the encoder's settings) of how many there are, or a function of them.
+    """
+
+    prefix: str
+    rules: tuple[Rule, ...]
+    count: str | Callable[[dict], int]
+
+    def number(self, config: dict) -> int:
+        return int(self.count(config) if callable(self.count) else config.get(self.count) or 0)
+
+
+@dataclass(frozen=True)
+class Tower:
+    """A multimodal model's encoder (vision tower and its projector/merger), planned with its own sizes.
+
+    vLLM builds it on every rank, its linear layers TP-sharded (`--mm-encoder-tp-mode weights`, the
+    default) or whole on every rank (`data`: `disable_tp`), and not at all under `--language-model-only`.
+
+    Attributes:
+        config: the config.json key of the tower's settings (`vision_config`); its `heads` and
+            `hidden` keys are the tower's head count and width.
+        top: modules outside the blocks (patch embedding, merger), vLLM paths from the model root.
+        blocks: its lists of like modules (`Blocks`).
+        skip: checkpoint tensor-name prefixes of the tower, left out under --language-model-only.
+        data_mode: vLLM's model supports `--mm-encoder-tp-mode data` (`supports_encoder_tp_data`);
+            where not, vLLM falls back to weights.
+        split_in_data_mode: vLLM splits it across the TP ranks in data mode too (Llama-4's projector,
+            built without `disable_tp`).
+    """
+
+    config: str
+    top: tuple[Rule, ...]
+    blocks: tuple[Blocks, ...]
+    skip: tuple[str, ...]
+    heads: str = "num_heads"
+    hidden: str = "hidden_size"
+    data_mode: bool = True
+    split_in_data_mode: bool = False
+
+    def settings(self, config: dict) -> dict:
+        inner = config.get(self.config)
+        return inner if isinstance(inner, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -119,6 +177,11 @@ class Architecture:
             hf_text_config, e.g. Llama-4's and Qwen3.5's `text_config`); its keys override the top
             level's (quantization_config stays top-level).
         serve_flags: `vllm serve` options the layout needs (--language-model-only).
+        tie_default: tie_word_embeddings where config.json does not say (transformers' default for
+            the model's config class: True for Gemma-3's, whose releases leave it out).
+        towers: multimodal encoders vLLM builds beside the language model (`Tower`); none: a text
+            model, or (with `--language-model-only` in serve_flags) a tower without rules, always
+            left out.
     """
 
     names: tuple[str, ...]
@@ -141,6 +204,8 @@ class Architecture:
     skip_prefixes: tuple[str, ...] = ()
     text_config: str | None = None
     serve_flags: tuple[str, ...] = ()
+    towers: tuple[Tower, ...] = ()
+    tie_default: bool = False
 
     def text(self, config: dict) -> dict:
         """The settings of the language model: config.json, or its text_config over it."""
@@ -154,6 +219,16 @@ class Architecture:
     def hf_name(self, name: str) -> str:
         """The checkpoint's name of a tensor named after vLLM's module path."""
         return self.hf_to_vllm.hf_name(name)
+
+    def hf_names(self, name: str) -> tuple[str, ...]:
+        """Every checkpoint name vLLM maps to `name` (WeightsMapper.hf_names)."""
+        return self.hf_to_vllm.hf_names(name)
+
+    @property
+    def text_only(self) -> bool:
+        """A multimodal model written --language-model-only by default (its tower only when a
+        --mm-encoder-tp-mode is asked, where `towers` has its rules: Llama-4, Qwen3.5-MoE)."""
+        return "--language-model-only" in self.serve_flags
 
     def shards(self, fused: str) -> tuple[str, ...]:
         """The checkpoint names of fused module `fused`'s slots (WeightsMapper.shards)."""

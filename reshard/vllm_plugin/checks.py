@@ -115,6 +115,7 @@ def engine_problems(manifest: Manifest, engine: Engine) -> list[str]:
             f"{manifest.architecture or 'model'} class names the weights differently there "
             f"(re-save with `reshard save --platform {runs.platform}`)"
         )
+    out += mm_problems(made, runs)
     spec = manifest.vllm_versions
     if spec is not None:
         try:
@@ -124,6 +125,31 @@ def engine_problems(manifest: Manifest, engine: Engine) -> list[str]:
         if not ok:
             out.append(f"made for vLLM {spec}, this is vLLM {engine.vllm_version}")
     return out
+
+
+def mm_problems(made: Layout, runs: Layout) -> list[str]:
+    """A multimodal folder holds its encoder split for one --mm-encoder-tp-mode, or no encoder
+    (--language-model-only); vLLM builds what its flags say and would load the wrong layout, or miss
+    the encoder. Folders written before issue 27 record neither: not checked."""
+    if made.mm_encoder_tp_mode is None and not made.language_model_only:
+        return []
+    if made.language_model_only != runs.language_model_only:
+        if made.language_model_only:
+            return [
+                "made --language-model-only (the files hold no vision tower), this engine builds the vision tower "
+                f"(--mm-encoder-tp-mode {runs.mm_encoder_tp_mode or 'weights'})"
+            ]
+        return [
+            f"made with the vision tower (--mm-encoder-tp-mode {made.mm_encoder_tp_mode}), this engine runs "
+            "--language-model-only and would not load it"
+        ]
+    if not made.language_model_only and made.mm_encoder_tp_mode != runs.mm_encoder_tp_mode:
+        how = {"weights": "TP-sharded", "data": "whole on every rank"}
+        return [
+            f"made for --mm-encoder-tp-mode {made.mm_encoder_tp_mode} (the vision tower "
+            f"{how.get(made.mm_encoder_tp_mode, '')}), this engine runs --mm-encoder-tp-mode {runs.mm_encoder_tp_mode}"
+        ]
+    return []
 
 
 def _on(v: object) -> str:
@@ -308,6 +334,8 @@ def save_command(manifest: Manifest, engine: Engine) -> str:
         parts.append(f"--dtype {runs.dtype}")
     if runs.moe_backend != "auto":
         parts.append(f"--moe-backend {runs.moe_backend}")
+    if manifest.layout.mm_encoder_tp_mode or manifest.layout.language_model_only:
+        parts.extend(runs.mm_flags())
     return " ".join(parts)
 
 

@@ -146,6 +146,8 @@ class ReshardModelLoader(BaseModelLoader):
             raise ReshardLoadError("--load-format reshard: no vLLM config is set (load_weights outside an engine?)")
         par = cfg.parallel_config
         dtype = str(model_config.dtype).removeprefix("torch.")
+        mm = getattr(model_config, "multimodal_config", None)  # None: a text model
+        lm_only = bool(mm is not None and mm.language_model_only)
         layout = Layout(
             tp=par.tensor_parallel_size,
             pp=par.pipeline_parallel_size,
@@ -153,6 +155,8 @@ class ReshardModelLoader(BaseModelLoader):
             dtype=dtype if dtype in DTYPES else "auto",  # another dtype than reshard writes: never a match
             moe_backend=str(getattr(cfg.kernel_config, "moe_backend", "auto")),
             platform=_platform(),
+            mm_encoder_tp_mode=None if mm is None or lm_only else str(mm.mm_encoder_tp_mode),
+            language_model_only=lm_only,
         )
         return Engine(
             layout=layout,

@@ -39,6 +39,7 @@ def load_cases(cases: list[dict], *, timeout: float = 900) -> list[list[dict]]:
             "out": tmp,
         }
         log = Path(tmp) / "log.txt"
+        from tests.against_vllm import textonly
         from tests.against_vllm.vllm_state import vllm_env
 
         with open(log, "w") as fh:
@@ -46,7 +47,7 @@ def load_cases(cases: list[dict], *, timeout: float = 900) -> list[list[dict]]:
                 [sys.executable, str(HERE), "_run", json.dumps(spec)],
                 stdout=fh,
                 stderr=subprocess.STDOUT,
-                env=vllm_env({"VLLM_LOGGING_LEVEL": "INFO"}),
+                env=textonly.env(cases[0]["folder"], vllm_env({"VLLM_LOGGING_LEVEL": "INFO"})),  # torchvision stub
                 timeout=timeout,
                 cwd=tmp,
             )
@@ -79,7 +80,8 @@ def _rank(rank: int, world: int, port: int, cfg, case: dict, out: Path) -> None:
     from tests.against_vllm import vllm_state
 
     torch.set_num_threads(1)
-    os.environ["VLLM_DIST_IDENT"] = str(port)
+    # per case: a case whose ranks were refused leaves its shared memory behind, and ports get reused
+    os.environ["VLLM_DIST_IDENT"] = f"{port}c{case['_index']}"
     vllm_state._allow_missing_fp8_linear_kernel(out)
     vllm_state._force_moe_backend(case.get("moe_backend", "auto"))
     res: dict = {"ok": False, "error": None, "mismatch": [], "warnings": []}
@@ -183,6 +185,8 @@ def _run(spec_json: str) -> int:
                 load_format="reshard",
                 model_loader_extra_config=case.get("extra") or {},
                 moe_backend=case.get("moe_backend", "auto"),
+                mm_encoder_tp_mode=case.get("mm_encoder_tp_mode", "weights"),  # issue 27
+                language_model_only=case.get("language_model_only", False),
             ).create_engine_config()
         except Exception as e:
             for r in range(case["tp"] * case.get("pp", 1)):

@@ -30,11 +30,12 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
 from tests.against_vllm import vllm_state  # noqa: E402
-from tests.fixtures import dsa_releases, fp4_releases, qwen_next_releases, releases  # noqa: E402
+from tests.fixtures import dsa_releases, fp4_releases, qwen_next_releases, releases, vision_releases  # noqa: E402
 from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
 
-# each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes); optional side_files(), MOE_BACKEND (issue 26)
-REGISTRIES = (releases, qwen_next_releases, fp4_releases, dsa_releases)
+# each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes); optional side_files(), MOE_BACKEND (issue 26),
+# DENSE (releases without experts: no EP layout, issue 27)
+REGISTRIES = (releases, qwen_next_releases, fp4_releases, dsa_releases, vision_releases)
 _MOE_BACKEND = ["auto"]  # the release's --moe-backend, set before the ranks fork
 
 TP = 8
@@ -94,7 +95,7 @@ def record(release: str) -> dict:
         for name, text in (reg.side_files(release, config) if hasattr(reg, "side_files") else {}).items():
             (model_dir / name).write_text(text)  # hf_quant_config.json
         _MOE_BACKEND[0] = getattr(reg, "MOE_BACKEND", {}).get(release, "auto")
-        for ep in (False, True):
+        for ep in (False,) if release in getattr(reg, "DENSE", ()) else (False, True):  # vLLM: no EP without experts
             t0 = time.perf_counter()
             case = {"tp": TP, "pp": 1, "ep": ep, "dtype": "auto", "moe_backend": _MOE_BACKEND[0]}
             vllm_config = vllm_state._make_config(str(model_dir), case, load_format="dummy")

@@ -98,6 +98,8 @@ class Case:
         s += f"-{lay.dtype}" if lay.dtype != "auto" else ""
         s += f"-{lay.moe_backend}" if lay.moe_backend != "auto" else ""
         s += f"-{lay.platform}" if lay.platform else ""  # issue 27
+        s += f"-mm{lay.mm_encoder_tp_mode}" if lay.mm_encoder_tp_mode else ""  # issue 27
+        s += "-lmonly" if lay.language_model_only else ""
         return s
 
     @property
@@ -117,6 +119,10 @@ class Case:
             args += ["--moe-backend", lay.moe_backend]
         if lay.platform:  # issue 27: DSA key names per vLLM platform
             args += ["--platform", lay.platform]
+        if lay.mm_encoder_tp_mode:  # issue 27
+            args += ["--mm-encoder-tp-mode", lay.mm_encoder_tp_mode]
+        if lay.language_model_only:
+            args.append("--language-model-only")
         if self.arch == "kimi-k2":  # its tokenizer is tokenization_kimi.py: copied only when asked
             args.append("--trust-remote-code")
         return args
@@ -146,8 +152,13 @@ def case(
     dtype: str = "auto",
     moe_backend: str = "auto",
     platform: str | None = None,
+    mm: str | None = None,
+    lm_only: bool = False,
 ) -> Case:
-    return Case(arch, Layout(tp, pp, ep, dtype, None, moe_backend, platform=platform), shards)
+    lay = Layout(
+        tp, pp, ep, dtype, None, moe_backend, platform=platform, mm_encoder_tp_mode=mm, language_model_only=lm_only
+    )
+    return Case(arch, lay, shards)
 
 
 STATE_CASES: list[Case] = (
@@ -413,6 +424,35 @@ STATE_CASES += [
 GEN_CASES += [case("llama+gptq", 2), case("llama+awq", 2)]
 MOE += ["qwen3-moe-wide"]  # marks only
 
+# issue 27: vision towers (tests/fixtures/tiny.py, the releases' tensor names), one vLLM process per source.
+# Qwen2.5-VL: the tower TP-sharded (--mm-encoder-tp-mode weights, vLLM's default) at TP 2, 4 and PP 2 (on
+# every stage), whole on every rank (data) at TP 2, and left out (--language-model-only) at TP 2.
+STATE_CASES += [
+    case("qwen2.5-vl", 2),
+    case("qwen2.5-vl", 4),
+    case("qwen2.5-vl", 2, pp=2),
+    case("qwen2.5-vl", 2, mm="data"),
+    case("qwen2.5-vl", 2, lm_only=True),
+    # Qwen3-VL: LayerNorms with bias, pos_embed and the Conv3d bias whole, deepstack mergers split
+    case("qwen3-vl", 2),
+    case("qwen3-vl", 4),
+    case("qwen3-vl", 2, pp=2),
+    # Qwen3-VL-MoE: the checkpoint's fused experts [E, in, out] transposed and halved (gate, up), TP 2 and EP
+    case("qwen3-vl-moe", 2),
+    case("qwen3-vl-moe", 2, ep=True),
+    case("qwen3-vl-moe", 2, pp=2),
+]
+# Gemma-3: the SigLIP tower split (q/k/v stacked, biases), the projector's nn.Parameter replicated; vLLM's
+# Gemma3 has no data mode
+STATE_CASES += [case("gemma3-mm", 2), case("gemma3-mm", 4), case("gemma3-mm", 2, pp=2)]
+# Qwen3.5-MoE: text-only by default as before; its Qwen3-VL tower with an explicit mode
+STATE_CASES += [case("qwen3.5-moe", 2, mm="weights"), case("qwen3.5-moe", 2, ep=True, mm="data")]
+# Llama-4: text-only by default as before; the tower with an explicit mode (the projector split in both)
+STATE_CASES += [case("llama4", 2, mm="weights"), case("llama4", 2, mm="data")]
+MOE.append("qwen3-vl-moe")  # marks only
+# no GEN_CASES: CPU vLLM builds these models' processors (image processor, preprocessor_config.json) for
+# its profiling, and they need torchvision, which this CPU build lacks (the stub serves the model code only)
+
 
 def _params(cases: list[Case]):
     return [pytest.param(c, id=c.id, marks=c.marks()) for c in cases]
@@ -502,6 +542,8 @@ class Suite:
                         pp=c.layout.pp,
                         dtype=c.layout.dtype,
                         moe_backend=c.layout.moe_backend,
+                        mm_encoder_tp_mode=c.layout.mm_encoder_tp_mode,
+                        language_model_only=c.layout.language_model_only,
                         load_dir=r.out if (r is not None and r.rc == 0) else None,
                     )
                 )

@@ -14,9 +14,15 @@ import os
 from pathlib import Path
 
 TEXT_ONLY = frozenset({"Qwen3_5MoeForConditionalGeneration", "Llama4ForConditionalGeneration"})
+# issue 27: vision towers built and checked; vLLM's Qwen-VL code imports torchvision too
+NEEDS_STUB = TEXT_ONLY | {
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",  # the text-only Qwen3.5-MoE class lives in vLLM's qwen3_5.py too, no tower
+}
 STUBS = Path(__file__).resolve().parent / "stubs"
-# issue 27: the text-only Qwen3.5-MoE class lives in vLLM's qwen3_5.py too (torchvision imported), no tower
-NEEDS_TORCHVISION = TEXT_ONLY | {"Qwen3_5MoeForCausalLM"}
 
 
 def _architectures(model_dir: str | os.PathLike) -> list[str]:
@@ -33,7 +39,7 @@ def language_model_only(model_dir: str | os.PathLike) -> bool:
 
 def env(model_dir: str | os.PathLike, base: dict[str, str]) -> dict[str, str]:
     """``base`` with the torchvision stub first on PYTHONPATH when ``model_dir``'s vLLM code imports it."""
-    if not any(a in NEEDS_TORCHVISION for a in _architectures(model_dir)):
+    if not any(a in NEEDS_STUB for a in _architectures(model_dir)):
         return base
     paths = [str(STUBS), *filter(None, base.get("PYTHONPATH", "").split(os.pathsep))]
     return {**base, "PYTHONPATH": os.pathsep.join(paths)}

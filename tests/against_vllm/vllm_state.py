@@ -203,7 +203,10 @@ def _make_config(hf_dir: str, case: dict[str, Any], load_format: str = "auto"):
         distributed_executor_backend="mp",
         load_format=load_format,
         moe_backend=case.get("moe_backend", "auto"),
-        language_model_only=textonly.language_model_only(hf_dir),
+        # a text-only family (textonly.TEXT_ONLY) is served --language-model-only unless a tower mode is asked
+        language_model_only=case.get("language_model_only")
+        or (not case.get("mm_encoder_tp_mode") and textonly.language_model_only(hf_dir)),
+        mm_encoder_tp_mode=case.get("mm_encoder_tp_mode") or "weights",  # issue 27
     )
     return args.create_engine_config()
 

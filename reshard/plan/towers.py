@@ -1,0 +1,132 @@
+"""Multimodal encoders (vision towers): which layout the folder holds, and each rank's tensors of it.
+
+vLLM builds a multimodal model's encoder beside its language model on every rank: its linear layers
+TP-sharded by default (`--mm-encoder-tp-mode weights`), whole on every rank with `data` (vLLM's
+`is_vit_use_data_parallel` -> `disable_tp`), absent with `--language-model-only`
+(`SupportsMultiModal._mark_tower_model`). The folder holds one of the three, so the layout records it
+and the serve line pins it. An encoder's modules are the generic styles (reshard.rules.styles),
+planned with the encoder's own sizes (`Context.tower`).
+"""
+
+from __future__ import annotations
+
+from reshard.errors import SourceError, UnsupportedError
+from reshard.layout import Layout
+from reshard.plan.context import Context
+from reshard.plan.geometry import divisors
+from reshard.plan.model import OutTensor
+from reshard.plan.slicers import add_module
+from reshard.rules import Architecture, Linear, Rule
+
+
+def resolve_mm(arch_name: str, arch: Architecture, layout: Layout) -> tuple[str | None, bool]:
+    """(mm_encoder_tp_mode, language_model_only) of the folder, from what was asked.
+
+    A text model takes neither; a multimodal model whose tower has no rule table is written
+    --language-model-only whatever is asked (asking for an encoder layout is refused); otherwise
+    --language-model-only, or the encoder in the mode asked: by default weights, or for a family
+    written text-only before (Qwen3.5-MoE: `--language-model-only` in its serve_flags) text-only still."""
+    asked, lm_only = layout.mm_encoder_tp_mode, layout.language_model_only
+    if not arch.towers and not arch.text_only:
+        if asked or lm_only:
+            flag = "--language-model-only" if lm_only else f"--mm-encoder-tp-mode {asked}"
+            raise UnsupportedError(f"{flag}: {arch_name} is a text model, it has no encoder", f"drop {flag}")
+        return None, False
+    if arch.text_only and not arch.towers:
+        if asked:
+            raise UnsupportedError(
+                f"--mm-encoder-tp-mode {asked}: {arch_name}'s vision tower has no rule table in reshard; "
+                "its folders hold the text model only, served --language-model-only",
+                "drop --mm-encoder-tp-mode (the folder is written as with --language-model-only)",
+            )
+        return None, True
+    if lm_only:
+        if asked:
+            raise UnsupportedError(
+                f"--mm-encoder-tp-mode {asked} with --language-model-only: a folder without its encoder has no "
+                "encoder layout",
+                "pass one of them",
+            )
+        return None, True
+    mode = asked or (None if arch.text_only else "weights")
+    if mode is None:  # a family written text-only before its tower had a rule table: still its default
+        return None, True
+    if mode == "data" and not all(t.data_mode for t in arch.towers):
+        raise UnsupportedError(
+            f"--mm-encoder-tp-mode data: vLLM's {arch_name} does not support it and falls back to weights "
+            "(its encoder is then TP-sharded)",
+            "use --mm-encoder-tp-mode weights (the default) or --language-model-only",
+        )
+    return mode, False
+
+
+def skipped_prefixes(arch: Architecture, layout: Layout) -> tuple[str, ...]:
+    """Checkpoint prefixes the folder leaves out: the architecture's (MTP, a tower without rules), the
+    encoders' under --language-model-only, none of a tower it holds."""
+    towers = tuple(p for t in arch.towers for p in t.skip)
+    if layout.language_model_only:
+        return tuple(dict.fromkeys(arch.skip_prefixes + towers))
+    return tuple(p for p in arch.skip_prefixes if p not in towers)
+
+
+def check_towers(ctx: Context, layout: Layout) -> None:
+    """vLLM splits an encoder's heads across the TP ranks in weights mode; it fails to build otherwise."""
+    if layout.mm_encoder_tp_mode != "weights":
+        return
+    for tower in ctx.arch.towers:
+        heads = ctx.tower(tower, ctx.tp).dims.num_heads
+        if heads % ctx.tp:
+            raise UnsupportedError(
+                f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM splits the encoder's "
+                "heads across the TP ranks (--mm-encoder-tp-mode weights) and fails to build",
+                f"use --mm-encoder-tp-mode data (the encoder whole on every rank), --language-model-only, "
+                f"or a --tp that divides it: {divisors(heads)}",
+            )
+
+
+def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> None:
+    """Append the encoders' tensors to every rank: split over the ranks (weights) or whole on each (data)."""
+    if layout.mm_encoder_tp_mode is None:
+        return
+    data = layout.mm_encoder_tp_mode == "data"
+    for tower in ctx.arch.towers:
+        if not any(n.startswith(tower.skip) for n in ctx.ckpt.tensors):
+            raise SourceError(
+                f"the checkpoint holds no tensor of {ctx.arch.names[0]}'s vision tower (under "
+                f"{' or '.join(tower.skip)}): a text-only export, or an output saved with --language-model-only",
+                "pass --language-model-only, or save from a checkpoint with the tower",
+            )
+        whole = data and not tower.split_in_data_mode
+        sub = ctx.tower(tower, 1 if whole else ctx.tp)
+        parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
+        for m in tower.top:
+            if m.present(sub.config):
+                _check_unquantized(sub, m, "")
+                add_module(sub, m, "", parts)
+        for blocks in tower.blocks:
+            for i in range(blocks.number(sub.config)):
+                for m in blocks.rules:
+                    if m.present(sub.config):
+                        _check_unquantized(sub, m, blocks.prefix.format(layer=i))
+                        add_module(sub, m, blocks.prefix.format(layer=i), parts)
+        for r in range(ctx.tp):
+            per_tp[r].extend(parts[0 if whole else r])
+
+
+QUANT_WEIGHTS = (".weight", ".weight_packed", ".qweight")
+
+
+def _check_unquantized(ctx: Context, m: Rule, prefix: str) -> None:
+    """A tower layer the checkpoint's quantization applies to (not on its ignore list) is refused: no
+    quantized tower's vLLM layout is checked (the releases leave their towers in bf16)."""
+    if ctx.quant is None or not isinstance(m, Linear) or not m.quant:
+        return
+    names = ctx.arch.hf_names(prefix + m.hf)
+    name = next((n for n in names if any(n + w in ctx.ckpt.tensors for w in QUANT_WEIGHTS)), names[0])
+    if ctx.quant.quantizes([name]):
+        raise UnsupportedError(
+            f"{name}: the checkpoint's {ctx.quant.method} quantization applies to this vision tower layer, "
+            "whose quantized vLLM layout reshard has not checked",
+            "pass --language-model-only (the text model alone), or use a checkpoint whose quantization_config "
+            "leaves the tower out",
+        )
