@@ -4,7 +4,7 @@
         /work/tools/vllm-slot .venv-vllm/bin/python tests/against_vllm/gptq_release_shapes.py
 
 As tests/against_vllm/release_shapes.py (its recording, on 8 gloo CPU ranks, with and without EP), for
-the GPTQ registry, with only the CPU kernel choice relaxed (vllm_state._allow_gptq: vLLM CPU has no
+the GPTQ registry, with only the CPU kernel choice relaxed (vllm_patches.allow_gptq: vLLM CPU has no
 WNA16 MoE kernel for these shapes). The layout choice stays vLLM's: at TP 8 Qwen3-30B-A3B's per-rank
 intermediate size 96 is not a multiple of the group 128, so vLLM builds MoeWNA16Method's experts
 (uint8, N-first); with EP (768 per rank) the Marlin layout.
@@ -20,14 +20,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from tests.against_vllm import release_shapes, vllm_state  # noqa: E402
+from tests.against_vllm import release_shapes, vllm_patches, vllm_state  # noqa: E402
 from tests.fixtures import gptq_releases  # noqa: E402
 
 _rank = release_shapes._rank
 
 
 def _gptq_rank(*args) -> None:
-    vllm_state._allow_gptq()
+    vllm_patches.allow_gptq()
     _rank(*args)
 
 

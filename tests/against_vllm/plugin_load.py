@@ -77,13 +77,13 @@ def _rank(rank: int, world: int, port: int, cfg, case: dict, out: Path) -> None:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from tests.against_vllm import vllm_state
+    from tests.against_vllm import vllm_patches
 
     torch.set_num_threads(1)
     # per case: a case whose ranks were refused leaves its shared memory behind, and ports get reused
     os.environ["VLLM_DIST_IDENT"] = f"{port}c{case['_index']}"
-    vllm_state._allow_missing_fp8_linear_kernel(out)
-    vllm_state._force_moe_backend(case.get("moe_backend", "auto"))
+    vllm_patches.allow_missing_fp8_linear_kernel(out)
+    vllm_patches.force_moe_backend(case.get("moe_backend", "auto"))
     res: dict = {"ok": False, "error": None, "mismatch": [], "warnings": []}
     import logging
 

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
-from tests.against_vllm import vllm_state  # noqa: E402
+from tests.against_vllm import vllm_patches, vllm_state  # noqa: E402
 from tests.fixtures import dsa_releases, fp4_releases, qwen_next_releases, releases, vision_releases  # noqa: E402
 from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
 
@@ -51,11 +51,11 @@ def _rank(rank: int, port: int, vllm_config, out: Path) -> None:
 
     torch.set_num_threads(1)
     os.environ["VLLM_DIST_IDENT"] = str(port)
-    vllm_state._allow_missing_fp8_linear_kernel(out)
-    vllm_state._force_moe_backend(_MOE_BACKEND[0])
-    vllm_state._allow_nvfp4(_MOE_BACKEND[0])  # issue 26: NVFP4 kernel/backend selection only
-    vllm_state._allow_wna16_moe()  # Kimi-K2-Thinking's INT4 experts: no WNA16 MoE backend on CPU (selection only)
-    vllm_state._allow_sparse_mla_build()  # issue 27: DSA releases
+    vllm_patches.allow_missing_fp8_linear_kernel(out)
+    vllm_patches.force_moe_backend(_MOE_BACKEND[0])
+    vllm_patches.allow_nvfp4(_MOE_BACKEND[0])  # issue 26: NVFP4 kernel/backend selection only
+    vllm_patches.allow_wna16_moe()  # Kimi-K2-Thinking's INT4 experts: no WNA16 MoE backend on CPU (selection only)
+    vllm_patches.allow_sparse_mla_build()  # issue 27: DSA releases
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=TP, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"
