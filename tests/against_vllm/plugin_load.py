@@ -77,11 +77,11 @@ def _rank(rank: int, world: int, port: int, cfg, case: dict, out: Path) -> None:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from tests.against_vllm import vllm_patches
+    from tests.against_vllm import vllm_patches, vllm_state
 
     torch.set_num_threads(1)
     # per case: a case whose ranks were refused leaves its shared memory behind, and ports get reused
-    os.environ["VLLM_DIST_IDENT"] = f"{port}c{case['_index']}"
+    os.environ["VLLM_DIST_IDENT"] = vllm_state.dist_ident(port, f"c{case['_index']}")
     vllm_patches.allow_missing_fp8_linear_kernel(out)
     vllm_patches.force_moe_backend(case.get("moe_backend", "auto"))
     res: dict = {"ok": False, "error": None, "mismatch": [], "warnings": []}
@@ -203,6 +203,7 @@ def _run(spec_json: str) -> int:
             p.join(600)
             if p.is_alive():
                 p.kill()
+        vllm_state.drop_shm(port)
         print(f"case {i} {case['folder']}: {time.perf_counter() - t0:.1f}s", flush=True)
     return 0
 

@@ -50,7 +50,7 @@ def _rank(rank: int, port: int, vllm_config, out: Path) -> None:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     torch.set_num_threads(1)
-    os.environ["VLLM_DIST_IDENT"] = str(port)
+    os.environ["VLLM_DIST_IDENT"] = vllm_state.dist_ident(port)
     vllm_patches.allow_missing_fp8_linear_kernel(out)
     vllm_patches.force_moe_backend(_MOE_BACKEND[0])
     vllm_patches.allow_nvfp4(_MOE_BACKEND[0])  # issue 26: NVFP4 kernel/backend selection only
@@ -108,6 +108,7 @@ def record(release: str) -> dict:
                 p.start()
             for p in procs:
                 p.join(900)
+            vllm_state.drop_shm(port)
             if any(p.exitcode != 0 for p in procs):
                 raise SystemExit(f"{release} ep={ep}: ranks exited {[p.exitcode for p in procs]}")
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(TP)]

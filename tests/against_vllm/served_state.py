@@ -99,7 +99,7 @@ def _rank_main(rank: int, world: int, port: int, cfgs: dict, dump_dir: str) -> N
         # and FP8 MoE (no CPU backend without AMX): experts stay as loaded
         fp8.Fp8MoEMethod.process_weights_after_loading = lambda self, layer: None
     torch.set_num_threads(1)
-    os.environ["VLLM_DIST_IDENT"] = str(port)
+    os.environ["VLLM_DIST_IDENT"] = vllm_state.dist_ident(port)
     first = next(iter(cfgs.values()))
     with set_current_vllm_config(first):
         init_distributed_environment(
@@ -164,6 +164,7 @@ def _dump_main(spec_json: str) -> int:
         p.start()
     for p in procs:
         p.join(900)
+    vllm_state.drop_shm(port)
     return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 

@@ -182,6 +182,20 @@ def dump_expected_many(
 # --------------------------------------------------------------------------- #
 # dumping (vLLM side; runs in the `_dump` subprocess)
 # --------------------------------------------------------------------------- #
+def dist_ident(port: int, tag: str = "") -> str:
+    """VLLM_DIST_IDENT for a rank forked by this harness: the names of vLLM CPU's shared-memory segments
+    start with it. vLLM does not unlink them when a rank dies or is killed, so an ident made of the port
+    alone collided with an earlier run's leftovers once the port came round again ("create shm in
+    SHMManager failed. errno: 17"); the parent's pid makes it unique (all ranks share their parent)."""
+    return f"{port}p{os.getppid()}{tag}"
+
+
+def drop_shm(port: int) -> None:
+    """Unlink the shared-memory segments the ranks this process forked on `port` left behind."""
+    for seg in Path("/dev/shm").glob(f"{port}p{os.getpid()}*"):
+        seg.unlink(missing_ok=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -229,7 +243,7 @@ def _rank_main(rank: int, world: int, port: int, vllm_config, load_config, case:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     torch.set_num_threads(1)
-    os.environ["VLLM_DIST_IDENT"] = str(port)
+    os.environ["VLLM_DIST_IDENT"] = dist_ident(port)
     vllm_patches.allow_missing_fp8_linear_kernel(Path(case["dump_dir"]))
     vllm_patches.force_moe_backend(case.get("moe_backend", "auto"))
     vllm_patches.allow_wna16_moe()
@@ -361,6 +375,7 @@ def _dump_main(spec_json: str) -> int:
             time.sleep(0.05)
         for p in procs:
             p.join()
+        drop_shm(port)
         if failed or any(p.exitcode != 0 for p in procs):
             print(f"case {case} failed: exit codes {[p.exitcode for p in procs]}", flush=True)
             rc = 1
