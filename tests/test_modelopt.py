@@ -69,6 +69,20 @@ def test_config_forms_as_vllm_reads_them():
         quant_from_config({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": "x"}})
 
 
+def test_exclude_modules_without_ignore_in_config_json_is_refused():
+    """vLLM 0.33 reads config.json's `exclude_modules` where `ignore` is absent, 0.32 does not: the two
+    versions reshard writes for would quantize different modules."""
+    for algo in ("FP8", "NVFP4"):
+        qc = {"quant_method": "modelopt", "quant_algo": algo, "exclude_modules": ["lm_head"], "group_size": 16}
+        with pytest.raises(UnsupportedError, match="exclude_modules.*no `ignore`"):
+            quant_from_config({"quantization_config": qc})
+        both = quant_from_config({"quantization_config": {**qc, "ignore": ["lm_head"]}})
+        assert both.ignored == ("lm_head",)
+    # hf_quant_config.json's form names them exclude_modules in both versions
+    legacy = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
+    assert quant_from_config({"quantization_config": legacy}).ignored == ("lm_head",)
+
+
 def test_exclusion_follows_vllm():
     q = quant_from_config(
         {"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["model.layers.1*"]}}

@@ -67,12 +67,25 @@ def excluded(entries: tuple[str, ...], prefix: str) -> bool:
     return any(entry == prefix or entry in prefix or fnmatch(prefix, entry) for entry in entries)
 
 
+def config_json_ignore(qc: dict) -> object:
+    """The excluded modules of config.json's form of a ModelOpt config: `ignore`. vLLM 0.33 falls back to
+    `exclude_modules` where `ignore` is absent (modelopt.py from_config), 0.32 does not: such a config
+    quantizes other modules in the two versions reshard writes for, so it is refused."""
+    if "ignore" not in qc and qc.get("exclude_modules"):
+        raise UnsupportedError(
+            "the ModelOpt quantization_config in config.json lists `exclude_modules` but no `ignore`: vLLM 0.32 "
+            "quantizes those modules, vLLM 0.33 keeps them unquantized, so the layout depends on the version",
+            'add `"ignore": [...]` with the same list to config.json\'s quantization_config (what 0.33 reads)',
+        )
+    return qc.get("ignore")
+
+
 def modelopt_settings(qc: dict) -> ModelOptSettings:
     inner = qc.get("quantization")
     if isinstance(inner, dict):  # hf_quant_config.json
         algo, kv, exclude = inner.get("quant_algo"), inner.get("kv_cache_quant_algo"), inner.get("exclude_modules")
     else:  # config.json's compressed-tensors-like form
-        algo, exclude = qc.get("quant_algo"), qc.get("ignore")
+        algo, exclude = qc.get("quant_algo"), config_json_ignore(qc)
         scheme = qc.get("kv_cache_scheme")
         fp8_kv = isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8
         kv = "FP8" if fp8_kv else None

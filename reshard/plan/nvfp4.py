@@ -32,7 +32,7 @@ from reshard.plan.expertblocks import RankScales
 from reshard.plan.geometry import LinearRank, MoeSplit, Sources
 from reshard.plan.kvscales import KvHeads, fp8_kv_params
 from reshard.plan.model import Fill, OutTensor, Piece, Slice, scalar
-from reshard.plan.modelopt import excluded, modelopt_algo
+from reshard.plan.modelopt import config_json_ignore, excluded, modelopt_algo
 from reshard.plan.quant import Quant, _CompressedTensors
 
 GROUP = 16  # NVFP4's group: vLLM accepts no other (CT _is_nvfp4_format; ModelOpt's group_size)
@@ -292,7 +292,7 @@ def modelopt_nvfp4(qc: dict) -> Quant:
     else:
         scheme = qc.get("kv_cache_scheme")
         kv_algo = "FP8" if isinstance(scheme, dict) and scheme.get("type") == "float" else None
-        ignored = qc.get("ignore") or []
+        ignored = config_json_ignore(qc) or []
     groups = qc.get("config_groups")
     weights_only = (
         isinstance(groups, dict)
