@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 
 from reshard.layout import Layout
@@ -23,6 +24,9 @@ STORE_SCHEME = "s3://"
 # where `--load-format reshard` takes an s3:// output's weights from (the model: a local copy of its
 # config and tokenizer files)
 PLUGIN_WEIGHTS_KEY = "weights"
+
+
+_ENV = re.compile(r"[A-Z][A-Z0-9_]*=")  # a serve flag that is an environment setting
 
 
 def store_env() -> list[str]:
@@ -58,7 +62,13 @@ def serve_command(
     to a local folder and names the bucket as the plugin's `weights`."""
     if out_dir.startswith(STORE_SCHEME):
         return _store_command(out_dir, layout, load_format, extra, trust_remote_code)
-    parts = [f"vllm serve {shlex.quote(out_dir)} --load-format {load_format}", f"--tensor-parallel-size {layout.tp}"]
+    env = [e for e in extra if _ENV.match(e)]  # e.g. VLLM_USE_V2_MODEL_RUNNER=0: before the command
+    extra = tuple(e for e in extra if e not in env)
+    parts = [
+        *env,
+        f"vllm serve {shlex.quote(out_dir)} --load-format {load_format}",
+        f"--tensor-parallel-size {layout.tp}",
+    ]
     if layout.pp > 1:
         parts.append(f"--pipeline-parallel-size {layout.pp}")
     if layout.ep:

@@ -46,7 +46,7 @@ def test_tower_split_as_vllm_loads_it(tiny, tmp_path, tp):
     columns; norms and the Conv3d patch embedding whole."""
     src = tiny("qwen2.5-vl")
     result = save(str(src), tmp_path / "out", tp=tp, max_part_size=DEFAULT_MAX_PART)
-    assert result.plan.serve_command("OUT").endswith("--mm-encoder-tp-mode weights")
+    assert result.plan.serve_command("OUT").endswith("--mm-encoder-tp-mode weights --no-mm-device-do-normalize")
     hf = load_source(src, open_source(str(src)).checkpoint)
     qkv, bias = hf[B + "attn.qkv.weight"], hf[B + "attn.qkv.bias"]
     for r in range(tp):
@@ -81,7 +81,22 @@ def test_data_mode_whole_tower_on_every_rank(tiny, tmp_path):
     lay = read_manifest(tmp_path / "out").layout
     assert (lay.mm_encoder_tp_mode, lay.language_model_only) == ("data", False)
     raw = json.loads((tmp_path / "out" / MANIFEST).read_text())
-    assert raw["layout"]["mm_encoder_tp_mode"] == "data" and raw["serve"].endswith("--mm-encoder-tp-mode data")
+    assert raw["layout"]["mm_encoder_tp_mode"] == "data" and raw["serve"].endswith("--mm-encoder-tp-mode data --no-mm-device-do-normalize")
+
+
+def test_serve_line_pins_what_vllm_032_and_033_build_alike(tiny):
+    """Qwen-VL towers normalise images on the device by default, and vLLM 0.32 then keeps the norm's
+    buffers in the state dict (0.33 does not): pinned off. With --pp, 0.33's Model Runner V2 builds the
+    tower on the first stage only (V1 and 0.32: every stage, as the folder holds it): V1 pinned."""
+    qwen = open_source(str(tiny("qwen2.5-vl"))).checkpoint
+    one = build_plan(qwen, Layout(tp=2)).serve_command("OUT")
+    assert one.startswith("vllm serve OUT") and "--no-mm-device-do-normalize" in one
+    staged = build_plan(qwen, Layout(tp=2, pp=2)).serve_command("OUT")
+    assert staged.startswith("VLLM_USE_V2_MODEL_RUNNER=0 vllm serve OUT --load-format sharded_state")
+    text = build_plan(qwen, Layout(tp=2, pp=2, language_model_only=True)).serve_command("OUT")
+    assert text.startswith("vllm serve") and "normalize" not in text  # no tower, nothing to pin
+    gemma = build_plan(open_source(str(tiny("gemma3-mm"))).checkpoint, Layout(tp=2)).serve_command("OUT")
+    assert "normalize" not in gemma  # SigLIP's processor normalises on the host
 
 
 def test_language_model_only_leaves_the_tower_out(tiny, tmp_path):
@@ -121,7 +136,7 @@ def test_qwen35_text_only_by_default_tower_when_asked(tiny):
     assert text.serve_command("OUT").endswith("--language-model-only")
     assert any("under model.visual. left out" in n for n in text.notes)
     tower = build_plan(ckpt, Layout(tp=2, mm_encoder_tp_mode="weights"))
-    assert tower.serve_command("OUT").endswith("--mm-encoder-tp-mode weights")
+    assert tower.serve_command("OUT").endswith("--mm-encoder-tp-mode weights --no-mm-device-do-normalize")
     assert not any("model.visual." in n for n in tower.notes)
     names = {t.name: t.shape for f in tower.files if f.tp_rank == 1 for t in f.tensors}
     assert names["visual.blocks.0.attn.qkv.weight"] == (48, 32)

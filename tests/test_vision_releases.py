@@ -29,7 +29,9 @@ def test_release_plans_as_vllm_builds(tmp_path, release, layout):
     want = expected["layouts"][layout]
     folder = write_header_only(tmp_path / release, cut(RELEASES[release], CUT_LAYERS[release]))
     plan = build_plan(open_source(str(folder)).checkpoint, Layout(tp=8, ep=layout == "tp8-ep"))
-    assert plan.serve_command("OUT").endswith("--mm-encoder-tp-mode weights")
+    line = plan.serve_command("OUT")
+    assert "--mm-encoder-tp-mode weights" in line
+    assert ("--no-mm-device-do-normalize" in line) == release.startswith("qwen")  # Qwen-VL: on-device norm
     for r in range(8):
         got = {t.name: [DTYPE_CODES[t.dtype], list(t.shape)] for f in plan.files if f.tp_rank == r for t in f.tensors}
         exp = want["states"][want["rank_state"][r]]

@@ -19,7 +19,7 @@ from reshard.plan.kvscales import vllm_kv_name
 from reshard.plan.model import OutTensor, Plan
 from reshard.plan.remote import RemoteCode, remote_code
 from reshard.plan.slicers import add_module, padded_vocab
-from reshard.plan.towers import check_towers, plan_towers, resolve_mm, skipped_prefixes
+from reshard.plan.towers import check_towers, plan_towers, resolve_mm, skipped_prefixes, tower_pins
 from reshard.rules import Attention, Rule, Vocab, for_checkpoint, for_platform, get_architecture
 
 
@@ -95,7 +95,9 @@ def build_plan(
         layer_ranges=ranges,
         notes=ctx.notes + ([code.note] if code.note else []) + platform_note(arch_name, platform),
         config_patch=ctx.config_patch,
-        serve_flags=tuple(f for f in arch.serve_flags if f != "--language-model-only") + layout.mm_flags(),
+        serve_flags=tuple(f for f in arch.serve_flags if f != "--language-model-only")
+        + layout.mm_flags()
+        + tower_pins(arch, layout),
         remote_code=code,
     )
 

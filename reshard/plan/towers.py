@@ -69,6 +69,20 @@ def skipped_prefixes(arch: Architecture, layout: Layout) -> tuple[str, ...]:
     return tuple(p for p in arch.skip_prefixes if p not in towers)
 
 
+def tower_pins(arch: Architecture, layout: Layout) -> tuple[str, ...]:
+    """What the serve line must pin, beyond the encoder's mode, for the folder's encoder to be the one vLLM
+    0.32 and 0.33 both build (checked diffing their sources):
+    - `--no-mm-device-do-normalize` for towers that normalise on the device (Tower.device_normalize);
+    - `VLLM_USE_V2_MODEL_RUNNER=0` with --pp: 0.33's Model Runner V2 (its default on CUDA) builds the
+      encoder on the first pipeline stage only; V1, and 0.32, on every stage, as the folder holds it."""
+    if layout.mm_encoder_tp_mode is None:
+        return ()
+    pins = ["--no-mm-device-do-normalize"] if any(t.device_normalize for t in arch.towers) else []
+    if layout.pp > 1:
+        pins.append("VLLM_USE_V2_MODEL_RUNNER=0")
+    return tuple(pins)
+
+
 def check_towers(ctx: Context, layout: Layout) -> None:
     """vLLM splits an encoder's heads across the TP ranks in weights mode; it fails to build otherwise."""
     if layout.mm_encoder_tp_mode != "weights":

@@ -38,6 +38,7 @@ VIS = "visual."
 VISION_UP = ("intermediate_size", "hidden_size")
 
 QWEN2_5_VISION = Tower(
+    device_normalize=True,  # supports_mm_device_do_normalize (tower_pins)
     config="vision_config",
     top=(
         Replicate(VIS + "patch_embed.proj"),  # Conv3d [hidden, C, t, p, p], no bias
@@ -112,6 +113,7 @@ def _deepstack(config: dict) -> int:
 
 
 QWEN3_VISION = Tower(
+    device_normalize=True,  # supports_mm_device_do_normalize (tower_pins)
     config="vision_config",
     top=(
         Replicate(VIS + "patch_embed.proj"),  # Conv3d [hidden, C, t, p, p] with its bias

@@ -124,6 +124,10 @@ class Tower:
             where not, vLLM falls back to weights.
         split_in_data_mode: vLLM splits it across the TP ranks in data mode too (Llama-4's projector,
             built without `disable_tp`).
+        device_normalize: vLLM's model normalises images on the device (`supports_mm_device_do_normalize`,
+            Qwen-VL): with the default `--mm-device-do-normalize` and a real preprocessor_config.json,
+            vLLM 0.32 registers `input_norm.weight`/`.bias` buffers in the state dict that 0.33 does not
+            (non-persistent there); the serve line pins `--no-mm-device-do-normalize`, the same model in both.
     """
 
     config: str
@@ -134,6 +138,7 @@ class Tower:
     hidden: str = "hidden_size"
     data_mode: bool = True
     split_in_data_mode: bool = False
+    device_normalize: bool = False
 
     def settings(self, config: dict) -> dict:
         inner = config.get(self.config)
