@@ -52,10 +52,14 @@ def test_cut_release_plans_as_vllm_builds(copies, layout):
         assert not diff, f"rank {r}: (reshard, vLLM) {dict(list(diff.items())[:5])}"
     ep = LAYOUTS[layout]
     rank0 = want["states"][want["rank_state"][0]]
-    e = "model.layers.1.mlp.experts."
+    e = "model.layers.1.mlp.experts.routed_experts."
     assert rank0[e + "w13_weight_packed"] == ["uint8", [16 if ep else 128, 1536 if ep else 192, 1024]]
     assert rank0[e + "w2_weight_scale"] == ["float8_e4m3fn", [16 if ep else 128, 2048, 48 if ep else 6]]
-    assert rank0["model.layers.1.mlp.gate.weight"] == ["bfloat16", [128, 2048]]
+    assert rank0[e + "w13_input_global_scale"] == ["float32", [16 if ep else 128, 2]]  # the rank's own experts
+    assert rank0["model.layers.1.mlp.experts.gate.weight"] == ["bfloat16", [128, 2048]]  # the ignored router
+    # q (4096 / 8) + k + v (4 KV heads of 128 on 8 ranks: one replicated head each), global scales per slot
+    assert rank0["model.layers.1.self_attn.qkv_proj.weight_packed"] == ["uint8", [768, 1024]]
+    assert rank0["model.layers.1.self_attn.qkv_proj.weight_global_scale"] == ["float32", [3]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
