@@ -394,7 +394,8 @@ MOE.append("qwen3-vl-moe")  # marks only
 # issue-15 tiny archs). Mixtral (block_sparse_moe w1/w3/w2, intermediate 64: 32 per rank at TP 2) in W4A16
 # symmetric groups of 32 and NVFP4; GLM-4.5 MoE (layer 0 dense, shared expert, q/k/v bias kept bf16, router
 # and e_score_correction_bias whole) in W4A16 asymmetric groups of 16 and NVFP4; MiniMax-M2 NVFP4 under EP.
-# TP 2 and TP 2 + EP each; the harness forces only the CPU kernel choice as for qwen3-moe above.
+# TP 2 and TP 2 + EP each; the harness forces only the CPU kernel choice as for qwen3-moe above (and, for GLM's
+# shared-expert down_proj with 16 inputs per rank, the WNA16 linear's: vllm_patches.allow_small_wna16_linear).
 STATE_CASES += [
     case("mixtral+ct-w4a16-g32", 2),
     case("mixtral+ct-w4a16-g32", 2, ep=True),
