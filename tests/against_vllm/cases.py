@@ -389,3 +389,25 @@ STATE_CASES += [case("llama4", 2, mm="weights"), case("llama4", 2, mm="data")]
 MOE.append("qwen3-vl-moe")  # marks only
 # no GEN_CASES: CPU vLLM builds these models' processors (image processor, preprocessor_config.json) for
 # its profiling, and they need torchvision, which this CPU build lacks (the stub serves the model code only)
+
+# issue 26: other MoE families, one vLLM process per source (tests/fixtures/intquant.py, nvfp4.py on the
+# issue-15 tiny archs). Mixtral (block_sparse_moe w1/w3/w2, intermediate 64: 32 per rank at TP 2) in W4A16
+# symmetric groups of 32 and NVFP4; GLM-4.5 MoE (layer 0 dense, shared expert, q/k/v bias kept bf16, router
+# and e_score_correction_bias whole) in W4A16 asymmetric groups of 16 and NVFP4; MiniMax-M2 NVFP4 under EP; Qwen3-Next NVFP4.
+# TP 2 and TP 2 + EP each; the harness forces only the CPU kernel choice as for qwen3-moe above (and, for GLM's
+# shared-expert down_proj with 16 inputs per rank, the WNA16 linear's: vllm_patches.allow_small_wna16_linear).
+STATE_CASES += [
+    case("mixtral+ct-w4a16-g32", 2),
+    case("mixtral+ct-w4a16-g32", 2, ep=True),
+    case("mixtral+ct-nvfp4", 2),
+    case("mixtral+ct-nvfp4", 2, ep=True),
+    case("glm4-moe+ct-w4a16-asym", 2),
+    case("glm4-moe+ct-w4a16-asym", 2, ep=True),
+    case("glm4-moe+ct-nvfp4", 2),
+    case("glm4-moe+ct-nvfp4", 2, ep=True),
+    case("minimax-m2+ct-nvfp4", 2, ep=True),
+    # Qwen3-Next: every Linear NVFP4 but the router and shared_expert_gate (gated delta net in_proj_qkvz / in_proj_ba and out_proj, gated
+    # full attention, shared expert; conv1d bf16)
+    case("qwen3-next+ct-nvfp4", 2),
+    case("qwen3-next+ct-nvfp4", 2, ep=True),
+]

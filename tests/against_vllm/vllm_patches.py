@@ -119,6 +119,41 @@ def allow_wna16_moe() -> None:
     # Marlin's tile-size check (the tiny models' hidden size is below its tile): a kernel's limit, not the layout's
     wna16.check_moe_marlin_supports_config = lambda *a, **k: True
     int8.select_int8_moe_backend = fallback(int8.select_int8_moe_backend, Int8MoeBackend.TRITON)
+    allow_small_wna16_linear()  # issue 26: other MoE families
+
+
+def allow_small_wna16_linear() -> None:
+    """issue 26 (other MoE families): let a compressed-tensors WNA16 linear whose per-rank input is below what
+    vLLM CPU's kernel takes (CPUWNA16: multiples of 32; the tiny GLM-4.5's shared-expert down_proj has 16 at
+    TP 2) be *built*. Only the kernel choice falls back, to one that is never run: the parameters
+    (CompressedTensorsWNA16.create_weights) do not depend on it (Marlin changes only the activation dtype)."""
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16 as ct
+
+    class Unbuilt(MPLinearKernel):  # the layer is built and loaded, never run
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 0
+
+        @classmethod
+        def can_implement(cls, c):
+            return True, None
+
+        def process_weights_after_loading(self, layer) -> None:
+            raise NotImplementedError("no CPU kernel for this layer")
+
+        def apply_weights(self, layer, x, bias=None):
+            raise NotImplementedError("no CPU kernel for this layer")
+
+    choose = ct.choose_mp_linear_kernel
+
+    def chosen(*a, **k):
+        try:
+            return choose(*a, **k)
+        except ValueError:
+            return Unbuilt
+
+    ct.choose_mp_linear_kernel = chosen
 
 
 # ---- issue 26: NVFP4 --------------------------------------------------------------------------------
