@@ -74,7 +74,7 @@ def test_exclude_modules_without_ignore_in_config_json_is_refused():
     versions reshard writes for would quantize different modules."""
     for algo in ("FP8", "NVFP4"):
         qc = {"quant_method": "modelopt", "quant_algo": algo, "exclude_modules": ["lm_head"], "group_size": 16}
-        with pytest.raises(UnsupportedError, match="exclude_modules.*no `ignore`"):
+        with pytest.raises(UnsupportedError, match=r"exclude_modules.*no `ignore`"):
             quant_from_config({"quantization_config": qc})
         both = quant_from_config({"quantization_config": {**qc, "ignore": ["lm_head"]}})
         assert both.ignored == ("lm_head",)
