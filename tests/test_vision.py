@@ -81,7 +81,9 @@ def test_data_mode_whole_tower_on_every_rank(tiny, tmp_path):
     lay = read_manifest(tmp_path / "out").layout
     assert (lay.mm_encoder_tp_mode, lay.language_model_only) == ("data", False)
     raw = json.loads((tmp_path / "out" / MANIFEST).read_text())
-    assert raw["layout"]["mm_encoder_tp_mode"] == "data" and raw["serve"].endswith("--mm-encoder-tp-mode data --no-mm-device-do-normalize")
+    assert raw["layout"]["mm_encoder_tp_mode"] == "data" and raw["serve"].endswith(
+        "--mm-encoder-tp-mode data --no-mm-device-do-normalize"
+    )
 
 
 def test_serve_line_pins_what_vllm_032_and_033_build_alike(tiny):
