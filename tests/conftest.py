@@ -28,6 +28,24 @@ def tiny(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory):
+    """quantized(arch, scheme) -> a tiny checkpoint quantized as its tool writes `scheme`
+    (tests/fixtures/quant.py: compressed-tensors, ModelOpt, NVFP4, GPTQ/AWQ), made once per session."""
+    from tests.fixtures.quant import convert
+    from tests.fixtures.tiny import make_tiny
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, scheme: str) -> Path:
+        if (arch, scheme) not in cache:
+            root = tmp_path_factory.mktemp(f"{arch}-{scheme}")
+            cache[(arch, scheme)] = convert(make_tiny(arch, root / "bf16"), root / "src", scheme)
+        return cache[(arch, scheme)]
+
+    return get
+
+
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch):
     monkeypatch.setenv("RESHARD_DISABLE_PROGRESS", "1")

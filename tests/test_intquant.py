@@ -17,31 +17,19 @@ from reshard.format import ITEMSIZE
 from reshard.merge import merge
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.verify import verify
-from tests.fixtures.quant import convert
-from tests.fixtures.saving import save
+from tests.fixtures.saving import rank_tensors, save
 from tests.test_reshard_merge import assert_same, load_dir
 
 MAX = DEFAULT_MAX_PART
 
 
 @pytest.fixture(scope="module")
-def ctq(tmp_path_factory):
-    """ctq(arch, scheme) -> a tiny checkpoint quantized as llm-compressor writes `scheme` (cached)."""
-    from tests.fixtures.tiny import make_tiny
-
-    cache: dict[tuple[str, str], Path] = {}
-
-    def get(arch: str, scheme: str) -> Path:
-        if (arch, scheme) not in cache:
-            root = tmp_path_factory.mktemp(f"{arch}-{scheme}")
-            cache[(arch, scheme)] = convert(make_tiny(arch, root / "bf16"), root / "src", scheme)
-        return cache[(arch, scheme)]
-
-    return get
+def ctq(quantized):
+    """ctq(arch, scheme) -> a tiny checkpoint as llm-compressor write(s) `scheme` (conftest.quantized)."""
+    return quantized
 
 
-def _rank(out: Path, r: int) -> dict[str, torch.Tensor]:
-    return load_file(str(out / f"model-rank-{r}-part-0.safetensors"))
+_rank = rank_tensors
 
 
 def _config(src: Path, **weights) -> None:

@@ -19,8 +19,7 @@ from reshard.plan import DEFAULT_MAX_PART
 from reshard.plan.modelopt import FP8_SCALE_SENTINEL
 from reshard.plan.quantconfig import quant_from_config
 from reshard.verify import verify
-from tests.fixtures.quant import convert
-from tests.fixtures.saving import save
+from tests.fixtures.saving import rank_tensors, save
 from tests.test_reshard_merge import assert_same, load_dir
 
 MAX = DEFAULT_MAX_PART
@@ -28,23 +27,12 @@ A = "model.layers.0.self_attn."
 
 
 @pytest.fixture(scope="module")
-def mo(tmp_path_factory):
-    """mo(arch, scheme) -> a tiny checkpoint as ModelOpt exports `scheme` (cached)."""
-    from tests.fixtures.tiny import make_tiny
-
-    cache: dict[tuple[str, str], Path] = {}
-
-    def get(arch: str, scheme: str) -> Path:
-        if (arch, scheme) not in cache:
-            root = tmp_path_factory.mktemp(f"{arch}-{scheme}")
-            cache[(arch, scheme)] = convert(make_tiny(arch, root / "bf16"), root / "src", scheme)
-        return cache[(arch, scheme)]
-
-    return get
+def mo(quantized):
+    """mo(arch, scheme) -> a tiny checkpoint as ModelOpt write(s) `scheme` (conftest.quantized)."""
+    return quantized
 
 
-def _rank(out: Path, r: int) -> dict[str, torch.Tensor]:
-    return load_file(str(out / f"model-rank-{r}-part-0.safetensors"))
+_rank = rank_tensors
 
 
 def _copy(src: Path, dst: Path) -> Path:
