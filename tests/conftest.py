@@ -46,6 +46,17 @@ def quantized(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_delivered():
+    """Tests send SIGINT to reshard (in-process and to subprocesses): a run started in the background
+    (`make test &`, nohup) inherits SIGINT ignored, which Python and the children it starts keep, and
+    the interrupt tests then saw reshard finish with exit 0. Restore the default, as in a terminal."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch):
     monkeypatch.setenv("RESHARD_DISABLE_PROGRESS", "1")
