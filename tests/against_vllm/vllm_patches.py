@@ -39,16 +39,10 @@ def force_moe_backend(name: str) -> None:
     )
 
 
-def allow_gptq() -> None:
-    """issue 26: let GPTQ / AWQ layers be *built* on this CPU. Only kernel checks are relaxed: Marlin's
-    platform check for 8-bit GPTQ linears (``verify_marlin_supported``: CPU vLLM builds 4-bit only), and
-    the experts' kernel choice (no CPU WNA16 MoE kernel takes these tiny shapes: Marlin's, as a CUDA GPU
-    picks). The parameters (``create_weights``) and loaders stay vLLM's; the Marlin-or-MoeWNA16 layout
-    choice (``check_moe_marlin_supports_layer``) is not patched. 8-bit linears get a kernel that is never
-    run (no CPU kernel takes uint8b128; the parameters do not depend on it)."""
+def _or_unbuilt(choose):
+    """vLLM's mixed-precision kernel choice `choose`, falling back (where it finds none on this CPU) to a
+    kernel that builds and loads the layer and is never run: the parameters do not depend on the kernel."""
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
-    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
-    from vllm.model_executor.layers.quantization import auto_awq, auto_gptq
 
     class Unbuilt(MPLinearKernel):  # the layer is built and loaded, never run
         @classmethod
@@ -65,15 +59,27 @@ def allow_gptq() -> None:
         def apply_weights(self, layer, x, bias=None):
             raise NotImplementedError("no CPU kernel for this layer")
 
-    choose = auto_gptq.choose_mp_linear_kernel
-
     def chosen(*a, **k):
         try:
             return choose(*a, **k)
-        except ValueError:  # 8-bit GPTQ: CPU vLLM has no linear kernel for uint8b128
+        except ValueError:
             return Unbuilt
 
-    auto_gptq.choose_mp_linear_kernel = chosen
+    return chosen
+
+
+def allow_gptq() -> None:
+    """issue 26: let GPTQ / AWQ layers be *built* on this CPU. Only kernel checks are relaxed: Marlin's
+    platform check for 8-bit GPTQ linears (``verify_marlin_supported``: CPU vLLM builds 4-bit only), and
+    the experts' kernel choice (no CPU WNA16 MoE kernel takes these tiny shapes: Marlin's, as a CUDA GPU
+    picks). The parameters (``create_weights``) and loaders stay vLLM's; the Marlin-or-MoeWNA16 layout
+    choice (``check_moe_marlin_supports_layer``) is not patched. 8-bit linears get a kernel that is never
+    run (no CPU kernel takes uint8b128; the parameters do not depend on it)."""
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+    from vllm.model_executor.layers.quantization import auto_awq, auto_gptq
+
+    # 8-bit GPTQ: CPU vLLM has no linear kernel for uint8b128
+    auto_gptq.choose_mp_linear_kernel = _or_unbuilt(auto_gptq.choose_mp_linear_kernel)
     auto_gptq.verify_marlin_supported = lambda *a, **k: None
     select = auto_gptq.select_wna16_moe_backend
 
@@ -127,33 +133,9 @@ def allow_small_wna16_linear() -> None:
     vLLM CPU's kernel takes (CPUWNA16: multiples of 32; the tiny GLM-4.5's shared-expert down_proj has 16 at
     TP 2) be *built*. Only the kernel choice falls back, to one that is never run: the parameters
     (CompressedTensorsWNA16.create_weights) do not depend on it (Marlin changes only the activation dtype)."""
-    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16 as ct
 
-    class Unbuilt(MPLinearKernel):  # the layer is built and loaded, never run
-        @classmethod
-        def get_min_capability(cls) -> int:
-            return 0
-
-        @classmethod
-        def can_implement(cls, c):
-            return True, None
-
-        def process_weights_after_loading(self, layer) -> None:
-            raise NotImplementedError("no CPU kernel for this layer")
-
-        def apply_weights(self, layer, x, bias=None):
-            raise NotImplementedError("no CPU kernel for this layer")
-
-    choose = ct.choose_mp_linear_kernel
-
-    def chosen(*a, **k):
-        try:
-            return choose(*a, **k)
-        except ValueError:
-            return Unbuilt
-
-    ct.choose_mp_linear_kernel = chosen
+    ct.choose_mp_linear_kernel = _or_unbuilt(ct.choose_mp_linear_kernel)
 
 
 # ---- issue 26: NVFP4 --------------------------------------------------------------------------------
