@@ -24,7 +24,7 @@ from reshard.sources import open_source
 from tests.against_vllm.dsa_names import cuda_to_cpu
 from tests.fixtures.cli import run
 from tests.fixtures.dsa_releases import CUT_LAYERS, HERE, RELEASES, cut
-from tests.fixtures.releases import write_header_only
+from tests.fixtures.releases import assert_rank_matches, write_header_only
 
 LAYOUTS = {"tp8": False, "tp8-ep": True}
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -72,10 +72,7 @@ def test_cut_release_plans_as_vllm_builds(copies, release, layout, platform):
     rename = cuda_to_cpu if platform == "cuda" else (lambda n: n)
     for r in range(8):
         got, exp = planned(plan, r, rename), want["states"][want["rank_state"][r]]
-        missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
-        assert not missing and not extra, f"rank {r}: missing {missing[:5]}, extra {extra[:5]}"
-        diff = {k: (got[k], exp[k]) for k in exp if got[k] != exp[k]}
-        assert not diff, f"rank {r}: (reshard, vLLM) {dict(list(diff.items())[:5])}"
+        assert_rank_matches(r, got, exp)
 
 
 def extrapolate(release: str, layout: str) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ from reshard.plan import build_plan
 from reshard.sources import open_source
 from tests.fixtures.cli import run
 from tests.fixtures.fp4_releases import CUT_LAYERS, RELEASES, cut, vllm_shapes, write_header_only
+from tests.fixtures.releases import assert_rank_matches
 from tests.test_fp4_releases import LAYOUTS, TORCH_NAMES, planned
 
 RELEASE = "qwen3-30b-a3b-nvfp4"
@@ -46,10 +47,7 @@ def test_cut_release_plans_as_vllm_builds(copies, layout):
     plan = build_plan(open_source(str(copies[False])).checkpoint, Layout(tp=8, ep=LAYOUTS[layout]))
     for r in range(8):
         got, exp = planned(plan, r), want["states"][want["rank_state"][r]]
-        missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
-        assert not missing and not extra, f"rank {r}: missing {missing[:5]}, extra {extra[:5]}"
-        diff = {k: (got[k], exp[k]) for k in exp if got[k] != exp[k]}
-        assert not diff, f"rank {r}: (reshard, vLLM) {dict(list(diff.items())[:5])}"
+        assert_rank_matches(r, got, exp)
     ep = LAYOUTS[layout]
     rank0 = want["states"][want["rank_state"][0]]
     e = "model.layers.1.mlp.experts.routed_experts."

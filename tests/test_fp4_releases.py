@@ -22,6 +22,7 @@ from reshard.plan import build_plan
 from reshard.sources import open_source
 from tests.fixtures.cli import run
 from tests.fixtures.fp4_releases import CUT_LAYERS, RELEASES, cut, vllm_shapes, write_header_only
+from tests.fixtures.releases import assert_rank_matches
 
 LAYOUTS = {"tp8": False, "tp8-ep": True}
 TORCH_NAMES = {**DTYPE_CODES, "U8": "uint8"}  # torch's names of the planned dtypes
@@ -55,10 +56,7 @@ def test_cut_release_plans_as_vllm_builds(copies, layout):
     plan = build_plan(open_source(str(copies[False])).checkpoint, Layout(tp=8, ep=LAYOUTS[layout]))
     for r in range(8):
         got, exp = planned(plan, r), want["states"][want["rank_state"][r]]
-        missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
-        assert not missing and not extra, f"rank {r}: missing {missing[:5]}, extra {extra[:5]}"
-        diff = {k: (got[k], exp[k]) for k in exp if got[k] != exp[k]}
-        assert not diff, f"rank {r}: (reshard, vLLM) {dict(list(diff.items())[:5])}"
+        assert_rank_matches(r, got, exp)
     e = "model.layers.3.mlp.experts.routed_experts."
     rank0 = want["states"][want["rank_state"][0]]
     assert rank0[e + "w13_weight"] == [

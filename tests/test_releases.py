@@ -23,7 +23,7 @@ from reshard.layout import Layout
 from reshard.plan import build_plan
 from reshard.sources import open_source
 from tests.fixtures.cli import run
-from tests.fixtures.releases import CUT_LAYERS, RELEASES, cut, vllm_shapes, write_header_only
+from tests.fixtures.releases import CUT_LAYERS, RELEASES, assert_rank_matches, cut, vllm_shapes, write_header_only
 
 # torch's names of the safetensors codes (the packed integer formats' too: issue 26, Kimi-K2-Thinking)
 CODES = {**DTYPE_CODES, "I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8"}
@@ -60,10 +60,7 @@ def test_cut_release_plans_as_vllm_builds(copies, release, layout):
     plan = build_plan(open_source(str(copies(release, False))).checkpoint, Layout(tp=8, ep=LAYOUTS[layout]))
     for r in range(8):
         got, exp = planned(plan, r), want["states"][want["rank_state"][r]]
-        missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
-        assert not missing and not extra, f"rank {r}: missing {missing[:5]}, extra {extra[:5]}"
-        diff = {k: (got[k], exp[k]) for k in exp if got[k] != exp[k]}
-        assert not diff, f"rank {r}: (reshard, vLLM) {dict(list(diff.items())[:5])}"
+        assert_rank_matches(r, got, exp)
 
 
 def extrapolate(release: str, layout: str) -> list[tuple[int, int]]:

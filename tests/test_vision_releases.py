@@ -16,7 +16,7 @@ from reshard.format import DTYPE_CODES, ITEMSIZE
 from reshard.layout import Layout
 from reshard.plan import build_plan
 from reshard.sources import open_source
-from tests.fixtures.releases import vllm_shapes
+from tests.fixtures.releases import assert_rank_matches, vllm_shapes
 from tests.fixtures.vision_releases import CUT_LAYERS, RELEASES, cut, write_header_only
 
 LAYOUTS = {"qwen3-vl-235b-a22b": ("tp8", "tp8-ep"), "gemma-3-27b": ("tp8",)}  # Gemma-3 is dense: no EP
@@ -35,10 +35,7 @@ def test_release_plans_as_vllm_builds(tmp_path, release, layout):
     for r in range(8):
         got = {t.name: [DTYPE_CODES[t.dtype], list(t.shape)] for f in plan.files if f.tp_rank == r for t in f.tensors}
         exp = want["states"][want["rank_state"][r]]
-        missing, extra = sorted(set(exp) - set(got)), sorted(set(got) - set(exp))
-        assert not missing and not extra, f"rank {r}: missing {missing[:5]}, extra {extra[:5]}"
-        diff = {k: (got[k], exp[k]) for k in exp if got[k] != exp[k]}
-        assert not diff, f"rank {r}: (reshard, vLLM) {dict(list(diff.items())[:5])}"
+        assert_rank_matches(r, got, exp)
         names = {v: k for k, v in DTYPE_CODES.items()}
         nbytes = sum(math.prod(s) * ITEMSIZE[names[d]] for d, s in exp.values())
         assert plan.summary()["ranks"][r]["bytes"] == nbytes
