@@ -37,10 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
+from reshard.batch import Uniform, batch_reads, cut, uniform
 from reshard.checkpoint import Reader, Source
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.io.dtypes import Caster, dequantize_fp8, fill_bytes, pad_rows, upsample
-from reshard.io.memory import Lease, Memory
+from reshard.io.memory import Lease, Memory, aligned_buffer
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
 from reshard.io.writer import FileWriter, Sink, Written
@@ -144,6 +145,8 @@ class Executor:
         self.chunk_bytes = max(1, min(options.chunk_bytes, max_memory // 4))  # leave room for a few in flight
         self.mem = Memory(max_memory, self.chunk_bytes)
         self.mem.on_short = self._flush_held
+        # the uniform steps' batch buffer: taken out of the fresh budget (Memory.reserve) when first used
+        self.batch_bytes = min(self.chunk_bytes, self.mem.fresh_limit // 4)
         self.progress = progress or (lambda n: None)
         self.sync = sync
         self.sink = sink or (lambda f, header: FileWriter(self.out_dir / f.name, header, checksum))
@@ -152,6 +155,7 @@ class Executor:
         self.done: list[Written] = []
         self.prefetch: Prefetcher | None = None
         self.scales: dict[str, np.ndarray] = {}  # the step's block scales (Read.scale), by name
+        self.batch: np.ndarray | None = None  # uniform steps' reused batch buffer (reshard.batch)
 
     def run(self) -> list[Written]:
         steps = schedule(self.plan, self.tensors, self.chunk_bytes)
@@ -184,6 +188,7 @@ class Executor:
             if self.prefetch is not None:
                 self.prefetch.stop()
             self.reader.close()
+            self.batch = None
             self.mem.close()
         return self.done
 
@@ -202,6 +207,10 @@ class Executor:
     def _emit(self, step: Step, holders: list[_Holder]) -> None:
         """Take the step's reads from the prefetcher, in order, and emit every holder's pieces."""
         assert self.prefetch is not None
+        u = uniform(step, [h.tensor for h in holders], self.batch_bytes)
+        if u is not None:
+            self._emit_uniform(step, holders, u)
+            return
         for read in step.reads:
             view, lease = self.prefetch.get()
             info = read.info
@@ -223,6 +232,37 @@ class Executor:
             if h.cursor != len(h.tensor.pieces):
                 raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
         self.scales.clear()
+
+    def _emit_uniform(self, step: Step, holders: list[_Holder], u: Uniform) -> None:
+        """A uniform step (reshard.batch): the reads gathered into a batch buffer a chunk at a time,
+        each holder's pieces from a batch cut out at once and written as one array."""
+        assert self.prefetch is not None
+        if self.batch is None:  # one buffer for the run (reused: no page faults, no heap to fragment)
+            self.batch = np.frombuffer(aligned_buffer(self.mem.reserve(self.batch_bytes)), np.uint8)
+        whole = self.batch
+        n, per = len(step.reads), batch_reads(u, len(whole))
+        for base in range(0, n, per):
+            count = min(per, n - base)
+            buf = whole[: count * u.nbytes].reshape((count, u.nbytes))
+            for j in range(count):
+                view, lease = self.prefetch.get()
+                buf[j] = np.frombuffer(view, np.uint8)
+                del view
+                lease.release()
+            batch = buf.reshape((count, *u.shape))
+            for hi, h in enumerate(holders):
+                got = cut(u, batch, base, count, hi)
+                if got is None:
+                    continue
+                picked, first, last = got
+                assert first == h.cursor, f"{h.tensor.name}: pieces out of order"
+                out = self.cast(picked, u.dtype, h.tensor.dtype)
+                h.writer.write(out, self.mem.account(out.nbytes))
+                self.progress(out.nbytes)
+                h.cursor = last
+        for h in holders:
+            if h.cursor != len(h.tensor.pieces):
+                raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
 
     def _advance_fills(self, h: _Holder) -> None:
         pieces = h.tensor.pieces

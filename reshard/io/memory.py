@@ -147,6 +147,15 @@ class Memory:
             self.fresh += nbytes
         return Fresh(self, nbytes)
 
+    def reserve(self, nbytes: int) -> int:
+        """Set aside up to a quarter of the fresh budget for a buffer held across many accounts (the
+        executor's batch buffer, reshard.batch): the budget shrinks by what is returned, so that
+        holding it never makes `account` wait for itself."""
+        nbytes = min(nbytes, self.fresh_limit // 4)
+        with self.cond:
+            self.fresh_limit -= nbytes
+        return nbytes
+
     def _wait_for(self, ready: Callable[[], bool]) -> None:
         """Wait (holding `cond`) until `ready()`, having asked the writers for what they hold."""
         self.waiting += 1

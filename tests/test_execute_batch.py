@@ -1,0 +1,77 @@
+"""Uniform steps (reshard/batch.py: an MoE layer's experts gathered a chunk at a time and cut per rank
+with one numpy take) write exactly the bytes of the piece-by-piece path, and are taken where the plan
+is uniform: TP row/column splits, EP whole experts, a dtype cast, batches split across chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+import reshard.batch as batch
+import reshard.execute as ex
+from reshard.plan import DEFAULT_MAX_PART
+from reshard.sources import open_source
+from tests.fixtures.saving import save
+
+CASES = [
+    ("qwen3-moe", 2, False, "auto"),
+    ("qwen3-moe", 4, True, "auto"),
+    ("qwen3-moe", 2, False, "float32"),  # cast per batch
+    ("qwen3-moe-fp8", 2, False, "auto"),  # FP8 experts: their block scales go piece by piece (up-sampled)
+    ("mixtral", 2, True, "auto"),
+    ("deepseek-v3", 2, False, "auto"),
+]
+
+
+def _data(path) -> bytes:
+    raw = path.read_bytes()
+    return raw[8 + int.from_bytes(raw[:8], "little") :]  # headers differ in their run id
+
+
+@pytest.mark.parametrize(
+    "arch, tp, ep, dtype", CASES, ids=[f"{a}-tp{t}{'-ep' if e else ''}-{d}" for a, t, e, d in CASES]
+)
+@pytest.mark.parametrize("reads", [3, 4096], ids=["three-reads-a-batch", "one-batch"])
+def test_uniform_steps_write_the_bytes_of_the_piece_path(tiny, tmp_path, monkeypatch, arch, tp, ep, dtype, reads):
+    src = str(tiny(arch))
+    experts = [t.nbytes for t in open_source(src).checkpoint.tensors.values() if ".experts." in t.name]
+    chunk = reads * max(experts)  # a batch holds `reads` of the largest expert tensors
+    monkeypatch.setattr(batch, "MIN_READS", 2)  # the tiny models have 8 experts
+    used = []
+
+    def counting(step, tensors, limit):
+        u = batch.uniform(step, tensors, limit)
+        used.append(u is not None)
+        return u
+
+    monkeypatch.setattr(ex, "uniform", counting)
+    fast = save(src, tmp_path / "a", tp=tp, ep=ep, dtype=dtype, max_part_size=DEFAULT_MAX_PART, chunk_bytes=chunk)
+    assert sum(used) >= 2, "no uniform step taken: the test would compare the piece path with itself"
+    monkeypatch.setattr(ex, "uniform", lambda step, tensors, limit: None)
+    slow = save(src, tmp_path / "b", tp=tp, ep=ep, dtype=dtype, max_part_size=DEFAULT_MAX_PART, chunk_bytes=chunk)
+    assert [f.name for f in fast.plan.files] == [f.name for f in slow.plan.files]
+    for f in fast.plan.files:
+        assert _data(tmp_path / "a" / f.name) == _data(tmp_path / "b" / f.name), f.name
+
+
+def test_a_step_with_a_padded_or_filled_piece_is_not_uniform(tiny, tmp_path):
+    """A backend that pads the experts' per-rank size (zeros past the real rows) goes piece by piece."""
+    from reshard.layout import Layout
+    from reshard.plan import Fill, build_plan
+    from reshard.schedule import schedule
+
+    ckpt = open_source(str(tiny("qwen3-moe"))).checkpoint
+    plan = build_plan(ckpt, Layout(tp=2))
+    steps = schedule(plan, ckpt.tensors, 1 << 20)
+    w13 = next(s for s in steps if s.name.endswith("experts.w13_weight"))
+    tensors = [t for _, t in w13.slots]
+    batch_min = batch.MIN_READS
+    try:
+        batch.MIN_READS = len(w13.reads) + 1
+        assert batch.uniform(w13, tensors, 1 << 20) is None  # too few reads to be worth it
+        batch.MIN_READS = 2
+        assert batch.uniform(w13, tensors, 1 << 20) is not None
+        padded = [t.__class__(t.name, t.dtype, t.shape, (*t.pieces, Fill(0.0, 4))) for t in tensors]
+        assert batch.uniform(w13, padded, 1 << 20) is None
+        assert batch.uniform(w13, tensors, 16) is None  # a read over the limit
+    finally:
+        batch.MIN_READS = batch_min
