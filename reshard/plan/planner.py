@@ -6,6 +6,7 @@ Pure metadata in (config.json + safetensors headers), a `Plan` value out. No tor
 from __future__ import annotations
 
 from reshard import VLLM_LAYOUT
+from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_CODES, DTYPE_NAMES
@@ -50,6 +51,11 @@ def build_plan(
         UnsupportedError: unknown architecture or a layout vLLM would refuse.
         SourceError: a tensor the rules need is missing, or has the wrong shape.
     """
+    with paused_gc():  # hundreds of thousands of pieces, no cycle among them (reshard.bulk)
+        return _build_plan(ckpt, layout, max_part_size, trust_remote_code)
+
+
+def _build_plan(ckpt: Checkpoint, layout: Layout, max_part_size: int, trust_remote_code: bool | None) -> Plan:
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     arch_name, arch = get_architecture(ckpt.config)
     arch, platform = for_platform(
