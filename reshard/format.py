@@ -166,52 +166,114 @@ def parse_header(
     raw: bytes, size: int, where: str, file_name: str
 ) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
     """`read_header` on header bytes `raw` (the JSON after the 8-byte length) of a file of `size`
-    bytes named `file_name`; errors name `where` (a path, or a Hub URL)."""
+    bytes named `file_name`; errors name `where` (a path, or a Hub URL).
+
+    Paid in bulk (issue 28: headers of 200k tensors): the JSON parser hands each entry spelled as
+    safetensors writes it ({"dtype", "shape", "data_offsets"}, in that order) over as a tuple, not a
+    dict; entries of one dtype and shape share one checked shape tuple; and the offsets are checked
+    for holes and overlaps by following them from 0, without a sort. Whatever that fast path does not
+    accept is checked entry by entry as before (`_entry`, `_check_spans`), with the same errors."""
     path = where
     n = len(raw)
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, object_pairs_hook=_entry_pairs)
+        if type(obj) is tuple:  # a header spelled like one entry: the plain object it is
+            obj = dict(zip(_ENTRY_KEYS, obj, strict=True))
         if not isinstance(obj, dict):
             raise ValueError("header is not a JSON object")
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise SourceError(f"{path}: corrupt safetensors header ({str(e)[:200]})", _REDOWNLOAD) from e
     meta = obj.pop("__metadata__", None) or {}
+    if type(meta) is tuple:  # a __metadata__ spelled like a tensor entry: as the plain object it is
+        meta = dict(zip(_ENTRY_KEYS, meta, strict=True))
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SourceError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)", _REDOWNLOAD)
     start = 8 + n
     tensors: dict[str, TensorInfo] = {}
-    spans = []
+    shapes: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (dtype, *shape) -> the shared shape, its bytes
+    ends: dict[int, int] = {}  # begin -> end of every tensor with bytes (none begins where another does)
+    plain = True  # every entry took the fast path and no two non-empty tensors begin at one offset
     for name, entry in obj.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            if not isinstance(dtype, str) or not all(_is_int(x) for x in (*shape, begin, end)):
-                raise TypeError("dtype must be a string, shape and data_offsets integers")
-        except (KeyError, TypeError, ValueError) as e:
-            raise SourceError(f"{path}: corrupt header entry for {name!r}", _REDOWNLOAD) from e
-        if any(d < 0 for d in shape):
-            raise SourceError(f"{path}: tensor {name!r} has a negative dimension {list(shape)}", _REDOWNLOAD)
-        if dtype not in ITEMSIZE:
-            raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        if end - begin != nbytes or begin < 0:
-            raise SourceError(
-                f"{path}: tensor {name!r} spans {end - begin} bytes but its shape needs {nbytes}",
-                _REDOWNLOAD,
-            )
-        if start + end > size:
-            raise SourceError(
-                f"{path}: truncated: tensor {name!r} ends at byte {start + end}, file has {size}",
-                _REDOWNLOAD,
-            )
-        tensors[name] = TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
-        spans.append((begin, end, name))
-    spans.sort()
+        if type(entry) is tuple:
+            dtype, shape, offsets = entry
+            if type(shape) is list and type(offsets) is list and len(offsets) == 2:
+                begin, end = offsets
+                key = (dtype, *shape)
+                known = shapes.get(key) if all(type(d) is int for d in key[1:]) else None
+                if known is None and dtype in ITEMSIZE and all(type(d) is int and d >= 0 for d in shape):
+                    known = shapes[key] = (tuple(shape), math.prod(shape) * ITEMSIZE[dtype])
+                if (
+                    known is not None
+                    and type(begin) is int
+                    and type(end) is int
+                    and begin >= 0
+                    and end - begin == known[1]
+                    and start + end <= size
+                ):
+                    tensors[name] = TensorInfo(name, dtype, known[0], file_name, start + begin, known[1])
+                    if end > begin:
+                        plain = plain and begin not in ends
+                        ends[begin] = end
+                    continue
+            entry = dict(zip(_ENTRY_KEYS, entry, strict=True))
+        plain = False
+        tensors[name] = _entry(path, name, entry, start, size, file_name)
+    if plain:
+        pos = 0
+        while pos in ends:  # the tensors with bytes, back to back from 0: no hole, no overlap
+            pos = ends.pop(pos)
+    if not plain or ends:
+        _check_spans(path, tensors, start)
+    return tensors, {str(k): str(v) for k, v in meta.items()}, size
+
+
+_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
+
+
+def _entry_pairs(pairs: list[tuple[str, object]]) -> object:
+    """json's object_pairs_hook: an object spelled exactly {"dtype", "shape", "data_offsets"} (a
+    safetensors entry) as the tuple of its values; any other as the dict json would make."""
+    if len(pairs) == 3:
+        (k0, v0), (k1, v1), (k2, v2) = pairs
+        if k0 == "dtype" and k1 == "shape" and k2 == "data_offsets" and type(v0) is str:
+            return (v0, v1, v2)
+    return dict(pairs)
+
+
+def _entry(path: str, name: str, entry: object, start: int, size: int, file_name: str) -> TensorInfo:
+    """One header entry checked on its own (every shape of entry the format does not write)."""
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]  # type: ignore[index]
+        if not isinstance(dtype, str) or not all(_is_int(x) for x in (*shape, begin, end)):
+            raise TypeError("dtype must be a string, shape and data_offsets integers")
+    except (KeyError, TypeError, ValueError) as e:
+        raise SourceError(f"{path}: corrupt header entry for {name!r}", _REDOWNLOAD) from e
+    if any(d < 0 for d in shape):
+        raise SourceError(f"{path}: tensor {name!r} has a negative dimension {list(shape)}", _REDOWNLOAD)
+    if dtype not in ITEMSIZE:
+        raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    if end - begin != nbytes or begin < 0:
+        raise SourceError(
+            f"{path}: tensor {name!r} spans {end - begin} bytes but its shape needs {nbytes}",
+            _REDOWNLOAD,
+        )
+    if start + end > size:
+        raise SourceError(
+            f"{path}: truncated: tensor {name!r} ends at byte {start + end}, file has {size}",
+            _REDOWNLOAD,
+        )
+    return TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
+
+
+def _check_spans(path: str, tensors: dict[str, TensorInfo], start: int) -> None:
+    """No tensor overlaps another or leaves a hole before it (the first one in offset order named)."""
+    spans = sorted((t.offset - start, t.offset - start + t.nbytes, name) for name, t in tensors.items())
     pos = 0
     for begin, end, name in spans:
         if begin != pos and end > begin:
             raise SourceError(f"{path}: tensor {name!r} overlaps or leaves a hole", _REDOWNLOAD)
         pos = max(pos, end)
-    return tensors, {str(k): str(v) for k, v in meta.items()}, size
 
 
 _REDOWNLOAD = "the file is damaged or partly downloaded: download it again"
