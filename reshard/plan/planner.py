@@ -259,6 +259,8 @@ def spec_layer_prefixes(ctx: Context) -> tuple[str, ...]:
 
     Only layers the checkpoint holds are named (a config may announce more than it ships)."""
     n = next((int(ctx.config[k]) for k in ctx.arch.spec_layers_key if ctx.config.get(k)), 0)
+    if not n:
+        return ()  # the config announces no MTP layer: no scan of every tensor name
     first = ctx.dims.num_layers
     held = {layer for name in ctx.ckpt.tensors if (layer := ctx.arch.layer_of(name)) is not None}
     return tuple(ctx.arch.prefix(i) for i in sorted(held) if first <= i < first + n)
