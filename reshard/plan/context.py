@@ -67,6 +67,17 @@ class Context:
         self.used.add(name)
         return t
 
+    def src_each(self, names: list[str]) -> list[TensorInfo] | None:
+        """`src` of every name at once (an MoE layer's experts), marked used; None where one is
+        missing or the architecture renames checkpoint names: then `src` them one by one."""
+        if self.arch.hf_to_vllm.orig_to_new_prefix:
+            return None
+        found = list(map(self.ckpt.tensors.get, names))
+        if not all(found):
+            return None
+        self.used.update(names)
+        return found  # type: ignore[return-value]
+
     def mark_used(self, name: str) -> None:
         self.used.add(name)
 
