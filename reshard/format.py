@@ -168,76 +168,90 @@ def parse_header(
     """`read_header` on header bytes `raw` (the JSON after the 8-byte length) of a file of `size`
     bytes named `file_name`; errors name `where` (a path, or a Hub URL).
 
-    Paid in bulk (issue 28: headers of 200k tensors): the JSON parser hands each entry spelled as
-    safetensors writes it ({"dtype", "shape", "data_offsets"}, in that order) over as a tuple, not a
-    dict; entries of one dtype and shape share one checked shape tuple; and the offsets are checked
-    for holes and overlaps by following them from 0, without a sort. Whatever that fast path does not
-    accept is checked entry by entry as before (`_entry`, `_check_spans`), with the same errors."""
+    Paid in bulk (issue 28: headers of 200k to 1M tensors): the JSON parser hands each entry spelled as
+    safetensors writes it ({"dtype", "shape", "data_offsets"}, in that order) over already checked, as
+    a small tuple whose shape is shared by every entry of that dtype and shape (`_Entries`), not as
+    a dict of lists; the offsets are checked for holes and overlaps in header order when they run in
+    it, else by following them from 0, never with a sort. Whatever that fast path does not accept is
+    checked entry by entry as before (`_entry`, `_check_spans`), with the same errors."""
     path = where
     n = len(raw)
+    start = 8 + n
     try:
-        obj = json.loads(raw, object_pairs_hook=_entry_pairs)
+        obj = json.loads(raw, object_pairs_hook=_Entries(start, size).hook)
         if type(obj) is tuple:  # a header spelled like one entry: the plain object it is
-            obj = dict(zip(_ENTRY_KEYS, obj, strict=True))
+            obj = _as_object(obj)
         if not isinstance(obj, dict):
             raise ValueError("header is not a JSON object")
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise SourceError(f"{path}: corrupt safetensors header ({str(e)[:200]})", _REDOWNLOAD) from e
     meta = obj.pop("__metadata__", None) or {}
     if type(meta) is tuple:  # a __metadata__ spelled like a tensor entry: as the plain object it is
-        meta = dict(zip(_ENTRY_KEYS, meta, strict=True))
+        meta = _as_object(meta)
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SourceError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)", _REDOWNLOAD)
-    start = 8 + n
     tensors: dict[str, TensorInfo] = {}
-    shapes: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (dtype, *shape) -> the shared shape, its bytes
-    ends: dict[int, int] = {}  # begin -> end of every tensor with bytes (none begins where another does)
-    plain = True  # every entry took the fast path and no two non-empty tensors begin at one offset
+    pos = 0  # where the next tensor with bytes begins while they run back to back in header order
+    in_order = True  # every entry checked by the hook, those with bytes back to back from 0 so far
     for name, entry in obj.items():
         if type(entry) is tuple:
-            dtype, shape, offsets = entry
-            if type(shape) is list and type(offsets) is list and len(offsets) == 2:
-                begin, end = offsets
+            dtype, shape, nbytes, begin = entry
+            tensors[name] = TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
+            if nbytes and in_order:
+                in_order = begin == pos
+                pos = begin + nbytes
+            continue
+        in_order = False
+        tensors[name] = _entry(path, name, entry, start, size, file_name)
+    if not in_order:
+        _check_spans(path, tensors, start)
+    return tensors, {str(k): str(v) for k, v in meta.items()}, size
+
+
+class _Entries:
+    """json's object_pairs_hook for one header of a file of `size` bytes whose data starts at `start`:
+    an object spelled {"dtype", "shape", "data_offsets"} (in that order) that `_entry` would accept
+    becomes (dtype, shape, bytes, begin), its shape tuple shared by every entry of its dtype and
+    shape; any other object the dict json makes."""
+
+    def __init__(self, start: int, size: int) -> None:
+        self.left = size - start  # bytes of the data section
+        self.shapes: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (dtype, *shape) -> shape, its bytes
+
+    def hook(self, pairs: list[tuple[str, object]]) -> object:
+        if len(pairs) == 3:
+            (k0, dtype), (k1, shape), (k2, offsets) = pairs
+            if (
+                k0 == "dtype"
+                and k1 == "shape"
+                and k2 == "data_offsets"
+                and type(dtype) is str
+                and type(shape) is list
+                and type(offsets) is list
+                and len(offsets) == 2
+                and all(type(d) is int for d in shape)  # no bool or float: 1 == True == 1.0 as keys
+            ):
                 key = (dtype, *shape)
-                known = shapes.get(key) if all(type(d) is int for d in key[1:]) else None
-                if known is None and dtype in ITEMSIZE and all(type(d) is int and d >= 0 for d in shape):
-                    known = shapes[key] = (tuple(shape), math.prod(shape) * ITEMSIZE[dtype])
+                known = self.shapes.get(key)
+                if known is None and dtype in ITEMSIZE and all(d >= 0 for d in shape):
+                    known = self.shapes[key] = (tuple(shape), math.prod(shape) * ITEMSIZE[dtype])
+                begin, end = offsets
                 if (
                     known is not None
                     and type(begin) is int
                     and type(end) is int
                     and begin >= 0
                     and end - begin == known[1]
-                    and start + end <= size
+                    and end <= self.left
                 ):
-                    tensors[name] = TensorInfo(name, dtype, known[0], file_name, start + begin, known[1])
-                    if end > begin:
-                        plain = plain and begin not in ends
-                        ends[begin] = end
-                    continue
-            entry = dict(zip(_ENTRY_KEYS, entry, strict=True))
-        plain = False
-        tensors[name] = _entry(path, name, entry, start, size, file_name)
-    if plain:
-        pos = 0
-        while pos in ends:  # the tensors with bytes, back to back from 0: no hole, no overlap
-            pos = ends.pop(pos)
-    if not plain or ends:
-        _check_spans(path, tensors, start)
-    return tensors, {str(k): str(v) for k, v in meta.items()}, size
+                    return (dtype, known[0], known[1], begin)
+        return dict(pairs)
 
 
-_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
-
-
-def _entry_pairs(pairs: list[tuple[str, object]]) -> object:
-    """json's object_pairs_hook: an object spelled exactly {"dtype", "shape", "data_offsets"} (a
-    safetensors entry) as the tuple of its values; any other as the dict json would make."""
-    if len(pairs) == 3:
-        (k0, v0), (k1, v1), (k2, v2) = pairs
-        if k0 == "dtype" and k1 == "shape" and k2 == "data_offsets" and type(v0) is str:
-            return (v0, v1, v2)
-    return dict(pairs)
+def _as_object(entry: tuple) -> dict:
+    """The JSON object the hook made an entry tuple of."""
+    dtype, shape, nbytes, begin = entry
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
 
 
 def _entry(path: str, name: str, entry: object, start: int, size: int, file_name: str) -> TensorInfo:
