@@ -232,11 +232,8 @@ def check_unused(ctx: Context, ranges: list[tuple[int, int]], skip_prefixes: tup
         return
     arch = ctx.arch
     spec = spec_layer_prefixes(ctx) + skip_prefixes
-    extra = [
-        n
-        for n in ctx.ckpt.tensors
-        if n not in ctx.used and not any(n.endswith(s) for s in arch.ignore) and not n.startswith(spec)
-    ]
+    ignore, used = tuple(arch.ignore), ctx.used
+    extra = [n for n in ctx.ckpt.tensors if n not in used and not n.endswith(ignore) and not n.startswith(spec)]
     for prefix in skip_prefixes:
         skipped = sum(1 for n in ctx.ckpt.tensors if n.startswith(prefix))
         if skipped:
@@ -270,8 +267,7 @@ def skip_kv_scales_vllm_ignores(ctx: Context, extra: list[str]) -> set[str]:
     """KV-cache scales no attention layer took. Where vLLM 0.32 drops them at load (MLA attention has
     no KV-cache scale parameters; `quant_method: fp8` has no zero points), they are left out as vLLM
     leaves them, with a note; where it would fail or mis-load, refuse. Returns the names left out."""
-    kv = [(n, vllm_kv_name(n, fp8_config=True)) for n in extra]
-    kv = [(n, m) for n, m in kv if m is not None]
+    kv = [(n, m) for n in extra if (m := vllm_kv_name(n, fp8_config=True)) is not None]
     if not kv:
         return set()
     name, mapped = kv[0]
