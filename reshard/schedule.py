@@ -53,6 +53,8 @@ class Step:
 def schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Step]:
     """The plan's tensors in the global write order (widest dtype first, then natural name order),
     each with its reads: source rows in chunks of about `chunk_bytes`."""
+    if plan.layout_only:
+        raise AssertionError("a layout-only plan (build_plan(pieces=False)) has no pieces to write")
     with paused_gc():  # a read per source tensor, no cycle among them (reshard.bulk)
         return _schedule(plan, tensors, chunk_bytes)
 

@@ -32,6 +32,7 @@ from reshard.plan.model import (
 from reshard.plan.slicers import SLICERS
 from reshard.rules import Experts
 from reshard.rules.spec import WeightsMapper
+from reshard.schedule import schedule
 from reshard.sources import open_source
 from tests.fixtures.releases import RELEASES, cut, write_header_only
 from tests.fixtures.synthetic import QWEN3_30B_A3B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
@@ -248,3 +249,36 @@ def test_kv_scale_names_map_as_through_every_regex(monkeypatch):
             slow = [kvscales.vllm_kv_name(n, fp8_config=fp8) for n in names]
         assert fast == slow
         assert sum(x is not None for x in fast) > 20
+
+
+def stripped(plan) -> list:
+    """Everything `reshard plan` shows of a plan: files, tensor names, dtypes, shapes; notes, layout."""
+    files = [
+        (f.name, f.tp_rank, f.pp_rank, f.part, [(t.name, t.dtype, t.shape) for t in f.tensors]) for f in plan.files
+    ]
+    return [files, plan.layout, plan.notes, plan.config_patch, plan.serve_flags, plan.total_bytes]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp8", "tp8-ep", "tp2-pp2", "tp4-trtllm"])
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_layout_only_plans_are_the_plans_without_pieces(name, layout):
+    if name.endswith("fp8") and layout.endswith("trtllm"):
+        pytest.skip("block FP8 experts pad by whole blocks only with FP8 backends")
+    ckpt = synthetic_checkpoint(SYNTHETIC[name], files=3)
+    full = build_plan(ckpt, LAYOUTS[layout])
+    only = build_plan(ckpt, LAYOUTS[layout], pieces=False)
+    assert only.layout_only and not full.layout_only
+    assert stripped(only) == stripped(full)
+    assert sum(len(t.pieces) for f in only.files for t in f.tensors) < sum(
+        len(t.pieces) for f in full.files for t in f.tensors
+    )
+    with pytest.raises(AssertionError, match="layout-only"):
+        schedule(only, ckpt.tensors, 1 << 20)
+
+
+@pytest.mark.parametrize("release", ["kimi-k2", "kimi-k2-thinking"])
+def test_layout_only_release_plans_are_the_plans_without_pieces(tmp_path, release):
+    folder = write_header_only(tmp_path / release, cut(RELEASES[release], 2))
+    ckpt = open_source(str(folder)).checkpoint
+    for layout in (Layout(tp=8), Layout(tp=8, ep=True)):
+        assert stripped(build_plan(ckpt, layout, pieces=False)) == stripped(build_plan(ckpt, layout))

@@ -33,6 +33,7 @@ class Context:
         self.moe_backend = moe_backend  # vLLM's --moe-backend (reshard.plan.backends)
         self.moe_pin: str | None = None  # what the serve line must pin, set by the experts
         self.used: set[str] = set()
+        self.pieces = True  # False: the layout only, without the experts' weight pieces (build_plan)
         # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
         # ships its own lm_head; the sharded loader does not, so the output config must say so.
         untie = bool(self.config.get("tie_word_embeddings", arch.tie_default)) and any(

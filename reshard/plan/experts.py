@@ -40,9 +40,11 @@ def experts(ctx: Context, m: Experts, prefix: str, per_tp: list[list[OutTensor]]
     for r in range(ctx.tp):
         local = split.experts(r)
         start, size = split.real(r)
-        # every expert's pieces of this rank at once, their bounds shared (issue 28)
-        w13 = padded_rows_each(gate_up[2 * local.start : 2 * local.stop], start, size, width, hidden // pk, 0.0)
-        w2 = padded_cols_each(down[local.start : local.stop], hidden, start // pk, size // pk, width // pk, 0.0)
+        # every expert's pieces of this rank at once, their bounds shared (issue 28); none for the layout alone
+        w13 = w2 = ()
+        if ctx.pieces:
+            w13 = padded_rows_each(gate_up[2 * local.start : 2 * local.stop], start, size, width, hidden // pk, 0.0)
+            w2 = padded_cols_each(down[local.start : local.stop], hidden, start // pk, size // pk, width // pk, 0.0)
         n = len(local)
         per_tp[r].append(OutTensor(f"{split.target}.w13_{param}", wdtype, (n, 2 * width, hidden // pk), w13))
         per_tp[r].append(OutTensor(f"{split.target}.w2_{param}", wdtype, (n, hidden, width // pk), w2))

@@ -131,6 +131,7 @@ class Plan:
     config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
     serve_flags: tuple[str, ...] = ()  # other flags the layout needs (`--language-model-only`)
     remote_code: RemoteCode = field(default_factory=RemoteCode)  # --trust-remote-code or what is dropped
+    layout_only: bool = False  # `build_plan(pieces=False)`: the experts' weights have no pieces; nothing to write
 
     @property
     def pattern(self) -> str:

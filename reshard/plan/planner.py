@@ -30,6 +30,7 @@ def build_plan(
     *,
     max_part_size: int = DEFAULT_MAX_PART,
     trust_remote_code: bool | None = None,
+    pieces: bool = True,
 ) -> Plan:
     """Plan every rank's files for vLLM's sharded_state loader.
 
@@ -43,6 +44,10 @@ def build_plan(
         trust_remote_code: `--trust-remote-code` (plan.remote): True copies the checkpoint's code and
             trusts it in the serve line; False drops config.json's auto_map and the code, and refuses a
             tokenizer that needs its code; None (re-planning a written output): neither.
+        pieces: False plans the layout alone (`reshard plan`): every check, file, tensor, dtype and
+            shape as with True, but the routed experts' weights without their pieces (the map of
+            which source bytes make them: an MoE's hundreds of thousands of slices, issue 28). Such a
+            plan (`layout_only`) cannot be written.
 
     Returns the plan, whose `layout` is `layout` resolved: dtype, partition, quantization and the
     MoE backend the serve line must pin.
@@ -52,10 +57,12 @@ def build_plan(
         SourceError: a tensor the rules need is missing, or has the wrong shape.
     """
     with paused_gc():  # hundreds of thousands of pieces, no cycle among them (reshard.bulk)
-        return _build_plan(ckpt, layout, max_part_size, trust_remote_code)
+        return _build_plan(ckpt, layout, max_part_size, trust_remote_code, pieces)
 
 
-def _build_plan(ckpt: Checkpoint, layout: Layout, max_part_size: int, trust_remote_code: bool | None) -> Plan:
+def _build_plan(
+    ckpt: Checkpoint, layout: Layout, max_part_size: int, trust_remote_code: bool | None, pieces: bool
+) -> Plan:
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     arch_name, arch = get_architecture(ckpt.config)
     arch, platform = for_platform(
@@ -71,6 +78,7 @@ def _build_plan(ckpt: Checkpoint, layout: Layout, max_part_size: int, trust_remo
         dtype=model_dtype(arch.text(ckpt.config), layout.dtype),
         moe_backend=check_backend(layout.moe_backend),
     )
+    ctx.pieces = pieces
     if ep and not ctx.dims.num_experts:
         raise UnsupportedError(
             f"--ep is vLLM's expert-parallel layout, and this {arch_name} has no experts",
@@ -105,6 +113,7 @@ def _build_plan(ckpt: Checkpoint, layout: Layout, max_part_size: int, trust_remo
         + layout.mm_flags()
         + tower_pins(arch, layout),
         remote_code=code,
+        layout_only=not pieces,
     )
 
 
