@@ -16,9 +16,12 @@ from dataclasses import fields
 import pytest
 
 from reshard.errors import SourceError, UnsupportedError
+from reshard.format import TensorInfo
 from reshard.layout import Layout
-from reshard.plan import build_plan, experts, kvscales, model
+from reshard.plan import build_plan, experts, kvscales, model, quant
 from reshard.plan.context import Context
+from reshard.plan.expertblocks import RankScales, moe_block
+from reshard.plan.geometry import MoeSplit, Sources, cdiv
 from reshard.plan.model import (
     Fill,
     OutTensor,
@@ -89,6 +92,57 @@ def old_weights(ctx, split, scheme):
     return out
 
 
+def old_block_expert_scales(
+    block: tuple[int, int], refines: bool, scale_name: str, sources: Sources, split: MoeSplit
+) -> RankScales:
+    """reshard.plan.expertblocks.block_expert_scales before issue 28 (verbatim, but for the imports)."""
+    (bn, bk), upf = moe_block(block, refines, sources, split)
+    up = upf if upf != (1, 1) else None
+    width = split.width
+    nr13, nc13 = cdiv(width, bn), cdiv(split.hidden, bk)
+    nr2, nc2 = cdiv(split.hidden, bn), cdiv(width, bk)
+    g13 = (cdiv(split.inter, bn), nc13)  # the checkpoint's grids
+    g2 = (nr2, cdiv(split.inter, bk))
+    gate, up_proj, down = split.names
+    s13: list[tuple[TensorInfo, TensorInfo]] = []
+    s2: list[TensorInfo] = []
+    for e in range(split.num):
+        pair = (split.tensor(sources, e, gate, scale_name), split.tensor(sources, e, up_proj, scale_name))
+        s = split.tensor(sources, e, down, scale_name)
+        if split.blocked:
+            bad = [t for t, g in ((pair[0], g13), (pair[1], g13), (s, g2)) if t.shape != g]
+        else:
+            bad = [t for t in pair if (t.shape[0] * upf[0]) // split.moe_tp != nr13 or t.shape[1] * upf[1] != nc13]
+            if (s.shape[1] * upf[1]) // split.moe_tp != nc2 or s.shape[0] * upf[0] != nr2:
+                bad.append(s)
+        if bad:
+            raise UnsupportedError(f"{bad[0].name}: FP8 block scales do not tile this split")
+        s13.append(pair)
+        s2.append(s)
+
+    def rank(r: int) -> list[OutTensor]:
+        experts = split.experts(r)
+        start, size = split.real(r)
+        if split.blocked:  # whole blocks: start and size are multiples of the block
+            r13, n13 = start // bn, size // bn
+            c2, n2 = start // bk, size // bk
+            p13 = tuple(p for e in experts for s in s13[e] for p in padded_rows(s.name, r13, n13, nr13, nc13, 1.0))
+            p2 = tuple(padded_cols(s2[e].name, nr2, c2, n2, nc2, 1.0) for e in experts)
+        else:
+            r13, c2 = nr13 * split.shard(r), nc2 * split.shard(r)
+            b13 = ((r13, 0), (r13 + nr13, nc13))  # bounds shared by every expert
+            b2 = ((0, c2), (nr2, c2 + nc2))
+            p13 = tuple(Slice(s.name, *b13, up) for e in experts for s in s13[e])
+            p2 = tuple(Slice(s2[e].name, *b2, up) for e in experts)
+        n = len(experts)
+        return [
+            OutTensor(f"{split.target}.w13_{scale_name}", "F32", (n, 2 * nr13, nc13), p13),
+            OutTensor(f"{split.target}.w2_{scale_name}", "F32", (n, nr2, nc2), p2),
+        ]
+
+    return rank
+
+
 def one_by_one(monkeypatch) -> None:
     """The straightforward path: the experts planned as before (a dataclass per piece, one padded_rows /
     padded_cols and one `src` per expert), every other piece built by the dataclass, every name through
@@ -102,9 +156,12 @@ def one_by_one(monkeypatch) -> None:
         return tuple(dict.fromkeys(found))
 
     monkeypatch.setitem(SLICERS, Experts, old_experts)
-    monkeypatch.setattr(model, "slices", lambda names, start, stop, up=None, pad=None, fill=0.0: [
-        Slice(n, start, stop, up, pad, fill) for n in names
-    ])  # fmt: skip
+
+    def one_each(names, start, stop, up=None, pad=None, fill=0.0):
+        return [Slice(n, start, stop, up, pad, fill) for n in names]
+
+    monkeypatch.setattr(model, "slices", one_each)
+    monkeypatch.setattr(quant, "block_expert_scales", old_block_expert_scales)
     monkeypatch.setattr(Context, "src_each", lambda self, names: None)
     monkeypatch.setattr(kvscales, "KV_ENDINGS", ("",))
     monkeypatch.setattr(WeightsMapper, "hf_names", hf_names)
