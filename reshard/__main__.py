@@ -15,7 +15,10 @@ def run() -> None:
         import signal
 
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
+        from reshard.bulk import as_command
         from reshard.cli import main
+
+        as_command()  # this process is reshard's own: its metadata may be frozen (reshard.bulk)
     except KeyboardInterrupt:
         print(
             "reshard: error: interrupted; nothing was published and a previous output is unchanged",

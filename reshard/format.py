@@ -166,52 +166,128 @@ def parse_header(
     raw: bytes, size: int, where: str, file_name: str
 ) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
     """`read_header` on header bytes `raw` (the JSON after the 8-byte length) of a file of `size`
-    bytes named `file_name`; errors name `where` (a path, or a Hub URL)."""
+    bytes named `file_name`; errors name `where` (a path, or a Hub URL).
+
+    Paid in bulk (issue 28: headers of 200k to 1M tensors): the JSON parser hands each entry spelled as
+    safetensors writes it ({"dtype", "shape", "data_offsets"}, in that order) over already checked, as
+    a small tuple whose shape is shared by every entry of that dtype and shape (`_Entries`), not as
+    a dict of lists; the offsets are checked for holes and overlaps in header order when they run in
+    it, else by following them from 0, never with a sort. Whatever that fast path does not accept is
+    checked entry by entry as before (`_entry`, `_check_spans`), with the same errors."""
     path = where
     n = len(raw)
+    start = 8 + n
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, object_pairs_hook=_Entries(start, size).hook)
+        if type(obj) is tuple:  # a header spelled like one entry: the plain object it is
+            obj = _as_object(obj)
         if not isinstance(obj, dict):
             raise ValueError("header is not a JSON object")
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise SourceError(f"{path}: corrupt safetensors header ({str(e)[:200]})", _REDOWNLOAD) from e
     meta = obj.pop("__metadata__", None) or {}
+    if type(meta) is tuple:  # a __metadata__ spelled like a tensor entry: as the plain object it is
+        meta = _as_object(meta)
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SourceError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)", _REDOWNLOAD)
-    start = 8 + n
     tensors: dict[str, TensorInfo] = {}
-    spans = []
+    pos = 0  # where the next tensor with bytes begins while they run back to back in header order
+    in_order = True  # every entry checked by the hook, those with bytes back to back from 0 so far
     for name, entry in obj.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            if not isinstance(dtype, str) or not all(_is_int(x) for x in (*shape, begin, end)):
-                raise TypeError("dtype must be a string, shape and data_offsets integers")
-        except (KeyError, TypeError, ValueError) as e:
-            raise SourceError(f"{path}: corrupt header entry for {name!r}", _REDOWNLOAD) from e
-        if any(d < 0 for d in shape):
-            raise SourceError(f"{path}: tensor {name!r} has a negative dimension {list(shape)}", _REDOWNLOAD)
-        if dtype not in ITEMSIZE:
-            raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        if end - begin != nbytes or begin < 0:
-            raise SourceError(
-                f"{path}: tensor {name!r} spans {end - begin} bytes but its shape needs {nbytes}",
-                _REDOWNLOAD,
-            )
-        if start + end > size:
-            raise SourceError(
-                f"{path}: truncated: tensor {name!r} ends at byte {start + end}, file has {size}",
-                _REDOWNLOAD,
-            )
-        tensors[name] = TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
-        spans.append((begin, end, name))
-    spans.sort()
+        if type(entry) is tuple:
+            dtype, shape, nbytes, begin = entry
+            tensors[name] = TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
+            if nbytes and in_order:
+                in_order = begin == pos
+                pos = begin + nbytes
+            continue
+        in_order = False
+        tensors[name] = _entry(path, name, entry, start, size, file_name)
+    if not in_order:
+        _check_spans(path, tensors, start)
+    return tensors, {str(k): str(v) for k, v in meta.items()}, size
+
+
+class _Entries:
+    """json's object_pairs_hook for one header of a file of `size` bytes whose data starts at `start`:
+    an object spelled {"dtype", "shape", "data_offsets"} (in that order) that `_entry` would accept
+    becomes (dtype, shape, bytes, begin), its shape tuple shared by every entry of its dtype and
+    shape; any other object the dict json makes."""
+
+    def __init__(self, start: int, size: int) -> None:
+        self.left = size - start  # bytes of the data section
+        self.shapes: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (dtype, *shape) -> shape, its bytes
+
+    def hook(self, pairs: list[tuple[str, object]]) -> object:
+        if len(pairs) == 3:
+            (k0, dtype), (k1, shape), (k2, offsets) = pairs
+            if (
+                k0 == "dtype"
+                and k1 == "shape"
+                and k2 == "data_offsets"
+                and type(dtype) is str
+                and type(shape) is list
+                and type(offsets) is list
+                and len(offsets) == 2
+                and all(type(d) is int for d in shape)  # no bool or float: 1 == True == 1.0 as keys
+            ):
+                key = (dtype, *shape)
+                known = self.shapes.get(key)
+                if known is None and dtype in ITEMSIZE and all(d >= 0 for d in shape):
+                    known = self.shapes[key] = (tuple(shape), math.prod(shape) * ITEMSIZE[dtype])
+                begin, end = offsets
+                if (
+                    known is not None
+                    and type(begin) is int
+                    and type(end) is int
+                    and begin >= 0
+                    and end - begin == known[1]
+                    and end <= self.left
+                ):
+                    return (dtype, known[0], known[1], begin)
+        return dict(pairs)
+
+
+def _as_object(entry: tuple) -> dict:
+    """The JSON object the hook made an entry tuple of."""
+    dtype, shape, nbytes, begin = entry
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, begin + nbytes]}
+
+
+def _entry(path: str, name: str, entry: object, start: int, size: int, file_name: str) -> TensorInfo:
+    """One header entry checked on its own (every shape of entry the format does not write)."""
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]  # type: ignore[index]
+        if not isinstance(dtype, str) or not all(_is_int(x) for x in (*shape, begin, end)):
+            raise TypeError("dtype must be a string, shape and data_offsets integers")
+    except (KeyError, TypeError, ValueError) as e:
+        raise SourceError(f"{path}: corrupt header entry for {name!r}", _REDOWNLOAD) from e
+    if any(d < 0 for d in shape):
+        raise SourceError(f"{path}: tensor {name!r} has a negative dimension {list(shape)}", _REDOWNLOAD)
+    if dtype not in ITEMSIZE:
+        raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    if end - begin != nbytes or begin < 0:
+        raise SourceError(
+            f"{path}: tensor {name!r} spans {end - begin} bytes but its shape needs {nbytes}",
+            _REDOWNLOAD,
+        )
+    if start + end > size:
+        raise SourceError(
+            f"{path}: truncated: tensor {name!r} ends at byte {start + end}, file has {size}",
+            _REDOWNLOAD,
+        )
+    return TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
+
+
+def _check_spans(path: str, tensors: dict[str, TensorInfo], start: int) -> None:
+    """No tensor overlaps another or leaves a hole before it (the first one in offset order named)."""
+    spans = sorted((t.offset - start, t.offset - start + t.nbytes, name) for name, t in tensors.items())
     pos = 0
     for begin, end, name in spans:
         if begin != pos and end > begin:
             raise SourceError(f"{path}: tensor {name!r} overlaps or leaves a hole", _REDOWNLOAD)
         pos = max(pos, end)
-    return tensors, {str(k): str(v) for k, v in meta.items()}, size
 
 
 _REDOWNLOAD = "the file is damaged or partly downloaded: download it again"

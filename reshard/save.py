@@ -163,7 +163,8 @@ def _source_tensors(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The source headers as the original checkpoint had them, also when re-sharding an output."""
     if ckpt.manifest is not None and ckpt.manifest.source_tensors is not None:
         return ckpt.manifest.source_tensors
-    return {n: (t.dtype, tuple(t.shape)) for n, t in sorted(ckpt.tensors.items())}
+    tensors = ckpt.tensors
+    return {n: (tensors[n].dtype, tuple(tensors[n].shape)) for n in sorted(tensors)}  # names are unique
 
 
 def _manifest(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from reshard.bulk import paused_gc
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.io.writer import page_aligned_header
 from reshard.plan import Cols, OutFile, OutTensor, Plan, Slice, natural_key
@@ -52,6 +53,13 @@ class Step:
 def schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Step]:
     """The plan's tensors in the global write order (widest dtype first, then natural name order),
     each with its reads: source rows in chunks of about `chunk_bytes`."""
+    if plan.layout_only:
+        raise AssertionError("a layout-only plan (build_plan(pieces=False)) has no pieces to write")
+    with paused_gc():  # a read per source tensor, no cycle among them (reshard.bulk)
+        return _schedule(plan, tensors, chunk_bytes)
+
+
+def _schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Step]:
     slots: dict[str, list[tuple[OutFile, OutTensor]]] = {}
     last: dict[str, str] = {}  # file -> name of its last tensor
     for f in plan.files:
@@ -75,11 +83,10 @@ def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: in
     """The reads that make one tensor name's copies (`out`): one pass over each source in row
     chunks, or, where the pieces' order does not allow that, one read per piece. The block scales of
     FP8 sources it dequantises come first, whole."""
-    scales = dict.fromkeys(p.scale for t in out for p in t.pieces if isinstance(p, Slice) and p.scale)
+    scales, sources, streamable = _survey(out)
     for name in scales:
         yield Read(tensors[name], 0, tensors[name].nbytes, None, scale=True)
-    sources = _sources(out)
-    if not _streamable(out, list(sources)):
+    if not streamable:
         for h, t in enumerate(out):
             for i, p in enumerate(t.pieces):
                 for q in p.parts if isinstance(p, Cols) else (p,) if isinstance(p, Slice) else ():
@@ -106,36 +113,68 @@ def _rows(info: TensorInfo, r0: int, r1: int, piece: tuple[int, int] | None = No
     return Read(info, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1), piece)
 
 
-def _sources(tensors: list[OutTensor]) -> dict[str, tuple[bool, int, int]]:
-    """Source tensors of these pieces in order of first use: whether a piece up-samples it, and
-    the span of its rows the pieces use."""
-    out: dict[str, tuple[bool, int, int]] = {}
-    for t in tensors:
-        for p in (q for x in t.pieces for q in (x.parts if isinstance(x, Cols) else (x,))):
-            if isinstance(p, Slice):
-                (a, *_), (b, *_) = bounds(p)
-                up, lo, hi = out.get(p.source, (False, a, b))
-                out[p.source] = (up or bool(p.up), min(lo, a), max(hi, b))
-    return out
+Sources = dict[str, tuple[bool, int, int]]
 
 
-def _streamable(tensors: list[OutTensor], sources: list[str]) -> bool:
-    """Can one pass over each source, in order, emit every tensor's pieces in order?"""
-    rank = {s: i for i, s in enumerate(sources)}
+def _survey(tensors: list[OutTensor]) -> tuple[dict[str, None], Sources, bool]:
+    """One pass over one name's pieces (issue 28: an MoE layer's name has thousands per rank):
+
+    - the block-scale tensors its FP8 slices dequantise with, in order of first use;
+    - its source tensors in order of first use: whether a piece up-samples one, and the span of its
+      rows the pieces use;
+    - whether one pass over each source, in that order, can emit every tensor's pieces in order: no
+      side-by-side parts (each from its own read), no transpose of the source's rows or strided rows
+      (each piece from its own read, whole), no source used before one used earlier, no rows read
+      again unless the same single row of the previous piece (`Slice.row_of`).
+    """
+    scales: dict[str, None] = {}
+    sources: Sources = {}
+    rank: dict[str, int] = {}
+    streamable = True
     for t in tensors:
-        if any(isinstance(p, Cols) for p in t.pieces):
-            return False  # side-by-side parts: each from its own read
         prev: Slice | None = None
-        for p in (p for p in t.pieces if isinstance(p, Slice)):
-            if p.perm and p.perm[0] != 0:
-                return False  # a transpose of the source's rows: each piece from its own read, whole
-            if p.step > 1 or (prev is not None and rank[p.source] < rank[prev.source]):
-                return False  # strided rows (each piece from its own read), or sources out of order
-            back = prev is not None and p.source == prev.source and (p.up or bounds(p)[0][0] < bounds(prev)[1][0])
-            if back and not p.row_of(prev):
-                return False
-            prev = p
-    return True
+        prev_end = 0  # the previous slice's last row + 1
+        for x in t.pieces:
+            if not isinstance(x, Slice):
+                if isinstance(x, Cols):
+                    streamable = False
+                    for q in x.parts:
+                        _use(sources, rank, q)
+                continue
+            if x.scale:
+                scales[x.scale] = None
+            start, stop, s = x.start, x.stop, x.source  # `_use`, inline: once per piece of every rank
+            a, b = (start[0], stop[0]) if start else (0, 1)
+            got = sources.get(s)
+            if got is None:
+                rank[s] = len(rank)
+                sources[s] = (bool(x.up), a, b)
+            else:
+                up, lo, hi = got
+                sources[s] = (up or bool(x.up), lo if lo < a else a, hi if hi > b else b)
+            if streamable:
+                if (x.perm and x.perm[0] != 0) or x.step > 1:
+                    streamable = False
+                elif prev is not None:
+                    back = x.source == prev.source and (x.up or a < prev_end) and not x.row_of(prev)
+                    streamable = not back and rank[x.source] >= rank[prev.source]
+            prev, prev_end = x, b
+    return scales, sources, streamable
+
+
+def _use(sources: Sources, rank: dict[str, int], p: Slice) -> tuple[int, int]:
+    """Count slice `p`'s rows into its source's span; its first row and last row + 1."""
+    start, stop = p.start, p.stop
+    a, b = (start[0], stop[0]) if start else (0, 1)
+    s = p.source
+    got = sources.get(s)
+    if got is None:
+        rank[s] = len(rank)
+        sources[s] = (bool(p.up), a, b)
+    else:
+        up, lo, hi = got
+        sources[s] = (up or bool(p.up), lo if lo < a else a, hi if hi > b else b)
+    return a, b
 
 
 def shape_of(t: TensorInfo) -> tuple[int, ...]:

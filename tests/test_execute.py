@@ -25,7 +25,8 @@ CASES = [
 def test_read_per_piece_equals_one_pass(tiny, tmp_path, monkeypatch, arch, tp, ep):
     src = tiny(arch)
     streamed = save(str(src), tmp_path / "a", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)
-    monkeypatch.setattr(schedule, "_streamable", lambda tensors, sources: False)
+    survey = schedule._survey
+    monkeypatch.setattr(schedule, "_survey", lambda tensors: (*survey(tensors)[:2], False))  # not streamable
     steps = schedule.schedule(streamed.plan, open_source(str(src)).checkpoint.tensors, 1000)
     assert all(r.piece is not None for s in steps for r in s.reads)
     save(str(src), tmp_path / "b", tp=tp, ep=ep, max_part_size=DEFAULT_MAX_PART, chunk_bytes=1000)

@@ -31,7 +31,7 @@ def plan_cmd(source, layout, revision, show_tensors, out_dir, trust_remote_code,
     from reshard.sources import open_source
 
     ckpt = open_source(source, revision, headers_only=True).checkpoint
-    plan = build_plan(ckpt, layout, trust_remote_code=trust_remote_code)
+    plan = build_plan(ckpt, layout, trust_remote_code=trust_remote_code, pieces=False)  # shows no piece
     summary = plan.summary()
     summary["serve"] = plan.serve_command(out_dir)
     summary["serve_reshard"] = plan.serve_command(out_dir, load_format=PLUGIN_LOAD_FORMAT)

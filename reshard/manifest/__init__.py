@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS, __version__
+from reshard.bulk import paused_gc
 from reshard.errors import CorruptError, OutputError
 from reshard.format import fsync_dir, open_regular
 from reshard.hashing import hash_file
@@ -26,6 +27,7 @@ from reshard.manifest.schema import (
     TensorRecord,
     parse,
 )
+from reshard.manifest.text import manifest_text
 from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB
 from reshard.serve import PLUGIN_LOAD_FORMAT
 
@@ -120,8 +122,10 @@ def write_manifest(out_dir: Path, manifest: Manifest, name: str = MANIFEST) -> P
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
-    """The manifest as written to a file or an object."""
-    return (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
+    """The manifest as written to a file or an object: `json.dumps(manifest.to_json(), indent=1)` and a
+    line break, its tensors formatted in bulk (reshard.manifest.text)."""
+    with paused_gc():
+        return (manifest_text(manifest) + "\n").encode()
 
 
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)

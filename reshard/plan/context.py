@@ -33,6 +33,7 @@ class Context:
         self.moe_backend = moe_backend  # vLLM's --moe-backend (reshard.plan.backends)
         self.moe_pin: str | None = None  # what the serve line must pin, set by the experts
         self.used: set[str] = set()
+        self.pieces = True  # False: the layout only, without the experts' weight pieces (build_plan)
         # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
         # ships its own lm_head; the sharded loader does not, so the output config must say so.
         untie = bool(self.config.get("tie_word_embeddings", arch.tie_default)) and any(
@@ -66,6 +67,17 @@ class Context:
             )
         self.used.add(name)
         return t
+
+    def src_each(self, names: list[str]) -> list[TensorInfo] | None:
+        """`src` of every name at once (an MoE layer's experts), marked used; None where one is
+        missing or the architecture renames checkpoint names: then `src` them one by one."""
+        if self.arch.hf_to_vllm.orig_to_new_prefix:
+            return None
+        found = list(map(self.ckpt.tensors.get, names))
+        if not all(found):
+            return None
+        self.used.update(names)
+        return found  # type: ignore[return-value]
 
     def mark_used(self, name: str) -> None:
         self.used.add(name)

@@ -16,7 +16,7 @@ from reshard.errors import UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan.backends import refined_block
 from reshard.plan.geometry import MoeSplit, Sources, cdiv
-from reshard.plan.model import OutTensor, Slice, padded_cols, padded_rows
+from reshard.plan.model import OutTensor, padded_cols, padded_rows, slices
 
 # per rank: the scale tensors of an MoE layer's experts on that rank
 RankScales = Callable[[int], list[OutTensor]]
@@ -87,8 +87,8 @@ def block_expert_scales(
             r13, c2 = nr13 * split.shard(r), nc2 * split.shard(r)
             b13 = ((r13, 0), (r13 + nr13, nc13))  # bounds shared by every expert
             b2 = ((0, c2), (nr2, c2 + nc2))
-            p13 = tuple(Slice(s.name, *b13, up) for e in experts for s in s13[e])
-            p2 = tuple(Slice(s2[e].name, *b2, up) for e in experts)
+            p13 = tuple(slices([s.name for e in experts for s in s13[e]], *b13, up))  # in bulk (issue 28)
+            p2 = tuple(slices([s2[e].name for e in experts], *b2, up))
         n = len(experts)
         return [
             OutTensor(f"{split.target}.w13_{scale_name}", "F32", (n, 2 * nr13, nc13), p13),

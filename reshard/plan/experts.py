@@ -15,7 +15,7 @@ from reshard.format import TensorInfo
 from reshard.plan import backends, nvfp4
 from reshard.plan.context import Context
 from reshard.plan.geometry import MoeSplit, divisors
-from reshard.plan.model import OutTensor, padded_cols, padded_rows
+from reshard.plan.model import OutTensor, padded_cols_each, padded_rows_each
 from reshard.plan.quant import Quant
 from reshard.rules import Experts
 
@@ -35,13 +35,16 @@ def experts(ctx: Context, m: Experts, prefix: str, per_tp: list[list[OutTensor]]
     wdtype = scheme.weight_dtype if scheme else ctx.dtype
     param, pk = (scheme.weight_param, scheme.pack) if scheme else ("weight", 1)  # packed along the input dim
     width, hidden = split.width, split.hidden
+    gate_up = [w.name for g, u, _ in weights for w in (g, u)]
+    down = [dn.name for _, _, dn in weights]
     for r in range(ctx.tp):
         local = split.experts(r)
         start, size = split.real(r)
-        w13 = tuple(
-            p for e in local for w in weights[e][:2] for p in padded_rows(w.name, start, size, width, hidden // pk, 0.0)
-        )
-        w2 = tuple(padded_cols(weights[e][2].name, hidden, start // pk, size // pk, width // pk, 0.0) for e in local)
+        # every expert's pieces of this rank at once, their bounds shared (issue 28); none for the layout alone
+        w13 = w2 = ()
+        if ctx.pieces:
+            w13 = padded_rows_each(gate_up[2 * local.start : 2 * local.stop], start, size, width, hidden // pk, 0.0)
+            w2 = padded_cols_each(down[local.start : local.stop], hidden, start // pk, size // pk, width // pk, 0.0)
         n = len(local)
         per_tp[r].append(OutTensor(f"{split.target}.w13_{param}", wdtype, (n, 2 * width, hidden // pk), w13))
         per_tp[r].append(OutTensor(f"{split.target}.w2_{param}", wdtype, (n, hidden, width // pk), w2))
@@ -128,11 +131,12 @@ def _weights(ctx: Context, split: MoeSplit, scheme: Quant | None) -> list[tuple[
             f"packed {pk} to an int32",
             "use --ep, or a smaller --tp",
         )
-    gate, up, down = split.names
+    found = split.tensors(ctx, split.names, param)  # in bulk (issue 28); None: one by one, as their errors say
+    shapes = ((inter, hidden // pk), (inter, hidden // pk), (hidden, inter // pk))
     out = []
     for e in range(split.num):
-        g, u, dn = (split.tensor(ctx, e, proj, param) for proj in (gate, up, down))
-        for w, shape in ((g, (inter, hidden // pk)), (u, (inter, hidden // pk)), (dn, (hidden, inter // pk))):
+        g, u, dn = found[e] if found is not None else (split.tensor(ctx, e, proj, param) for proj in split.names)
+        for w, shape in zip((g, u, dn), shapes, strict=True):
             if w.shape != shape:
                 raise SourceError(f"{w.name} has shape {list(w.shape)}, expected {list(shape)}")
             if scheme:

@@ -18,6 +18,10 @@ class Sources(Protocol):
         """The source tensor `name`, marked used; SourceError naming `why` when it is missing."""
         ...
 
+    def src_each(self, names: list[str]) -> list[TensorInfo] | None:
+        """`src` of every name at once, or None (then `src` them one by one: its errors)."""
+        ...
+
     def mark_used(self, name: str) -> None:
         """A source tensor vLLM reads and drops: not an unexpected one."""
         ...
@@ -110,6 +114,17 @@ class MoeSplit:
 
     def tensor(self, sources: Sources, e: int, proj: str, param: str) -> TensorInfo:
         return sources.src(f"{self.base}.{e}.{proj}.{param}", f"{self.target} (expert {e})")
+
+    def tensors(self, sources: Sources, projs: tuple[str, ...], param: str) -> list[tuple[TensorInfo, ...]] | None:
+        """Per expert, its `param` tensor of each of `projs`, looked up in bulk; None where the sources
+        cannot (one is missing: the caller's `tensor` by `tensor` loop says which, as before)."""
+        found = []
+        for proj in projs:
+            got = sources.src_each([f"{self.base}.{e}.{proj}.{param}" for e in range(self.num)])
+            if got is None:
+                return None
+            found.append(got)
+        return list(zip(*found, strict=True))
 
     @property
     def moe_tp(self) -> int:

@@ -44,12 +44,18 @@ FP8_CACHE_SCALE_SUFFIX: dict[str, str] = {
 
 # the attention layer's KV-cache method parameters a checkpoint tensor can be loaded into
 KV_PARAMS = ("k_scale", "v_scale", "q_scale", "prob_scale", "k_zero_point", "v_zero_point", "q_zero_point")
+# How every name that can be one of them ends: each regex and suffix above matches only at such an end,
+# and a name none renames is one only when it ends in a KV_PARAMS name (issue 28: the regexes are
+# applied to the few tensors so named, not to each of 200k)
+KV_ENDINGS = ("_scale", ".scale", "_zero_point")
 
 
 def vllm_kv_name(name: str, *, fp8_config: bool) -> str | None:
     """The vLLM parameter checkpoint tensor `name` is loaded into, when it is a KV-cache scale
     (`model.layers.0.self_attn.k_proj.k_scale` -> `model.layers.0.self_attn.attn.k_scale`); None
     for any other tensor. `fp8_config`: the checkpoint is `quant_method: fp8` (Fp8Config)."""
+    if not name.endswith(KV_ENDINGS):
+        return None  # no regex or suffix above renames it, and it names no KV-cache parameter as it is
     key = name
     for pattern, new in CACHE_SCALE_REGEX:
         if pattern.search(key):

@@ -8,7 +8,8 @@ padding rows, attention buffers). Nothing here reads a byte or imports torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 from reshard import __version__, names, serve
 from reshard.errors import SourceError
@@ -130,6 +131,7 @@ class Plan:
     config_patch: dict = field(default_factory=dict)  # keys to change in the copied config.json
     serve_flags: tuple[str, ...] = ()  # other flags the layout needs (`--language-model-only`)
     remote_code: RemoteCode = field(default_factory=RemoteCode)  # --trust-remote-code or what is dropped
+    layout_only: bool = False  # `build_plan(pieces=False)`: the experts' weights have no pieces; nothing to write
 
     @property
     def pattern(self) -> str:
@@ -211,6 +213,66 @@ def padded_cols(name: str, rows_: int, start: int, size: int, width: int, fill: 
         return Fill(fill, rows_ * width)
     pad = (rows_, width) if width > size else None
     return Slice(name, (0, start), (rows_, start + size), pad=pad, fill=fill)
+
+
+# ---- an MoE layer's experts in bulk (issue 28: hundreds of thousands of pieces) --------------------
+
+
+def padded_rows_each(
+    names: Sequence[str], start: int, size: int, width: int, cols: int, fill: float
+) -> tuple[Piece, ...]:
+    """`padded_rows` of each of `names` in turn (every expert's rows of one rank), the bounds and
+    the fill shared by all."""
+    tail = (Fill(fill, (width - size) * cols),) if width > size else ()
+    if not size:
+        return tail * len(names)
+    pieces = slices(names, (start, 0), (start + size, cols))
+    return tuple(pieces) if not tail else tuple(x for p in pieces for x in (p, *tail))
+
+
+def padded_cols_each(
+    names: Sequence[str], rows_: int, start: int, size: int, width: int, fill: float
+) -> tuple[Piece, ...]:
+    """`padded_cols` of each of `names` in turn, the bounds shared by all."""
+    if not size:
+        return (Fill(fill, rows_ * width),) * len(names)
+    pad = (rows_, width) if width > size else None
+    return tuple(slices(names, (0, start), (rows_, start + size), pad=pad, fill=fill))
+
+
+_SLICE_FIELDS = ("source", "start", "stop", "up", "pad", "fill", "perm", "step", "scale")
+if tuple(f.name for f in fields(Slice)) != _SLICE_FIELDS:
+    raise AssertionError("Slice's fields changed: update `slices`")
+_SET = tuple(Slice.__dict__[f].__set__ for f in _SLICE_FIELDS)  # the slots, set as __init__ sets them
+
+
+def slices(
+    names: Sequence[str],
+    start: tuple[int, ...],
+    stop: tuple[int, ...],
+    up: tuple[int, ...] | None = None,
+    pad: tuple[int, ...] | None = None,
+    fill: float = 0.0,
+) -> list[Slice]:
+    """`Slice(name, start, stop, up, pad, fill)` of each name, every field but the source shared: the
+    same objects the dataclass builds, in half the time (its frozen __init__ goes through
+    object.__setattr__ field by field; tests/test_plan_pieces.py holds them equal)."""
+    s_source, s_start, s_stop, s_up, s_pad, s_fill, s_perm, s_step, s_scale = _SET
+    new = object.__new__
+    out = []
+    for name in names:
+        p = new(Slice)
+        s_source(p, name)
+        s_start(p, start)
+        s_stop(p, stop)
+        s_up(p, up)
+        s_pad(p, pad)
+        s_fill(p, fill)
+        s_perm(p, None)
+        s_step(p, 1)
+        s_scale(p, None)
+        out.append(p)
+    return out
 
 
 def scalar(t: TensorInfo) -> Slice:

@@ -6,6 +6,7 @@ Pure metadata in (config.json + safetensors headers), a `Plan` value out. No tor
 from __future__ import annotations
 
 from reshard import VLLM_LAYOUT
+from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_CODES, DTYPE_NAMES
@@ -29,6 +30,7 @@ def build_plan(
     *,
     max_part_size: int = DEFAULT_MAX_PART,
     trust_remote_code: bool | None = None,
+    pieces: bool = True,
 ) -> Plan:
     """Plan every rank's files for vLLM's sharded_state loader.
 
@@ -42,6 +44,10 @@ def build_plan(
         trust_remote_code: `--trust-remote-code` (plan.remote): True copies the checkpoint's code and
             trusts it in the serve line; False drops config.json's auto_map and the code, and refuses a
             tokenizer that needs its code; None (re-planning a written output): neither.
+        pieces: False plans the layout alone (`reshard plan`): every check, file, tensor, dtype and
+            shape as with True, but the routed experts' weights without their pieces (the map of
+            which source bytes make them: an MoE's hundreds of thousands of slices, issue 28). Such a
+            plan (`layout_only`) cannot be written.
 
     Returns the plan, whose `layout` is `layout` resolved: dtype, partition, quantization and the
     MoE backend the serve line must pin.
@@ -50,6 +56,13 @@ def build_plan(
         UnsupportedError: unknown architecture or a layout vLLM would refuse.
         SourceError: a tensor the rules need is missing, or has the wrong shape.
     """
+    with paused_gc():  # hundreds of thousands of pieces, no cycle among them (reshard.bulk)
+        return _build_plan(ckpt, layout, max_part_size, trust_remote_code, pieces)
+
+
+def _build_plan(
+    ckpt: Checkpoint, layout: Layout, max_part_size: int, trust_remote_code: bool | None, pieces: bool
+) -> Plan:
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     arch_name, arch = get_architecture(ckpt.config)
     arch, platform = for_platform(
@@ -65,6 +78,7 @@ def build_plan(
         dtype=model_dtype(arch.text(ckpt.config), layout.dtype),
         moe_backend=check_backend(layout.moe_backend),
     )
+    ctx.pieces = pieces
     if ep and not ctx.dims.num_experts:
         raise UnsupportedError(
             f"--ep is vLLM's expert-parallel layout, and this {arch_name} has no experts",
@@ -99,6 +113,7 @@ def build_plan(
         + layout.mm_flags()
         + tower_pins(arch, layout),
         remote_code=code,
+        layout_only=not pieces,
     )
 
 
@@ -226,11 +241,8 @@ def check_unused(ctx: Context, ranges: list[tuple[int, int]], skip_prefixes: tup
         return
     arch = ctx.arch
     spec = spec_layer_prefixes(ctx) + skip_prefixes
-    extra = [
-        n
-        for n in ctx.ckpt.tensors
-        if n not in ctx.used and not any(n.endswith(s) for s in arch.ignore) and not n.startswith(spec)
-    ]
+    ignore, used = tuple(arch.ignore), ctx.used
+    extra = [n for n in ctx.ckpt.tensors if n not in used and not n.endswith(ignore) and not n.startswith(spec)]
     for prefix in skip_prefixes:
         skipped = sum(1 for n in ctx.ckpt.tensors if n.startswith(prefix))
         if skipped:
@@ -253,6 +265,8 @@ def spec_layer_prefixes(ctx: Context) -> tuple[str, ...]:
 
     Only layers the checkpoint holds are named (a config may announce more than it ships)."""
     n = next((int(ctx.config[k]) for k in ctx.arch.spec_layers_key if ctx.config.get(k)), 0)
+    if not n:
+        return ()  # the config announces no MTP layer: no scan of every tensor name
     first = ctx.dims.num_layers
     held = {layer for name in ctx.ckpt.tensors if (layer := ctx.arch.layer_of(name)) is not None}
     return tuple(ctx.arch.prefix(i) for i in sorted(held) if first <= i < first + n)
@@ -262,8 +276,7 @@ def skip_kv_scales_vllm_ignores(ctx: Context, extra: list[str]) -> set[str]:
     """KV-cache scales no attention layer took. Where vLLM 0.32 drops them at load (MLA attention has
     no KV-cache scale parameters; `quant_method: fp8` has no zero points), they are left out as vLLM
     leaves them, with a note; where it would fail or mis-load, refuse. Returns the names left out."""
-    kv = [(n, vllm_kv_name(n, fp8_config=True)) for n in extra]
-    kv = [(n, m) for n, m in kv if m is not None]
+    kv = [(n, m) for n in extra if (m := vllm_kv_name(n, fp8_config=True)) is not None]
     if not kv:
         return set()
     name, mapped = kv[0]

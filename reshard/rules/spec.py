@@ -64,6 +64,8 @@ class WeightsMapper:
         say `model.layers.`, newer exports `model.language_model.layers.`; both are its
         `language_model.model.layers.`), and `name` itself where no prefix would rename it."""
         prefixes = self.orig_to_new_prefix
+        if not prefixes:
+            return (name,)  # nothing renamed (most text models): the one name, at once
         found = [orig + name[len(new) :] for orig, new in prefixes.items() if name.startswith(new)]
         if not any(name.startswith(orig) for orig in prefixes):
             found.append(name)  # vLLM keeps a name no prefix of its mapper matches (Qwen2.5-VL's `visual.`)

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.folderview import FolderView
@@ -63,13 +64,14 @@ def read_local(root: Path, ref: dict) -> Checkpoint:
     files = weight_files(root)
     tensors: dict[str, TensorInfo] = {}
     sizes: dict[str, int] = {}
-    for name in files:
-        found, _, size = read_header(root / name)
-        sizes[name] = size
-        for key, info in found.items():
-            if key in tensors:
+    with paused_gc():  # every tensor's record, no cycle among them (reshard.bulk)
+        for name in files:
+            found, _, size = read_header(root / name)
+            sizes[name] = size
+            if tensors.keys() & found.keys():
+                key = next(k for k in found if k in tensors)
                 raise SourceError(f"{root}: tensor {key!r} appears in {tensors[key].file} and {name}")
-            tensors[key] = info
+            tensors.update(found)
     return Checkpoint(root, config, tensors, files, ref, sizes)
 
 

@@ -133,6 +133,8 @@ def check_index(index: object, where: str) -> list[str]:
         )
     files: dict[str, None] = {}
     for name, file in weight_map.items():
+        if type(file) is str and file in files:
+            continue  # checked at its first tensor: each shard once, not once per tensor (issue 28)
         if not isinstance(file, str) or not file.endswith(".safetensors"):
             raise SourceError(f"{where}: weight_map[{name!r}] is {file!r}, not a .safetensors file name")
         path = PurePosixPath(file)
