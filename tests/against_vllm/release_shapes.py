@@ -29,13 +29,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
+import tests.fixtures.llama4_releases as llama4_releases  # noqa: E402
 from tests.against_vllm import vllm_patches, vllm_state  # noqa: E402
 from tests.fixtures import dsa_releases, fp4_releases, qwen_next_releases, releases, vision_releases  # noqa: E402
 from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
 
 # each: RELEASES, CUT_LAYERS, cut(), HERE (where the JSON goes); optional side_files(), MOE_BACKEND (issue 26),
-# DENSE (releases without experts: no EP layout, issue 27)
+# DENSE (releases without experts: no EP layout, issue 27), LAYOUTS (the layouts to record when not TP 8 +- EP)
 REGISTRIES = (releases, qwen_next_releases, fp4_releases, dsa_releases, vision_releases)
+REGISTRIES += (llama4_releases,)  # issue 27: Llama-4-Maverick, text-only and with its tower in both modes
 _MOE_BACKEND = ["auto"]  # the release's --moe-backend, set before the ranks fork
 
 TP = 8
@@ -95,11 +97,11 @@ def record(release: str) -> dict:
         for name, text in (reg.side_files(release, config) if hasattr(reg, "side_files") else {}).items():
             (model_dir / name).write_text(text)  # hf_quant_config.json
         _MOE_BACKEND[0] = getattr(reg, "MOE_BACKEND", {}).get(release, "auto")
-        for ep in (False,) if release in getattr(reg, "DENSE", ()) else (False, True):  # vLLM: no EP without experts
+        for layout, keys in _layouts(reg, release).items():
             t0 = time.perf_counter()
-            case = {"tp": TP, "pp": 1, "ep": ep, "dtype": "auto", "moe_backend": _MOE_BACKEND[0]}
+            case = {"tp": TP, "pp": 1, "dtype": "auto", "moe_backend": _MOE_BACKEND[0], **keys}
             vllm_config = vllm_state._make_config(str(model_dir), case, load_format="dummy")
-            out = Path(tmp, f"ep{int(ep)}")
+            out = Path(tmp, layout)
             out.mkdir()
             port = vllm_state._free_port()
             ctx = mp.get_context("fork")
@@ -110,17 +112,25 @@ def record(release: str) -> dict:
                 p.join(900)
             vllm_state.drop_shm(port)
             if any(p.exitcode != 0 for p in procs):
-                raise SystemExit(f"{release} ep={ep}: ranks exited {[p.exitcode for p in procs]}")
+                raise SystemExit(f"{release} {layout}: ranks exited {[p.exitcode for p in procs]}")
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(TP)]
             states = list({json.dumps(s, sort_keys=True): s for s in ranks}.values())
-            result["layouts"]["tp8-ep" if ep else "tp8"] = {
+            result["layouts"][layout] = {
                 "states": states,
                 "rank_state": [states.index(s) for s in ranks],
             }
-            print(f"{release} ep={ep}: {len(ranks[0])} keys per rank, {time.perf_counter() - t0:.0f} s", flush=True)
+            print(f"{release} {layout}: {len(ranks[0])} keys per rank, {time.perf_counter() - t0:.0f} s", flush=True)
     if reg is qwen_next_releases:  # its test checks the padded vocabulary against this
         result["vocab_size"] = config.get("text_config", config)["vocab_size"]
     return result
+
+
+def _layouts(reg, release: str) -> dict[str, dict]:
+    """Layout name -> the vLLM case keys of each layout recorded: the registry's LAYOUTS where it names them,
+    else TP 8 and TP 8 + EP (TP 8 alone for DENSE releases: vLLM refuses EP for a model without experts)."""
+    if release in getattr(reg, "LAYOUTS", {}):
+        return reg.LAYOUTS[release]
+    return {"tp8": {"ep": False}} | ({} if release in getattr(reg, "DENSE", ()) else {"tp8-ep": {"ep": True}})
 
 
 def _registry(release: str):
