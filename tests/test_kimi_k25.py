@@ -28,6 +28,7 @@ from tests.test_reshard_merge import assert_same, load_dir
 
 B = "vision_tower.encoder.blocks.0."
 LM = "language_model.model.layers.1.mlp.experts.routed_experts."
+CODES = {**DTYPE_CODES, "I32": "int32", "I64": "int64"}  # the INT4 experts' packed weights and shapes
 
 
 @pytest.mark.parametrize("layout", ["tp8", "tp8-ep"])
@@ -40,9 +41,9 @@ def test_release_plans_as_vllm_builds(tmp_path, layout):
     folder = write_header_only(tmp_path / "kimi-k2.5", cut(RELEASES["kimi-k2.5"], CUT_LAYERS["kimi-k2.5"]))
     plan = build_plan(open_source(str(folder)).checkpoint, Layout(tp=8, ep=layout == "tp8-ep"))
     assert plan.serve_command("OUT").endswith("--mm-encoder-tp-mode weights --no-mm-device-do-normalize")
-    names = {v: k for k, v in DTYPE_CODES.items()}
+    names = {v: k for k, v in CODES.items()}
     for r in range(8):
-        got = {t.name: [DTYPE_CODES[t.dtype], list(t.shape)] for f in plan.files if f.tp_rank == r for t in f.tensors}
+        got = {t.name: [CODES[t.dtype], list(t.shape)] for f in plan.files if f.tp_rank == r for t in f.tensors}
         exp = want["states"][want["rank_state"][r]]
         assert_rank_matches(r, got, exp)
         assert got[B + "wqkv.weight"] == ["bfloat16", [3 * 1152 // 8, 1152]]  # 16 heads of 72: 2 per rank
