@@ -68,7 +68,11 @@ def test_tower_split_as_vllm_loads_it(tiny, tmp_path, tp):
         assert torch.equal(got[B + "mlp.fc0.weight"], hf[B + "mlp.fc0.weight"].chunk(tp)[r])
         assert torch.equal(got[B + "mlp.fc0.bias"], hf[B + "mlp.fc0.bias"].chunk(tp)[r])
         assert torch.equal(got[B + "mlp.fc1.weight"], hf[B + "mlp.fc1.weight"].chunk(tp, dim=1)[r])
-        for name in ("vision_tower.patch_embed.pos_emb.weight", "vision_tower.patch_embed.proj.weight", B + "norm0.bias"):
+        for name in (
+            "vision_tower.patch_embed.pos_emb.weight",
+            "vision_tower.patch_embed.proj.weight",
+            B + "norm0.bias",
+        ):
             assert torch.equal(got[name], hf[name])
         assert torch.equal(got["mm_projector.linear_1.weight"], hf["mm_projector.proj.0.weight"])
         assert torch.equal(got["mm_projector.linear_2.bias"], hf["mm_projector.proj.2.bias"])
@@ -81,7 +85,9 @@ def test_data_mode_and_the_head_count_fallback_write_the_tower_whole(tiny, tmp_p
     for arch, mm in (("kimi-k2.5", "data"), ("kimi-k2.5-h3", None)):
         src = tiny(arch)
         result = save(str(src), tmp_path / arch, tp=2, mm=mm, max_part_size=DEFAULT_MAX_PART)
-        assert result.plan.serve_command("OUT").endswith(f"--mm-encoder-tp-mode {mm or 'weights'} --no-mm-device-do-normalize")
+        assert result.plan.serve_command("OUT").endswith(
+            f"--mm-encoder-tp-mode {mm or 'weights'} --no-mm-device-do-normalize"
+        )
         assert any("not divisible by --tp 2: vLLM builds the vision encoder whole" in n for n in result.plan.notes) == (
             mm is None
         )
