@@ -17,6 +17,7 @@ from reshard.plan.geometry import divisors
 from reshard.plan.model import OutTensor
 from reshard.plan.slicers import add_module
 from reshard.rules import Architecture, Linear, Rule
+from reshard.rules.spec import Tower
 
 
 def resolve_mm(arch_name: str, arch: Architecture, layout: Layout) -> tuple[str | None, bool]:
@@ -89,7 +90,12 @@ def check_towers(ctx: Context, layout: Layout) -> None:
         return
     for tower in ctx.arch.towers:
         heads = ctx.tower(tower, ctx.tp).dims.num_heads
-        if heads % ctx.tp:
+        if heads % ctx.tp and tower.heads_fallback:
+            ctx.note(
+                f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM builds the vision "
+                "encoder whole on every rank (as with --mm-encoder-tp-mode data), and so does this folder"
+            )
+        elif heads % ctx.tp:
             raise UnsupportedError(
                 f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM splits the encoder's "
                 "heads across the TP ranks (--mm-encoder-tp-mode weights) and fails to build",
@@ -110,8 +116,10 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
                 f"{' or '.join(tower.skip)}): a text-only export, or an output saved with --language-model-only",
                 "pass --language-model-only, or save from a checkpoint with the tower",
             )
-        whole = data and not tower.split_in_data_mode
+        whole = (data and not tower.split_in_data_mode) or _falls_back(ctx, tower)
         sub = ctx.tower(tower, 1 if whole else ctx.tp)
+        if sub.quant is not None and sub.quant.method in tower.unquantized_with:
+            sub.quant = None  # vLLM builds the encoder without the quant config
         parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
         for m in tower.top:
             if m.present(sub.config):
@@ -125,6 +133,11 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
                         add_module(sub, m, blocks.prefix.format(layer=i), parts)
         for r in range(ctx.tp):
             per_tp[r].extend(parts[0 if whole else r])
+
+
+def _falls_back(ctx: Context, tower: Tower) -> bool:
+    """vLLM builds this encoder whole on every rank because its heads do not divide TP (Tower.heads_fallback)."""
+    return tower.heads_fallback and ctx.tower(tower, ctx.tp).dims.num_heads % ctx.tp != 0
 
 
 QUANT_WEIGHTS = (".weight", ".weight_packed", ".qweight")

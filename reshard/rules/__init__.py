@@ -10,6 +10,7 @@ from reshard.rules.dsa import DSA_CUDA, DSA_PLATFORMS, GLM4_MOE_LITE, sparse_lay
 from reshard.rules.gemma import GEMMA2, GEMMA3, GEMMA3_MM
 from reshard.rules.glm import GLM4_MOE
 from reshard.rules.gptoss import GPT_OSS
+from reshard.rules.kimi_k25 import KIMI_K25
 from reshard.rules.llama import LLAMA, QWEN2, QWEN3
 from reshard.rules.llama4 import LLAMA4, LLAMA4_TEXT
 from reshard.rules.llama4_vision import LLAMA4_VL
@@ -52,6 +53,7 @@ for _arch in (
 for _arch in (
     *(QWEN3_5_MOE_TEXT, GLM4_MOE_LITE, DSA_CUDA),  # issue 27: DSA / text-only families
     *(QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, GEMMA3_MM, QWEN3_5_MOE_VL, LLAMA4_VL),  # issue 27: vision towers
+    KIMI_K25,  # issue 27: Kimi-K2.5 (MoonViT + DeepSeek-V3)
 ):
     register(_arch)
 
@@ -60,8 +62,6 @@ for _arch in (
 REFUSED: dict[str, str] = {}
 REFUSED.update(  # issue 15: neighbours of GLM-4.5/4.6, MiniMax-M2 and Kimi-K2
     {
-        "KimiK25ForConditionalGeneration": "Kimi-K2.5 wraps the text model with a vision tower; "
-        "its multimodal layout is not written",
         "KimiLinearForCausalLM": "Kimi-Linear's linear-attention (KDA) layers have no rule table",
         "MiniMaxText01ForCausalLM": "vLLM removed MiniMax-Text-01's lightning attention in 0.23",
         "MiniMaxM1ForCausalLM": "vLLM removed MiniMax-M1's lightning attention in 0.23",

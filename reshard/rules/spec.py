@@ -130,6 +130,14 @@ class Tower:
             Qwen-VL): with the default `--mm-device-do-normalize` and a real preprocessor_config.json,
             vLLM 0.32 registers `input_norm.weight`/`.bias` buffers in the state dict that 0.33 does not
             (non-persistent there); the serve line pins `--no-mm-device-do-normalize`, the same model in both.
+        heads_fallback: where `heads` does not divide the TP size, vLLM builds the encoder whole on every
+            rank, as in data mode (`is_vit_use_data_parallel(num_heads)`, Kimi-K2.5's MoonViT), instead of
+            failing to build.
+        unquantized_with: quantization methods (reshard's `Quant.method`) under which vLLM builds the encoder
+            without the quant config whatever its ignore list says (Kimi-K2.5's `_maybe_ignore_quant_config`:
+            compressed-tensors); under other methods its layers must be on the ignore list.
+        defaults: values of the encoder's settings where config.json leaves them out (the transformers
+            config class's defaults vLLM builds from), as (key, value) pairs.
     """
 
     config: str
@@ -141,10 +149,13 @@ class Tower:
     data_mode: bool = True
     split_in_data_mode: bool = False
     device_normalize: bool = False
+    heads_fallback: bool = False
+    unquantized_with: tuple[str, ...] = ()
+    defaults: tuple[tuple[str, object], ...] = ()
 
     def settings(self, config: dict) -> dict:
         inner = config.get(self.config)
-        return inner if isinstance(inner, dict) else {}
+        return {**dict(self.defaults), **(inner if isinstance(inner, dict) else {})}
 
 
 @dataclass(frozen=True)

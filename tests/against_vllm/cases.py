@@ -411,3 +411,22 @@ STATE_CASES += [
     case("qwen3-next+ct-nvfp4", 2),
     case("qwen3-next+ct-nvfp4", 2, ep=True),
 ]
+
+# issue 27: Kimi-K2.5 (KimiK25ForConditionalGeneration, tests/fixtures/kimi25.py: the release's names), one vLLM
+# process per source. MoonViT's wqkv / wo / fc0 / fc1 split (weights, vLLM's default) at TP 2, 4, with EP and
+# PP 2 (on every stage); whole on every rank with data; left out with --language-model-only; 3 vision heads at
+# TP 2: vLLM's fallback builds the tower whole (is_vit_use_data_parallel). INT4 as released (compressed-tensors
+# W4A16 g32 routed experts, quantization_config in text_config, the tower built without it) at TP 2 and with EP;
+# the harness lets only the CPU MoE kernel choice fall back (vllm_patches.allow_wna16_moe), as for Kimi-K2-Thinking.
+STATE_CASES += [
+    case("kimi-k2.5", 2),
+    case("kimi-k2.5", 4),
+    case("kimi-k2.5", 2, ep=True),
+    case("kimi-k2.5", 2, pp=2),
+    case("kimi-k2.5", 2, mm="data"),
+    case("kimi-k2.5", 2, lm_only=True),
+    case("kimi-k2.5-h3", 2),
+    case("kimi-k2.5-int4", 2),
+    case("kimi-k2.5-int4", 2, ep=True),
+]
+MOE += ["kimi-k2.5", "kimi-k2.5-h3", "kimi-k2.5-int4"]  # marks only
