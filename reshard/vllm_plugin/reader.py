@@ -341,6 +341,8 @@ def read_rank(
                 s.failed = True
                 for e in s.ready:
                     e.set()
+            if s.hash_thread is not None and s.failed:
+                s.hash_thread.join()  # released: it ends at once; none outlives a failed read
     bad = [r for r in results if r is not None] + [b for s in striped if (b := s.result()) is not None]
     return done[0], time.perf_counter() - t0, bad
 
