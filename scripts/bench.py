@@ -29,6 +29,9 @@
    the local disk it uses), peak RSS of a save to s3:// on the --small-size and --big-size checkpoints.
    `python -m scripts.bench s3` runs it alone; skipped (a note) where no `weed` binary is installed.
 
+8. Scale (scripts/bench_scale.py): plan and save of a 197,763-tensor MoE vs `cp -r`, a 1M-tensor
+   header refused, Kimi-K2's headers planned (issue 28). `python -m scripts.bench scale` runs it alone.
+
 `python -m scripts.bench loaders` (scripts/bench_loaders.py) measures vLLM's load time for
 `--load-format reshard` (reshard's plugin) against sharded_state and the default loader, cold and
 warm page cache.
@@ -39,7 +42,7 @@ processes.
 
 Modules: scripts/benchlib.py (measuring, formatting, the run's settings), one per section
 (bench_save.py: 1 and 2, bench_rank.py: 3, bench_vllm.py: 4, bench_plan.py: 5, bench_check.py: 6,
-bench_s3.py: 7), bench_report.py
+bench_s3.py: 7, bench_scale.py: 8), bench_report.py
 (docs/benchmarks.md from the results), and this one: the run in order and the command line.
 """
 
@@ -53,9 +56,9 @@ import sys
 import time
 from pathlib import Path
 
-from scripts import bench_check, bench_plan, bench_rank, bench_s3, bench_save, bench_vllm
+from scripts import bench_check, bench_plan, bench_rank, bench_s3, bench_save, bench_scale, bench_vllm
 from scripts.bench_report import keep_hub_section, report
-from scripts.benchlib import GB, ROOT, Bench, disk_speeds, machine, timed_alone
+from scripts.benchlib import GB, ROOT, Bench, disk_speeds, machine, section_of, timed_alone
 from scripts.make_synthetic import parse_size
 
 
@@ -102,6 +105,10 @@ def run(b: Bench) -> None:
                 )
             except FileNotFoundError as e:
                 b.notes.append(f"section 7 (object storage) skipped: {e}")
+        if a.scale:
+            b.say("8. scale")
+            sa = argparse.Namespace(work=b.work / "scale", rounds=min(a.reps, 3), quick=a.quick, keep=a.keep)
+            b.results["scale"] = bench_scale.run(sa)
         b.say("2. peak RSS")
         rss = [bench_save.rss(b, small, a.tp)]
         shutil.rmtree(small["path"])
@@ -130,11 +137,16 @@ def run(b: Bench) -> None:
             for p in b.work.iterdir():
                 if p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)
-    from scripts.bench_loaders import section_of
+    from scripts.bench_loaders import HEADING as LOADERS
 
     text = keep_hub_section(a.out, report(b.results))  # `bench hub`'s section survives a full run
-    kept = section_of(a.out)  # and so does `bench loaders`'
-    a.out.write_text(text if not kept or kept in text else f"{text.rstrip()}\n\n{kept}")
+    if "scale" in b.results and not a.quick:
+        text = f"{text.rstrip()}\n\n{bench_scale.section(b.results['scale'])}"
+    for heading in (LOADERS, bench_scale.HEADING):  # and so do `bench loaders`' and `bench scale`'s
+        kept = section_of(a.out, heading)
+        if kept and heading not in text:
+            text = f"{text.rstrip()}\n\n{kept}"
+    a.out.write_text(text)
     b.say(f"wrote {a.out} in {b.results['minutes']:.1f} min")
 
 
@@ -148,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_check.main(argv[1:])
     if argv and argv[0] == "s3":  # saving to object storage, alone (scripts/bench_s3.py)
         return bench_s3.main(argv[1:])
+    if argv and argv[0] == "scale":  # issue 28's per-tensor costs, alone (scripts/bench_scale.py)
+        return bench_scale.main(argv[1:])
     if argv and argv[0] == "loaders":  # vLLM load time by loader, reshard's plugin included
         from scripts import bench_loaders
 
@@ -189,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-naive", dest="naive", action="store_false")
     ap.add_argument("--skip-check", dest="check", action="store_false", help="no section 6 (source check cost)")
     ap.add_argument("--skip-s3", dest="s3", action="store_false", help="no section 7 (object storage)")
+    ap.add_argument("--skip-scale", dest="scale", action="store_false", help="no section 8 (200k tensors)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and logs under --work")

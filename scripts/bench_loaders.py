@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from reshard.names import parse_rank_file, rank_files_in
-from scripts.benchlib import ROOT, scrub
+from scripts.benchlib import ROOT, put_section, scrub
 from scripts.make_synthetic import make_config, parse_size, write_checkpoint
 
 SCRIPT = r"""
@@ -50,26 +50,6 @@ if __name__ == "__main__":
 """
 
 HEADING = "## vLLM weight loading: `--load-format reshard` vs `sharded_state` vs the default loader"
-
-
-def section_of(path: Path) -> str:
-    """This benchmark's section of a Markdown file (from its heading to the next `## `), or ""."""
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    start = text.find(HEADING)
-    if start < 0:
-        return ""
-    end = text.find("\n## ", start + len(HEADING))
-    return text[start:] if end < 0 else text[start : end + 1]
-
-
-def put_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of `path` with `section`, or append it."""
-    text = path.read_text() if path.exists() else ""
-    old = section_of(path)
-    text = text.replace(old, section) if old else text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 LOADERS = {
@@ -229,5 +209,5 @@ def main(argv: list[str]) -> int:
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))
     if a.out:
-        put_section(a.out, text)
+        put_section(a.out, HEADING, text)
     return 0

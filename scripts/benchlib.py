@@ -278,3 +278,23 @@ class Bench:
                 x = os.path.relpath(x, ROOT)
             out.append(x)
         return " ".join(out)
+
+
+def section_of(path: Path, heading: str) -> str:
+    """The section of a Markdown file that starts with `heading` (up to the next `## `), or ""."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    start = text.find(heading)
+    if start < 0:
+        return ""
+    end = text.find("\n## ", start + len(heading))
+    return text[start:] if end < 0 else text[start : end + 1]
+
+
+def put_section(path: Path, heading: str, section: str) -> None:
+    """Replace the section of `path` that starts with `heading` with `section`, or append it."""
+    text = path.read_text() if path.exists() else ""
+    old = section_of(path, heading)
+    text = text.replace(old, section) if old else text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
