@@ -26,7 +26,9 @@ Threads overlap so that a save runs at the disk's speed (docs/benchmarks.md):
 Memory is bounded by `max_memory` (`reshard.io.memory`): a fixed set of reused chunk buffers plus a
 byte budget for the rare pieces that are fresh arrays (dtype casts, up-sampled scales, fills), plus
 two staging buffers per open output file. Readers wait for buffers, the main thread for budget;
-writers never wait on memory, so all waits end.
+writers never wait on memory, so all waits end. Under `reshard save` the checkpoint's metadata
+(headers, plan, schedule: a few hundred MB for a 200k-tensor MoE) counts inside `max_memory`: the
+buffers get what the process grew by since the command began leaves of it (`WriteOptions.rss_base`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from reshard.batch import Uniform, batch_reads, cut, uniform
 from reshard.checkpoint import Reader, Source
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.io.dtypes import Caster, dequantize_fp8, fill_bytes, pad_rows, upsample
-from reshard.io.memory import Lease, Memory, aligned_buffer
+from reshard.io.memory import Lease, Memory, aligned_buffer, metadata_budget
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
 from reshard.io.writer import FileWriter, Sink, Written
@@ -72,12 +74,16 @@ class WriteOptions:
         fresh arrays (at least 2 chunks); each open output file adds STAGE_BYTES on top.
     device: where each piece is materialised before writing (cpu, cuda).
     chunk_bytes: source rows are read this many bytes at a time (the reused buffers' size).
+    rss_base: the process's resident bytes before the checkpoint's metadata was read (the save
+        command's start): what the process grew by since (headers, plan, schedule) counts inside
+        max_memory (`reshard.io.memory.metadata_budget`); None: max_memory is for tensor data alone.
     """
 
     checksum: str
     max_memory: int
     device: str = "cpu"
     chunk_bytes: int = DEFAULT_CHUNK
+    rss_base: int | None = None
 
 
 Progress = Callable[[int], None]  # called with the bytes written since the last call
@@ -142,11 +148,8 @@ class Executor:
         self.reader = reader
         self.cast = Caster(options.device)
         max_memory, checksum = options.max_memory, options.checksum
+        self.options = options
         self.chunk_bytes = max(1, min(options.chunk_bytes, max_memory // 4))  # leave room for a few in flight
-        self.mem = Memory(max_memory, self.chunk_bytes)
-        self.mem.on_short = self._flush_held
-        # the uniform steps' batch buffer: taken out of the fresh budget (Memory.reserve) when first used
-        self.batch_bytes = min(self.chunk_bytes, self.mem.fresh_limit // 4)
         self.progress = progress or (lambda n: None)
         self.sync = sync
         self.sink = sink or (lambda f, header: FileWriter(self.out_dir / f.name, header, checksum))
@@ -159,6 +162,12 @@ class Executor:
 
     def run(self) -> list[Written]:
         steps = schedule(self.plan, self.tensors, self.chunk_bytes)
+        # the budget left once the metadata (headers, plan, these steps) is resident
+        budget = metadata_budget(self.options.max_memory, self.options.rss_base)
+        self.mem = Memory(budget, self.chunk_bytes)
+        self.mem.on_short = self._flush_held
+        # the uniform steps' batch buffer: taken out of the fresh budget (Memory.reserve) when first used
+        self.batch_bytes = min(self.chunk_bytes, self.mem.fresh_limit // 4)
         for f in self.plan.files:
             if not f.tensors:
                 self.done.append(self.sink(f, file_header(f, self.metadata)).close(self.sync))

@@ -41,7 +41,9 @@ from reshard.vllm_versions import serve_note
     type=ByteSize(),
     default="512MiB",
     show_default=True,
-    help="Bound on tensor data held in memory (read-ahead and write buffers); each open output file adds 8 MiB.",
+    help="Bound on what a save holds in memory: the checkpoint's metadata (headers, plan) and tensor data "
+    "(read-ahead and write buffers, which get what the metadata leaves, at least a quarter); each open "
+    "output file adds 8 MiB.",
 )
 @click.option(
     "--checksum",
@@ -119,9 +121,11 @@ def save_cmd(
     files between them and process 0 writes the manifest once all have finished.
     """
     from reshard.execute import WriteOptions
+    from reshard.io.memory import resident_bytes
     from reshard.save import PieceSaved, Saved, SaveOptions, save
 
-    write = WriteOptions(checksum=checksum, max_memory=max_memory, device=device)
+    # the metadata read from here on (headers, plan, schedule) counts inside --max-memory
+    write = WriteOptions(checksum=checksum, max_memory=max_memory, device=device, rss_base=resident_bytes())
     options = SaveOptions(
         write,
         max_part_size,

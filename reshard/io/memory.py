@@ -18,6 +18,26 @@ MIN_SLAB = 1024 * 1024
 ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm), or 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def metadata_budget(max_memory: int, rss_base: int | None) -> int:
+    """What is left of `max_memory` for tensor data once the checkpoint's metadata is resident
+    (issue 28): the process's growth since `rss_base` (headers, plan, schedule: a 200k-tensor MoE's
+    are a few hundred MB) is taken out of it, down to a quarter of it (the executor needs a few
+    chunks to move at all; past that the bound is exceeded by the metadata alone)."""
+    if rss_base is None or rss_base <= 0:
+        return max_memory
+    grown = max(0, resident_bytes() - rss_base)
+    return max(max_memory // 4, max_memory - grown)
+
+
 def aligned_buffer(size: int) -> mmap.mmap:
     """Page-aligned private memory (as O_DIRECT needs), faulted in at once: page by page costs
     ~2x more, and buffers are reused, so they are touched in full anyway."""
