@@ -60,17 +60,17 @@ class Lease:
     mem: Memory
     refs: int
 
-    def hold(self) -> None:
+    def hold(self, n: int = 1) -> None:
         with self.mem.cond:
-            self.refs += 1
+            self.refs += n
 
     def short(self) -> bool:
         """Does a thread wait for memory now? (A holder should then let go soon.)"""
         return self.mem.waiting > 0
 
-    def release(self) -> None:
+    def release(self, n: int = 1) -> None:
         with self.mem.cond:
-            self.refs -= 1
+            self.refs -= n
             if self.refs == 0:
                 self._give_back()
                 self.mem.cond.notify_all()
@@ -91,6 +91,16 @@ class Slab(Lease):
 
     def _give_back(self) -> None:
         self.mem.free.append(self)
+
+
+class Reused(Slab):
+    """A buffer the main thread fills again and again (the executor's batch buffers, reshard.batch),
+    its views written by the writers: free again once every holder let go."""
+
+    __slots__ = ()
+
+    def _give_back(self) -> None:
+        self.mem.reused.append(self)
 
 
 class Fresh(Lease):
@@ -122,6 +132,8 @@ class Memory:
         self.cond = threading.Condition()
         self.free: list[Slab] = []
         self.made = 0
+        self.reused: list[Reused] = []  # free batch buffers (`take_reused`)
+        self.reused_made = 0
         self.fresh = 0
         self.stopped = False
         self.cur: Slab | None = None  # the arena's slab; the allocating thread holds one reference
@@ -176,6 +188,20 @@ class Memory:
             self.fresh_limit -= nbytes
         return nbytes
 
+    def take_reused(self, size: int, count: int) -> Reused:
+        """One of `count` buffers of `size` bytes (made when first needed; their bytes set aside with
+        `reserve`), once one is free; its holder owns one reference. Writers free them, and never wait."""
+        with self.cond:
+            if not self.reused and self.reused_made >= count:
+                self._wait_for(lambda: bool(self.reused))
+            got = self.reused.pop() if self.reused else None
+            if got is None:
+                self.reused_made += 1
+        if got is None:
+            got = Reused(self, size)
+        got.refs = 1
+        return got
+
     def _wait_for(self, ready: Callable[[], bool]) -> None:
         """Wait (holding `cond`) until `ready()`, having asked the writers for what they hold."""
         self.waiting += 1
@@ -202,3 +228,4 @@ class Memory:
     def close(self) -> None:
         self.drop_arena()
         self.free.clear()
+        self.reused.clear()
