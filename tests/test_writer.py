@@ -13,6 +13,7 @@ from safetensors import safe_open
 import reshard.io.writer as wr
 from reshard.format import read_header
 from reshard.io.memory import ALIGN, aligned_buffer
+from reshard.schedule import page_aligned_header
 from tests.fixtures.saving import save
 
 
@@ -85,7 +86,7 @@ def test_header_pads_the_bulk_of_the_bytes_onto_pages(tmp_path):
     puts the large tensors, not the data section's start, on page boundaries."""
     entries = [("a.k_scale", "F32", ()), ("b.v_scale", "F32", ()), ("c.bias", "BF16", (12,))]
     entries += [(f"w{i}", "BF16", (64, 1024)) for i in range(3)]
-    header = wr.page_aligned_header(entries, {"format": "pt"})
+    header = page_aligned_header(entries, {"format": "pt"})
     path = tmp_path / "h.safetensors"
     path.write_bytes(header + bytes(4 + 4 + 24 + 3 * 64 * 1024 * 2))
     tensors, meta, _ = read_header(path)
@@ -301,3 +302,77 @@ def test_sinks_and_sources_declare_their_protocol():
     assert wr.Sink in wr.FileWriter.__mro__ and wr.Sink in _CompareSink.__mro__
     assert all(Source in s.__mro__ for s in (LocalSource, OutputSource, HubSource))
     assert LocalSource.finish is Source.finish and HubSource.finish is not Source.finish
+
+
+@pytest.mark.parametrize("numpy_copy", [1, 1 << 40], ids=["numpy-copies", "memoryview-copies"])
+def test_staged_copies_and_wide_strided_arrays_give_the_same_bytes(tmp_path, monkeypatch, numpy_copy):
+    """The stage takes bytes by numpy (from NUMPY_COPY: without the GIL) or as a memoryview, also
+    across its end; a strided array of 8-byte words (reshard.batch.wide) is gathered as its bytes."""
+    monkeypatch.setattr(wr, "STAGE_BYTES", 4 * ALIGN)
+    monkeypatch.setattr(wr, "THROUGH_MIN", 1 << 40)  # everything through the stage
+    monkeypatch.setattr(wr, "NUMPY_COPY", numpy_copy)
+    rng = np.random.default_rng(1)
+    arr = rng.integers(0, 256, 64 * ALIGN, dtype=np.uint8)
+    w = wr.FileWriter(tmp_path / "f", b"h" * 100, "blake3")
+    expect = [b"h" * 100]
+    for a, n in [(0, 3), (5, 2 * ALIGN + 7), (1, 5 * ALIGN), (9, 11)]:  # the second and third cross the stage's end
+        expect.append(arr[a : a + n].tobytes())
+        w.write(memoryview(arr[a : a + n]))
+    words = arr[: 16 * 64 * 8].view(np.uint64).reshape(16, 64)[:, 3:9]  # each row's 48 bytes: 8-byte runs
+    expect.append(words.tobytes())
+    w.write_array(words)
+    w.close(sync=False)
+    assert (tmp_path / "f").read_bytes() == b"".join(expect)
+
+
+def test_a_failed_write_gives_back_the_held_pieces(tmp_path, small_held):
+    """A full disk under held pieces: the pieces handed over with the write that finds the previous
+    one failed are given back, not dropped with their leases (the executor waited forever for that
+    memory: a hang instead of exit 5), and so is what the failed writer still holds (`drop_held`)."""
+    import errno
+    from concurrent.futures import Future
+
+    slab = aligned_buffer(16 * ALIGN)
+    w = wr.FileWriter(tmp_path / "f", b"h" * (2 * ALIGN), "blake3")
+    if not w.direct:
+        pytest.skip("no O_DIRECT here: nothing is held")
+    failed: Future = Future()
+    failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+    lease = _Lease()
+    w.write_held(memoryview(slab)[: 2 * ALIGN], lease)
+    assert lease.refs == 1
+    w.pending = failed  # the write before these held pieces failed on the I/O thread
+    with pytest.raises(OSError, match="No space"):
+        w.write_held(memoryview(slab)[2 * ALIGN : 4 * ALIGN], lease)  # a third segment: written at once
+    assert lease.refs == 0, "the held pieces' leases were dropped with the failed write"
+    w.abort()
+    w = wr.FileWriter(tmp_path / "g", b"h" * (2 * ALIGN), "blake3")
+    w.write_held(memoryview(slab)[: 2 * ALIGN], lease)
+    assert lease.refs == 1
+    w.drop_held()
+    assert lease.refs == 0 and not w.leases
+    w.abort()
+
+
+def test_a_failing_writer_gives_back_what_its_sink_holds():
+    """Worker: the sink's first error makes it drop what it holds, at once."""
+    from reshard.io.worker import Worker
+
+    class Failing(wr.Sink):
+        dropped = 0
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def drop_held(self):
+            Failing.dropped += 1
+
+    sink = Failing()
+    lease = _Lease()
+    lease.hold()
+    w = Worker(sink)
+    w.write(b"x", lease)
+    w.close(False)
+    with pytest.raises(OSError, match="No space"):
+        w.join()
+    assert Failing.dropped == 1 and lease.refs == 0

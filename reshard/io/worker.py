@@ -83,7 +83,7 @@ class Worker:
                     if self.error is None and not self.aborting:
                         self._write(arg, lease)
                 except BaseException as e:
-                    self.error = e
+                    self._fail(e)
                 finally:
                     del arg
                     lease.release()
@@ -94,7 +94,7 @@ class Worker:
                         self.tensor, self.got = arg, 0
                         self.sink.begin(arg)
                     except BaseException as e:
-                        self.error = e
+                        self._fail(e)
             elif op == _FLUSH:
                 self._flush_held(if_short=False)
             elif op == _CLOSE:
@@ -103,7 +103,7 @@ class Worker:
                         self._tensor_done()
                         self.result = self.sink.close(arg)
                     except BaseException as e:
-                        self.error = e
+                        self._fail(e)
                 if self.result is None:
                     with contextlib.suppress(Exception):
                         self.sink.abort()
@@ -118,7 +118,15 @@ class Worker:
             try:
                 self.sink.flush_held(if_short=if_short)
             except BaseException as e:
-                self.error = e
+                self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        """Record the sink's first error, and give back the memory it holds: the file will be
+        aborted, and a held piece's lease (a read buffer, a batch buffer) must not keep the main
+        thread or a reader waiting for memory that would never come back (a hang on a full disk)."""
+        self.error = e
+        with contextlib.suppress(Exception):
+            self.sink.drop_held()
 
     def _tensor_done(self) -> None:
         """Every tensor must get exactly the bytes its header declares, or the file is unreadable."""

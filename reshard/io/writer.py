@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +26,6 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from reshard import settings
-from reshard.format import ITEMSIZE, encode_header
 from reshard.hashing import new_hasher
 from reshard.io.memory import ALIGN, Lease, aligned_buffer
 from reshard.outdir import write_error
@@ -39,6 +37,7 @@ STAGE_BYTES = 4 * 1024 * 1024  # per output file (x2): staged, hashed and writte
 WRITEBACK_BYTES = 32 * 1024 * 1024  # buffered writes: start writeback every this many bytes
 THROUGH_MIN = 1024 * 1024  # contiguous writes from this size may skip the stage (see FileWriter.write)
 THROUGH_SEGMENT = 8 * 1024 * 1024  # ... hashed and written this many bytes at a time
+NUMPY_COPY = 64 * 1024  # copies into the stage from this size go through numpy, which releases the GIL
 HELD_MIN = 64 * 1024  # smaller aligned contiguous writes may be held (see FileWriter.write_held) ...
 HELD_MAX_IOV = 256  # ... this many pieces at most in one vectored write
 IOV_MAX = 1024  # buffers per writev
@@ -68,7 +67,7 @@ class Sink(Protocol):
     def abort(self) -> None: ...
 
     def write_array(self, arr: np.ndarray) -> None:
-        """Write a strided uint8 array's bytes in C order. Default: copied out a block of rows at a
+        """Write a strided array's bytes in C order (uint8, or wider words: reshard.batch.wide). Default: copied out a block of rows at a
         time (STAGE_BYTES, or one row) and each block given to `write`; a sink that gathers straight
         into its own buffer (FileWriter) saves that copy."""
         if not arr.nbytes:
@@ -78,7 +77,7 @@ class Sink(Protocol):
         stage = np.empty(min(step, arr.shape[0]) * row, np.uint8)
         for r0 in range(0, arr.shape[0], step):
             part = arr[r0 : r0 + step]
-            dst = stage[: part.nbytes].reshape(part.shape)
+            dst = stage[: part.nbytes].view(arr.dtype).reshape(part.shape)
             np.copyto(dst, part)
             self.write(memoryview(dst).cast("B"))
 
@@ -90,6 +89,9 @@ class Sink(Protocol):
     def flush_held(self, if_short: bool = False) -> None:
         """Write what is held now (memory is short); `if_short`: only if a thread waits for memory
         now. Default: nothing is ever held."""
+
+    def drop_held(self) -> None:
+        """The sink failed: give back the leases of what it holds, unwritten. Default: none held."""
 
 
 def _sync_file_range() -> Callable[[int, int, int], None] | None:
@@ -201,18 +203,25 @@ class FileWriter(Sink):
         if self.leases and (not if_short or self.leases[-1].short()):
             self._flush_held()
 
+    def drop_held(self) -> None:
+        """The file failed (it will be aborted): give back the held pieces' leases now."""
+        leases, self.leases = self.leases, []
+        self.iov, self.held = [], 0
+        for lease in leases:
+            lease.release()
+
     def _stage_bytes(self, view: memoryview) -> None:
-        """Copy into the stage, flushing every full one."""
-        n = view.nbytes
+        """Copy into the stage, flushing every full one: by numpy from NUMPY_COPY bytes (it lets the
+        other threads run while it copies; a memoryview copy holds the GIL)."""
+        n, pos = view.nbytes, 0
         self.size += n
-        if n < STAGE_BYTES - self.fill:
-            self.stage[self.fill : self.fill + n] = view
-            self.fill += n
-            return
-        pos = 0
         while pos < n:
             k = min(n - pos, STAGE_BYTES - self.fill)
-            self.stage[self.fill : self.fill + k] = view[pos : pos + k]
+            part = view[pos : pos + k] if k < n else view
+            if k < NUMPY_COPY:
+                self.stage[self.fill : self.fill + k] = part
+            else:
+                np.copyto(self.array[self.fill : self.fill + k], np.frombuffer(part, np.uint8))
             self.fill += k
             pos += k
             if self.fill == STAGE_BYTES:
@@ -244,7 +253,8 @@ class FileWriter(Sink):
             self._stage_bytes(view[end:])
 
     def write_array(self, arr: np.ndarray) -> None:
-        """Write a strided uint8 array in C order, gathering it straight into the stage."""
+        """Write a strided array's bytes (uint8, or wider words) in C order, gathering it straight
+        into the stage."""
         if not arr.nbytes:
             return
         rows, row = arr.shape[0], arr[0].nbytes
@@ -255,7 +265,7 @@ class FileWriter(Sink):
                 self.write(np.ascontiguousarray(arr[r]).reshape(-1))
                 r += 1
                 continue
-            dst = self.array[self.fill : self.fill + k * row].reshape((k, *arr.shape[1:]))
+            dst = self.array[self.fill : self.fill + k * row].view(arr.dtype).reshape((k, *arr.shape[1:]))
             np.copyto(dst, arr[r : r + k])
             self.fill += k * row
             self.size += k * row
@@ -293,7 +303,12 @@ class FileWriter(Sink):
             self.hasher.update(v)
         if iov:
             self.hasher.update(iov[-1][: iov[-1].nbytes - pad])
-        self._wait()
+        try:
+            self._wait()
+        except BaseException:  # the previous write failed: these held pieces will never be written
+            for lease in leases:
+                lease.release()
+            raise
         self.pending = self.io.submit(self._write_out, iov, end, leases)
 
     def _wait(self) -> None:
@@ -371,21 +386,6 @@ class FileWriter(Sink):
         for b in self.bufs:
             with contextlib.suppress(BufferError):
                 b.close()
-
-
-def page_aligned_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
-    """A safetensors header (name, dtype, shape per tensor, back to back) padded so that the page
-    offset most of the file's bytes share is 0 in the file: their tensors start where pages start,
-    as their bytes do in the read buffers, so they can go through (`FileWriter.write`)."""
-    share: dict[int, int] = {}
-    pos = 0
-    for _, dtype, shape in entries:
-        nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        if pos % 8 == 0:
-            share[pos % ALIGN] = share.get(pos % ALIGN, 0) + nbytes
-        pos += nbytes
-    anchor = max(share, key=lambda k: (share[k], -k), default=0)
-    return encode_header(entries, metadata, align=ALIGN, anchor=anchor)
 
 
 def _address(view: memoryview) -> int:

@@ -265,7 +265,7 @@ class ObjectWriter(Sink):
                 self._send()
 
     def write_array(self, arr: np.ndarray) -> None:
-        """Write a strided uint8 array in C order, gathered straight into the part buffer (the
+        """Write a strided array's bytes (uint8, or wider words) in C order, gathered straight into the part buffer (the
         default stages it first: a second copy of every column-split byte)."""
         if not arr.nbytes:
             return
@@ -280,7 +280,7 @@ class ObjectWriter(Sink):
                 r += 1
                 continue
             start, n = self.fill, k * row
-            dst = np.frombuffer(self.buf, np.uint8, n, start).reshape((k, *arr.shape[1:]))
+            dst = np.frombuffer(self.buf, np.uint8, n, start).view(arr.dtype).reshape((k, *arr.shape[1:]))
             np.copyto(dst, arr[r : r + k])
             del dst  # no view of the buffer outlives its upload
             self.hasher.update(memoryview(self.buf)[start : start + n])
