@@ -4,8 +4,10 @@ An MoE layer's experts are hundreds of small tensors of one shape (an expert's g
 projection), and each rank takes the same rows or columns of every one of them (TP), or whole
 tensors of some of them (EP). Emitted piece by piece, such a step costs the executor a few
 microseconds per piece and rank in Python (197,763 tensors x 8 ranks: tens of seconds); here the
-step's reads are gathered into one batch buffer, a chunk at a time, and every rank's pieces from
-that batch are cut out with one numpy `take`: a handful of operations per rank and chunk.
+step's reads are copied into one of two reused batch buffers, a chunk at a time, and every rank's
+pieces from that batch go to its writer at once, as one view of the buffer (a slice, where the rank
+takes consecutive reads: every TP rank, each EP rank) or one numpy `take`: a handful of operations
+per rank and chunk.
 
 What makes a step uniform (`uniform`): each read is one whole source (or the same rows of each),
 all of one dtype and shape, at most `limit` bytes each; every piece of every rank is a plain slice
@@ -16,16 +18,22 @@ exactly those of the piece-by-piece path (tests/test_execute_batch.py compares b
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Protocol
 
 import numpy as np
 
 from reshard.format import ITEMSIZE
-from reshard.plan import OutTensor, Slice
-from reshard.schedule import Step, bounds, shape_of
+from reshard.io.dtypes import Caster
+from reshard.io.memory import Lease, Memory
+from reshard.plan import OutTensor, Slice, Stack, count
+from reshard.schedule import Read, Step, bounds, shape_of
 
 MIN_READS = 16  # fewer reads than this: the piece-by-piece path is as fast
+# a read copied into a batch with numpy at least this large (without the GIL), else as a memoryview
+NUMPY_COPY = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -82,22 +90,27 @@ _PLAIN = (None, None, None, 1, None)  # up, pad, perm, step, scale of a plain sl
 
 def _holder(t: OutTensor, pos: dict[str, int], lo: int, rows: int) -> tuple[np.ndarray, tuple[slice, ...]] | None:
     """One holder's read indices and slice, or None (checked with C-level loops: an MoE layer's
-    holder has thousands of pieces)."""
+    holder has thousands of pieces, or one `Stack` of them)."""
     pieces = t.pieces
-    if not pieces or any(type(p) is not Slice for p in pieces):
-        return None
-    geometry = set(map(_GEOMETRY, pieces))
-    if len(geometry) != 1:
-        return None
-    if next(iter(geometry))[2:] != _PLAIN:
-        return None
+    if len(pieces) == 1 and type(pieces[0]) is Stack:
+        names, n = pieces[0].sources, len(pieces[0].sources)
+        a, b = pieces[0].start, pieces[0].stop
+    else:
+        if not pieces or any(type(p) is not Slice for p in pieces):
+            return None
+        geometry = set(map(_GEOMETRY, pieces))
+        if len(geometry) != 1:
+            return None
+        if next(iter(geometry))[2:] != _PLAIN:
+            return None
+        names, n = map(_SOURCE, pieces), len(pieces)
+        a, b = bounds(pieces[0])
     try:
-        index = np.fromiter(map(pos.__getitem__, map(_SOURCE, pieces)), np.int64, len(pieces))
+        index = np.fromiter(map(pos.__getitem__, names), np.int64, n)
     except KeyError:
         return None
     if len(index) > 1 and not bool(np.all(index[1:] > index[:-1])):
         return None
-    a, b = bounds(pieces[0])
     if a[0] < lo or b[0] > lo + rows:
         return None
     sel = (slice(a[0] - lo, b[0] - lo), *(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
@@ -107,18 +120,137 @@ def _holder(t: OutTensor, pos: dict[str, int], lo: int, rows: int) -> tuple[np.n
 _SOURCE = attrgetter("source")
 
 
+def fill(buf: memoryview, get: Callable[[], tuple[memoryview, Lease]], count: int, nbytes: int) -> None:
+    """Copy the next `count` reads (`get`: the prefetcher's, each `nbytes`) into `buf`, one after the
+    other, releasing their leases; consecutive reads share one (reshard.io.prefetch's runs), given
+    back at once."""
+    held, k = None, 0
+    dst = np.frombuffer(buf, np.uint8) if nbytes >= NUMPY_COPY else None
+    try:
+        for off in range(0, count * nbytes, nbytes):  # ~200k reads in a run: copies, nothing else
+            view, lease = get()
+            if dst is None:
+                buf[off : off + nbytes] = view
+            else:  # numpy lets the other threads run while it copies
+                np.copyto(dst[off : off + nbytes], np.frombuffer(view, np.uint8))
+            del view
+            if lease is not held:
+                if held is not None:
+                    held.release(k)
+                held, k = lease, 0
+            k += 1
+    finally:
+        if held is not None:
+            held.release(k)
+
+
 def batch_reads(u: Uniform, chunk_bytes: int) -> int:
     """How many reads one batch buffer holds."""
     return max(1, chunk_bytes // max(u.nbytes, 1))
 
 
-def cut(u: Uniform, batch: np.ndarray, base: int, count: int, holder: int) -> tuple[np.ndarray, int, int] | None:
+def cut(u: Uniform, batch: np.ndarray, base: int, count: int, holder: int) -> tuple[np.ndarray, bool, int, int] | None:
     """Holder `holder`'s pieces from reads [base, base + count) (`batch`: those reads, shaped
-    (count, *u.shape)): a new contiguous array and the [first, last) of its pieces, or None when
-    none of its pieces come from these reads."""
+    (count, *u.shape)): their bytes in C order, whether that array is a view of `batch` (consecutive
+    reads: every TP rank's, each EP rank's experts) rather than a new one, and the [first, last) of
+    its pieces; None when none of its pieces come from these reads."""
     index = u.index[holder]
     s, e = np.searchsorted(index, [base, base + count])
     if s == e:
         return None
+    first, last = int(index[s]) - base, int(index[e - 1]) - base
+    if last - first == e - s - 1:
+        return wide(batch[first : last + 1], u.sel[holder]), True, int(s), int(e)
     picked = np.take(batch[(slice(None), *u.sel[holder])], index[s:e] - base, axis=0)
-    return picked, int(s), int(e)
+    return picked, False, int(s), int(e)
+
+
+def wide(reads: np.ndarray, sel: tuple[slice, ...]) -> np.ndarray:
+    """The view `reads[:, *sel]` (uint8 [count, ..., itemsize]) in words as wide as the selection's
+    innermost runs allow (the same bytes in C order): a rank's few columns of each row of an
+    expert's down projection are 8-byte runs, which byte-wise copies move 2-5x slower."""
+    shape = reads.shape  # (count, rows, ..., last, itemsize)
+    item = shape[-1]
+    x, y = sel[-1].start, sel[-1].stop
+    width = shape[-2] * item
+    for w, dtype in ((8, np.uint64), (4, np.uint32), (2, np.uint16)):
+        if width % w == 0 and (x * item) % w == 0 and (y * item) % w == 0 and reads.ctypes.data % w == 0:
+            flat = reads.reshape((*shape[:-2], width)).view(dtype)
+            return flat[(slice(None), *sel[:-1], slice(x * item // w, y * item // w))]
+    return reads[(slice(None), *sel)]
+
+
+class Holder(Protocol):
+    """One rank's copy of the step's tensor (reshard.execute's): its writer, and how many of its
+    pieces are written."""
+
+    tensor: OutTensor
+    cursor: int
+
+    @property
+    def writer(self) -> Writer: ...
+
+
+class Writer(Protocol):
+    def write(self, data: np.ndarray, lease: Lease) -> None: ...
+
+
+class Batches:
+    """Emits uniform steps for the executor: each holder's pieces from many reads handed to its
+    writer at once, as a view of their memory (the writer copies it, without the GIL, while the
+    main thread goes on) or, cast or picked, a new array. The reads are copied into one of two
+    reused batch buffers of `batch_bytes` a batch at a time (taken out of the fresh budget when
+    first needed). (Large reads cut where they were read, without that copy, cost a cold FP8 MoE
+    save more CPU, not less: their rank pieces then went to disk as many small writes.)"""
+
+    def __init__(
+        self,
+        mem: Memory,
+        get: Callable[[], tuple[memoryview, Lease]],
+        batch_bytes: int,
+        cast: Caster,
+        progress: Callable[[int], None],
+    ) -> None:
+        self.mem, self.get, self.batch_bytes, self.cast, self.progress = mem, get, batch_bytes, cast, progress
+        self.size: int | None = None
+
+    def emit(self, reads: Sequence[Read], holders: Sequence[Holder], u: Uniform) -> None:
+        """Take the step's `reads` from the prefetcher, in order, and write every holder's pieces."""
+        n, get = len(reads), self.get
+        if self.size is None:  # two buffers for the run, reused: no page faults, no heap to fragment
+            self.size = self.mem.reserve(2 * self.batch_bytes) // 2
+            assert self.size == self.batch_bytes  # a uniform step's reads are at most batch_bytes each
+        per = batch_reads(u, self.size)
+        for base in range(0, n, per):
+            k = min(per, n - base)
+            buf = self.mem.take_reused(self.size, 2)
+            try:
+                fill(memoryview(buf.buf), get, k, u.nbytes)
+                batch = np.frombuffer(buf.buf, np.uint8, k * u.nbytes).reshape((k, *u.shape))
+                self._hand_out(u, batch, base, holders, buf)
+            finally:
+                buf.release()
+        for h in holders:
+            if h.cursor != count(h.tensor.pieces):
+                raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
+
+    def _hand_out(self, u: Uniform, batch: np.ndarray, base: int, holders: Sequence[Holder], lease: Lease) -> None:
+        """Every holder's pieces from reads [base, base + len(batch)), whose memory `lease` holds."""
+        same = u.dtype == holders[0].tensor.dtype and self.cast.device == "cpu"
+        for hi, h in enumerate(holders):
+            got = cut(u, batch, base, len(batch), hi)
+            if got is None:
+                continue
+            picked, view, first, last = got
+            assert first == h.cursor, f"{h.tensor.name}: pieces out of order"
+            if view and same:
+                lease.hold()
+                h.writer.write(picked, lease)
+            else:
+                if view:  # a copy: the cast may give back what it was given (I32 -> U8)
+                    shape = (last - first, *(x.stop - x.start for x in u.sel[hi]), u.shape[-1])
+                    picked = picked.copy().view(np.uint8).reshape(shape)
+                out = self.cast(picked, u.dtype, h.tensor.dtype)
+                h.writer.write(out, self.mem.account(out.nbytes))
+            self.progress(picked.nbytes)
+            h.cursor = last

@@ -17,7 +17,9 @@ Threads overlap so that a save runs at the disk's speed (docs/benchmarks.md):
   page cache is read out of it, one that is not with O_DIRECT (RESHARD_DIRECT_READS,
   `reshard.io.reader`);
 - the main thread (here) takes those chunks in order and hands every rank *views* of its rows: no
-  copy;
+  copy. An MoE layer's experts (a uniform step: hundreds of small reads of one shape, each rank
+  taking the same slice of each) go in batches (`reshard.batch`): small reads copied into a reused
+  batch buffer, each rank's share of a batch handed over as one view;
 - one writer thread per open output file (`reshard.io.worker`) gathers strided views (column
   slices) into an aligned stage and hashes it (BLAKE3 by default); contiguous views that line up
   with the file go to disk from the read buffer itself. That file's I/O thread writes with O_DIRECT
@@ -34,20 +36,20 @@ buffers get what the process grew by since the command began leaves of it (`Writ
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from reshard.batch import Uniform, batch_reads, cut, uniform
+from reshard.batch import Batches, uniform
 from reshard.checkpoint import Reader, Source
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.io.dtypes import Caster, dequantize_fp8, fill_bytes, pad_rows, upsample
-from reshard.io.memory import Lease, Memory, aligned_buffer, metadata_budget
+from reshard.io.memory import Lease, Memory, metadata_budget
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
 from reshard.io.writer import FileWriter, Sink, Written
-from reshard.plan import Cols, Fill, OutFile, OutTensor, Plan, Slice
+from reshard.plan import Cols, Fill, OutFile, OutTensor, Plan, Slice, flat
 from reshard.schedule import ALL_ROWS, DEFAULT_CHUNK, Read, Step, bounds, file_header, schedule, shape_of
 
 # ---- the executor ----------------------------------------------------------------------------------
@@ -158,7 +160,6 @@ class Executor:
         self.done: list[Written] = []
         self.prefetch: Prefetcher | None = None
         self.scales: dict[str, np.ndarray] = {}  # the step's block scales (Read.scale), by name
-        self.batch: np.ndarray | None = None  # uniform steps' reused batch buffer (reshard.batch)
 
     def run(self) -> list[Written]:
         steps = schedule(self.plan, self.tensors, self.chunk_bytes)
@@ -166,13 +167,14 @@ class Executor:
         budget = metadata_budget(self.options.max_memory, self.options.rss_base)
         self.mem = Memory(budget, self.chunk_bytes)
         self.mem.on_short = self._flush_held
-        # the uniform steps' batch buffer: taken out of the fresh budget (Memory.reserve) when first used
-        self.batch_bytes = min(self.chunk_bytes, self.mem.fresh_limit // 4)
+        # the uniform steps' two batch buffers: taken out of the fresh budget (Memory.reserve) when first used
+        self.batch_bytes = min(self.chunk_bytes, self.mem.fresh_limit // 8)  # two, reserved: a quarter
         for f in self.plan.files:
             if not f.tensors:
                 self.done.append(self.sink(f, file_header(f, self.metadata)).close(self.sync))
         try:
             self.prefetch = Prefetcher(self.reader, self.mem, [r for step in steps for r in step.reads])
+            self.batches = Batches(self.mem, self.prefetch.get, self.batch_bytes, self.cast, self.progress)
             for step in steps:
                 holders = [_Holder(t, self._writer(f)) for f, t in step.slots]
                 for h in holders:
@@ -197,7 +199,6 @@ class Executor:
             if self.prefetch is not None:
                 self.prefetch.stop()
             self.reader.close()
-            self.batch = None
             self.mem.close()
         return self.done
 
@@ -218,8 +219,10 @@ class Executor:
         assert self.prefetch is not None
         u = uniform(step, [h.tensor for h in holders], self.batch_bytes)
         if u is not None:
-            self._emit_uniform(step, holders, u)
+            self.batches.emit(step.reads, holders, u)
             return
+        for h in holders:  # a piece at a time: experts' stacks as their slices (the reads are the same)
+            h.tensor = replace(h.tensor, pieces=flat(h.tensor.pieces))
         for read in step.reads:
             view, lease = self.prefetch.get()
             info = read.info
@@ -241,38 +244,6 @@ class Executor:
             if h.cursor != len(h.tensor.pieces):
                 raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
         self.scales.clear()
-
-    def _emit_uniform(self, step: Step, holders: list[_Holder], u: Uniform) -> None:
-        """A uniform step (reshard.batch): the reads gathered into a batch buffer a chunk at a time,
-        each holder's pieces from a batch cut out at once and written as one array."""
-        assert self.prefetch is not None
-        if self.batch is None:  # one buffer for the run (reused: no page faults, no heap to fragment)
-            self.batch = np.frombuffer(aligned_buffer(self.mem.reserve(self.batch_bytes)), np.uint8)
-        whole = self.batch
-        n, per = len(step.reads), batch_reads(u, len(whole))
-        for base in range(0, n, per):
-            count = min(per, n - base)
-            mv, nb, get = memoryview(whole), u.nbytes, self.prefetch.get
-            for off in range(0, count * nb, nb):  # ~200k reads in a run: memoryview copies, nothing else
-                view, lease = get()
-                mv[off : off + nb] = view
-                del view
-                lease.release()
-            del mv
-            batch = whole[: count * nb].reshape((count, *u.shape))
-            for hi, h in enumerate(holders):
-                got = cut(u, batch, base, count, hi)
-                if got is None:
-                    continue
-                picked, first, last = got
-                assert first == h.cursor, f"{h.tensor.name}: pieces out of order"
-                out = self.cast(picked, u.dtype, h.tensor.dtype)
-                h.writer.write(out, self.mem.account(out.nbytes))
-                self.progress(out.nbytes)
-                h.cursor = last
-        for h in holders:
-            if h.cursor != len(h.tensor.pieces):
-                raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
 
     def _advance_fills(self, h: _Holder) -> None:
         pieces = h.tensor.pieces

@@ -7,13 +7,14 @@ global order shared by every rank, each with its `Read`s of source rows in chunk
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from reshard.bulk import paused_gc
-from reshard.format import ITEMSIZE, TensorInfo
-from reshard.io.writer import page_aligned_header
-from reshard.plan import Cols, OutFile, OutTensor, Plan, Slice, natural_key
+from reshard.format import ITEMSIZE, TensorInfo, encode_header
+from reshard.io.memory import ALIGN
+from reshard.plan import Cols, OutFile, OutTensor, Plan, Slice, Stack, flat, natural_key
 
 DEFAULT_CHUNK = 32 * 1024 * 1024
 ALL_ROWS = 1 << 62
@@ -88,20 +89,51 @@ def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: in
         yield Read(tensors[name], 0, tensors[name].nbytes, None, scale=True)
     if not streamable:
         for h, t in enumerate(out):
-            for i, p in enumerate(t.pieces):
+            for i, p in enumerate(flat(t.pieces)):
                 for q in p.parts if isinstance(p, Cols) else (p,) if isinstance(p, Slice) else ():
                     info = tensors[q.source]
                     (a, *_), (b, *_) = bounds(q)
                     yield _whole(info, (h, i)) if q.up else _rows(info, a, b, (h, i))
         return
+    row_bytes: dict[tuple[str, tuple[int, ...]], int] = {}  # by dtype and shape: an MoE layer's are a few
     for s, (up, lo, hi) in sources.items():
         info = tensors[s]
         if up:
             yield _whole(info)
             continue
-        rows_per_chunk = max(1, chunk_bytes // max(_row_bytes(info), 1))
-        for c0 in range(lo, hi, rows_per_chunk):
-            yield _rows(info, c0, min(c0 + rows_per_chunk, hi))
+        key = (info.dtype, info.shape)
+        rb = row_bytes.get(key)
+        if rb is None:
+            rb = row_bytes[key] = _row_bytes(info)
+        per = max(1, chunk_bytes // max(rb, 1))
+        if hi - lo <= per:  # one chunk: most sources (an expert's tensor)
+            yield _read(info, lo * rb, (hi - lo) * rb, (lo, hi))
+            continue
+        for c0 in range(lo, hi, per):
+            c1 = min(c0 + per, hi)
+            yield _read(info, c0 * rb, (c1 - c0) * rb, (c0, c1))
+
+
+_READ_FIELDS = ("info", "start", "nbytes", "rows", "piece", "scale")
+if tuple(Read.__slots__) != _READ_FIELDS:
+    raise AssertionError("Read's fields changed: update `_read`")
+_READ_SET = tuple(Read.__dict__[f].__set__ for f in _READ_FIELDS)
+
+
+def _read(
+    info: TensorInfo, start: int, nbytes: int, rows: tuple[int, int], piece: tuple[int, int] | None = None
+) -> Read:
+    """`Read(info, start, nbytes, rows, piece)`, without the frozen dataclass's field-by-field __init__ (a
+    read per source tensor: ~200k in an MoE save; tests/test_schedule_pass.py holds them equal)."""
+    r = object.__new__(Read)
+    s_info, s_start, s_nbytes, s_rows, s_piece, s_scale = _READ_SET
+    s_info(r, info)
+    s_start(r, start)
+    s_nbytes(r, nbytes)
+    s_rows(r, rows)
+    s_piece(r, piece)
+    s_scale(r, False)
+    return r
 
 
 def _whole(info: TensorInfo, piece: tuple[int, int] | None = None) -> Read:
@@ -110,7 +142,7 @@ def _whole(info: TensorInfo, piece: tuple[int, int] | None = None) -> Read:
 
 def _rows(info: TensorInfo, r0: int, r1: int, piece: tuple[int, int] | None = None) -> Read:
     row_bytes = _row_bytes(info)
-    return Read(info, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1), piece)
+    return _read(info, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1), piece)
 
 
 Sources = dict[str, tuple[bool, int, int]]
@@ -135,6 +167,17 @@ def _survey(tensors: list[OutTensor]) -> tuple[dict[str, None], Sources, bool]:
         prev: Slice | None = None
         prev_end = 0  # the previous slice's last row + 1
         for x in t.pieces:
+            if type(x) is Stack:
+                first = x.sources[0]
+                if (
+                    streamable
+                    and prev is not None
+                    and (first == prev.source or rank.get(first, len(rank)) < rank[prev.source])
+                ):
+                    streamable = False
+                streamable = _stack(sources, rank, x) and streamable
+                prev, prev_end = Slice(x.sources[-1], x.start, x.stop), x.stop[0]
+                continue
             if not isinstance(x, Slice):
                 if isinstance(x, Cols):
                     streamable = False
@@ -160,6 +203,28 @@ def _survey(tensors: list[OutTensor]) -> tuple[dict[str, None], Sources, bool]:
                     streamable = not back and rank[x.source] >= rank[prev.source]
             prev, prev_end = x, b
     return scales, sources, streamable
+
+
+def _stack(sources: Sources, rank: dict[str, int], x: Stack) -> bool:
+    """Count a `Stack`'s sources into `sources` and `rank` as its slices would be, a layer's experts
+    at once where they are all new (the first rank, or each under --ep) or all share one span (the
+    other ranks under TP); whether its sources are distinct and in increasing order of first use."""
+    names, a, b = x.sources, x.start[0], x.stop[0]
+    seen = rank.keys() & names
+    if not seen:
+        n = len(rank)
+        rank.update(zip(names, range(n, n + len(names)), strict=True))
+        sources.update(dict.fromkeys(names, (False, a, b)))
+        return len(rank) == n + len(names)
+    spans = set(map(sources.__getitem__, names)) if len(seen) == len(names) else ()
+    if len(spans) == 1:
+        up, lo, hi = next(iter(spans))
+        sources.update(dict.fromkeys(names, (up, lo if lo < a else a, hi if hi > b else b)))
+    else:
+        for p in x.slices():
+            _use(sources, rank, p)
+    ranks = list(map(rank.__getitem__, names))
+    return len(set(names)) == len(names) and all(map(int.__lt__, ranks, ranks[1:]))
 
 
 def _use(sources: Sources, rank: dict[str, int], p: Slice) -> tuple[int, int]:
@@ -191,3 +256,18 @@ def bounds(p: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def file_header(f: OutFile, metadata: dict[str, str]) -> bytes:
     return page_aligned_header([(t.name, t.dtype, t.shape) for t in f.tensors], metadata)
+
+
+def page_aligned_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """A safetensors header (name, dtype, shape per tensor, back to back) padded so that the page
+    offset most of the file's bytes share is 0 in the file: their tensors start where pages start,
+    as their bytes do in the read buffers, so they can go through (`FileWriter.write`)."""
+    share: dict[int, int] = {}
+    pos = 0
+    for _, dtype, shape in entries:
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if pos % 8 == 0:
+            share[pos % ALIGN] = share.get(pos % ALIGN, 0) + nbytes
+        pos += nbytes
+    anchor = max(share, key=lambda k: (share[k], -k), default=0)
+    return encode_header(entries, metadata, align=ALIGN, anchor=anchor)

@@ -31,8 +31,13 @@ def _data(path) -> bytes:
     "arch, tp, ep, dtype", CASES, ids=[f"{a}-tp{t}{'-ep' if e else ''}-{d}" for a, t, e, d in CASES]
 )
 @pytest.mark.parametrize("reads", [3, 4096], ids=["three-reads-a-batch", "one-batch"])
-def test_uniform_steps_write_the_bytes_of_the_piece_path(tiny, tmp_path, monkeypatch, arch, tp, ep, dtype, reads):
+@pytest.mark.parametrize("numpy_copy", [False, True], ids=["memoryview-copies", "numpy-copies"])
+def test_uniform_steps_write_the_bytes_of_the_piece_path(
+    tiny, tmp_path, monkeypatch, arch, tp, ep, dtype, reads, numpy_copy
+):
     src = str(tiny(arch))
+    if numpy_copy:  # reads copied into the batch by numpy (larger reads: NUMPY_COPY), not as memoryviews
+        monkeypatch.setattr(batch, "NUMPY_COPY", 1)
     experts = [t.nbytes for t in open_source(src).checkpoint.tensors.values() if ".experts." in t.name]
     chunk = reads * max(experts)  # a batch holds `reads` of the largest expert tensors
     monkeypatch.setattr(batch, "MIN_READS", 2)  # the tiny models have 8 experts
@@ -75,3 +80,24 @@ def test_a_step_with_a_padded_or_filled_piece_is_not_uniform(tiny, tmp_path):
         assert batch.uniform(w13, tensors, 16) is None  # a read over the limit
     finally:
         batch.MIN_READS = batch_min
+
+
+def test_wide_views_hold_the_bytes_take_picks():
+    """`batch.wide` (consecutive reads: a slice, in words as wide as the runs allow) holds, in C
+    order, numpy's take of the same reads, byte for byte; it is a view of the batch buffer, never a
+    copy (what the writers copy from)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for shape in [(5, 8, 6, 2), (5, 8, 4), (5, 16, 1), (5, 6, 2), (7, 4, 3, 5, 2)]:
+        reads = rng.integers(0, 255, shape, dtype=np.uint8)
+        for _ in range(40):
+            sel = []
+            for d in shape[1:-1]:
+                a = int(rng.integers(0, d))
+                sel.append(slice(a, int(rng.integers(a + 1, d + 1))))
+            sel = tuple(sel)
+            got = batch.wide(reads, sel)
+            want = np.take(reads[(slice(None), *sel)], np.arange(shape[0]), axis=0)
+            assert got.tobytes() == want.tobytes() and got.nbytes == want.nbytes
+            assert np.shares_memory(got, reads)

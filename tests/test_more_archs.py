@@ -17,7 +17,7 @@ from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.layout import Layout
-from reshard.plan import DEFAULT_MAX_PART, Fill, Slice, build_plan
+from reshard.plan import DEFAULT_MAX_PART, Fill, Slice, build_plan, flat
 from reshard.rules import ARCHITECTURES
 from reshard.sources import open_source
 from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
@@ -107,7 +107,7 @@ def test_deepseek_v3_tiny_ep(tiny):
     assert s[m + "routed_experts.w13_weight"] == ("BF16", (2, 64, 64))  # experts 6, 7 whole
     assert s[m + "routed_experts.w2_weight"] == ("BF16", (2, 64, 32))
     assert s[m + "_shared_experts._layer.gate_up_proj.weight"] == ("BF16", (16, 64))  # still TP
-    first = rank(plan, 3)[m + "routed_experts.w13_weight"].pieces[0]
+    first = flat(rank(plan, 3)[m + "routed_experts.w13_weight"].pieces)[0]
     assert first.source == "model.layers.3.mlp.experts.6.gate_proj.weight"
 
 

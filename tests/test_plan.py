@@ -11,7 +11,7 @@ import pytest
 
 from reshard.errors import SourceError, UnsupportedError
 from reshard.layout import Layout
-from reshard.plan import Fill, build_plan, pp_ranges
+from reshard.plan import Fill, build_plan, flat, pp_ranges
 from tests.fixtures.synthetic import LLAMA_3_70B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
 
 
@@ -165,7 +165,7 @@ def test_qwen3_235b_fp8_tp8_ep(qwen235):
     assert s[L + "mlp.experts.routed_experts.w2_weight"] == ("F8_E4M3", (16, 4096, 1536))
     assert s[L + "mlp.experts.routed_experts.w2_weight_scale_inv"] == ("F32", (16, 32, 12))
     assert s[L + "self_attn.qkv_proj.weight"] == ("F8_E4M3", (1280, 4096))  # attention stays TP
-    first = rank_tensors(plan, 5)[L + "mlp.experts.routed_experts.w13_weight"].pieces[0]
+    first = flat(rank_tensors(plan, 5)[L + "mlp.experts.routed_experts.w13_weight"].pieces)[0]
     assert first.source == L + "mlp.experts.80.gate_proj.weight"  # rank 5 holds experts 80..95
     assert "--enable-expert-parallel" in plan.serve_command("out")
 

@@ -11,14 +11,14 @@ they stand for.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.layout import Layout
-from reshard.plan import build_plan, experts, kvscales, model, quant
+from reshard.plan import build_plan, experts, flat, kvscales, model, quant
 from reshard.plan.context import Context
 from reshard.plan.expertblocks import RankScales, moe_block
 from reshard.plan.geometry import MoeSplit, Sources, cdiv
@@ -26,6 +26,7 @@ from reshard.plan.model import (
     Fill,
     OutTensor,
     Slice,
+    Stack,
     padded_cols,
     padded_cols_each,
     padded_rows,
@@ -168,12 +169,14 @@ def one_by_one(monkeypatch) -> None:
 
 
 def digest(plan) -> tuple[str, int]:
-    """A digest of every file, tensor and piece of the plan, its notes and layout; how many pieces."""
+    """A digest of every file, tensor and piece of the plan (each expert `Stack` as its slices), its
+    notes and layout; how many pieces."""
     h = hashlib.sha256()
     pieces = 0
     for f in plan.files:
-        h.update(repr(f).encode())
-        pieces += sum(len(t.pieces) for t in f.tensors)
+        tensors = tuple(replace(t, pieces=flat(t.pieces)) for t in f.tensors)
+        h.update(repr(replace(f, tensors=tensors)).encode())
+        pieces += sum(len(t.pieces) for t in tensors)
     h.update(repr((plan.layout, plan.notes, plan.config_patch, plan.serve_flags)).encode())
     return h.hexdigest(), pieces
 
@@ -279,10 +282,17 @@ def test_slices_are_the_dataclass_objects():
 def test_padded_each_equals_one_by_one(start, size, width):
     names = [f"e.{i}" for i in range(5)]
     rows = padded_rows_each(names, start, size, width, 16, 0.0)
-    assert rows == tuple(p for n in names for p in padded_rows(n, start, size, width, 16, 0.0))
+    assert flat(rows) == tuple(p for n in names for p in padded_rows(n, start, size, width, 16, 0.0))
     cols = padded_cols_each(names, 16, start, size, width, 1.0)
-    assert cols == tuple(padded_cols(n, 16, start, size, width, 1.0) for n in names)
+    unpadded = lambda p: replace(p, fill=0.0) if isinstance(p, Slice) and p.pad is None else p  # noqa: E731 (fill unused)
+    assert tuple(map(unpadded, flat(cols))) == tuple(
+        unpadded(padded_cols(n, 16, start, size, width, 1.0)) for n in names
+    )
     assert any(isinstance(p, Fill) for p in rows) == (width > size)
+    # unpadded: one Stack, its numel the slices'; padded: the slices themselves
+    for got in (rows, cols):
+        assert (len(got) == 1 and isinstance(got[0], Stack)) == (0 < size == width)
+        assert sum(p.numel for p in got) == sum(p.numel for p in flat(got))
 
 
 def _re(text: str) -> str:

@@ -7,7 +7,7 @@ quant     the quantization scheme: one strategy object per scheme, chosen from c
 kvscales  FP8 KV-cache scales: the checkpoint names vLLM 0.32 loads into attention scales
 geometry  sizes shared by the slicers and the schemes (Dims, LinearRank, MoeSplit)
 files     which file each tensor goes to (natural_key, split_by_size)
-model     the plan as data (Plan, OutFile, OutTensor, Slice, Fill, Cols)
+model     the plan as data (Plan, OutFile, OutTensor, Slice, Fill, Cols, Stack)
 
 Imports nothing that imports torch or numpy.
 """
@@ -15,7 +15,7 @@ Imports nothing that imports torch or numpy.
 from reshard.names import DEFAULT_MAX_PART
 from reshard.plan.files import natural_key, split_by_size
 from reshard.plan.geometry import Dims
-from reshard.plan.model import Cols, Fill, OutFile, OutTensor, Piece, Plan, Slice
+from reshard.plan.model import Cols, Fill, OutFile, OutTensor, Piece, Plan, Slice, Stack, count, flat
 from reshard.plan.planner import build_plan, num_experts, pp_ranges
 from reshard.plan.quant import Quant
 from reshard.plan.slicers import VOCAB_PADDING
@@ -32,7 +32,10 @@ __all__ = [
     "Plan",
     "Quant",
     "Slice",
+    "Stack",
     "build_plan",
+    "count",
+    "flat",
     "natural_key",
     "num_experts",
     "pp_ranges",

@@ -35,8 +35,8 @@ def experts(ctx: Context, m: Experts, prefix: str, per_tp: list[list[OutTensor]]
     wdtype = scheme.weight_dtype if scheme else ctx.dtype
     param, pk = (scheme.weight_param, scheme.pack) if scheme else ("weight", 1)  # packed along the input dim
     width, hidden = split.width, split.hidden
-    gate_up = [w.name for g, u, _ in weights for w in (g, u)]
-    down = [dn.name for _, _, dn in weights]
+    gate_up = tuple(w.name for g, u, _ in weights for w in (g, u))  # tuples: TP ranks share one (a whole slice)
+    down = tuple(dn.name for _, _, dn in weights)
     for r in range(ctx.tp):
         local = split.experts(r)
         start, size = split.real(r)

@@ -23,7 +23,7 @@ from reshard.folderview import FolderView, LocalView, view_manifest
 from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest
-from reshard.plan import Cols, Slice, build_plan
+from reshard.plan import Cols, Piece, Slice, Stack, build_plan
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import OutputReader, Region
 
@@ -81,52 +81,80 @@ def read_output(
                 raise CorruptError(f"{view.where(f.name)}: tensor {t.name} is missing", "the output is damaged")
             pos = header[t.name].offset
             for p in t.pieces:
-                nbytes = p.numel * ITEMSIZE[t.dtype]
-                if isinstance(p, Slice):
-                    if p.perm is not None or p.step > 1:
-                        raise UnsupportedError(
-                            f"{path} holds {p.source} transposed or with its rows reordered (vLLM's layout of "
-                            "gpt-oss's and Llama-4's bf16 experts, Llama-4's q/k); "
-                            "reading it back is not supported",
-                            "merge or re-shard from the original Hugging Face checkpoint",
-                        )
-                    if p.scale is not None:  # issue 27
-                        raise UnsupportedError(
-                            f"{path} holds {p.source} dequantised from FP8 with {p.scale} (vLLM's load-time "
-                            "dequantisation of DeepSeek-V3.2's indexer wk); the FP8 bytes cannot be read back",
-                            "merge or re-shard from the original Hugging Face checkpoint",
-                        )
-                    if dtypes.setdefault(p.source, t.dtype) != t.dtype:
-                        raise SourceError(f"{p.source} is stored in two dtypes; cannot read it back")
-                    regions.setdefault(p.source, []).append(Region(f.name, pos, p.start, p.stop, p.up, p.pad))
-                elif isinstance(p, Cols):  # each part's rows, every `stride` bytes, after the parts before it
-                    item = ITEMSIZE[t.dtype]
-                    widths = [(q.stop[-1] - q.start[-1]) * item for q in p.parts]
-                    for q, col in zip(p.parts, (sum(widths[:j]) for j in range(len(widths))), strict=True):
-                        if dtypes.setdefault(q.source, t.dtype) != t.dtype:
-                            raise SourceError(f"{q.source} is stored in two dtypes; cannot read it back")
-                        region = Region(f.name, pos + col, q.start, q.stop, None, None, sum(widths))
-                        regions.setdefault(q.source, []).append(region)
-                pos += nbytes
-    tensors = {}
+                if type(p) is Stack:  # a layer's experts on this rank (issue 28): the bounds shared
+                    pos = _stack_regions(f.name, pos, p, t.dtype, regions, dtypes)
+                else:
+                    pos = _piece_regions(path, f.name, pos, p, t.dtype, regions, dtypes)
+    tensors, sizes = {}, {}
     for name, regs in regions.items():
         shape = original[name].shape
         tensors[name] = TensorInfo(name, dtypes[name], shape, VIRTUAL, 0, math.prod(shape) * ITEMSIZE[dtypes[name]])
-        regions[name] = _tile(name, shape, regs)
+        regions[name] = _tile(name, shape, regs, sizes)
     ref = {**ref, "resharded_from": manifest.source, "from_run": manifest.run_id}
     ckpt = Checkpoint(root, config, tensors, [], ref, manifest=manifest, missing=sorted(set(original) - set(tensors)))
     return ckpt, regions
 
 
-def _tile(name: str, shape: tuple[int, ...], regs: list[Region]) -> list[Region]:
-    """Drop replicas so the regions cover the tensor once; check they cover all of it."""
+def _stack_regions(
+    file: str, pos: int, p: Stack, dtype: str, regions: dict[str, list[Region]], dtypes: dict[str, str]
+) -> int:
+    """The regions of a `Stack` at `pos` of `file` (each source's slice in turn); where it ends."""
+    size = math.prod(b - a for a, b in zip(p.start, p.stop, strict=True)) * ITEMSIZE[dtype]
+    for s in p.sources:
+        if dtypes.setdefault(s, dtype) != dtype:
+            raise SourceError(f"{s} is stored in two dtypes; cannot read it back")
+        regions.setdefault(s, []).append(Region(file, pos, p.start, p.stop, None, None))
+        pos += size
+    return pos
+
+
+def _piece_regions(
+    path: str, file: str, pos: int, p: Piece, dtype: str, regions: dict[str, list[Region]], dtypes: dict[str, str]
+) -> int:
+    """The regions of piece `p` at `pos` of `file`; where it ends."""
+    if isinstance(p, Slice):
+        if p.perm is not None or p.step > 1:
+            raise UnsupportedError(
+                f"{path} holds {p.source} transposed or with its rows reordered (vLLM's layout of "
+                "gpt-oss's and Llama-4's bf16 experts, Llama-4's q/k); "
+                "reading it back is not supported",
+                "merge or re-shard from the original Hugging Face checkpoint",
+            )
+        if p.scale is not None:  # issue 27
+            raise UnsupportedError(
+                f"{path} holds {p.source} dequantised from FP8 with {p.scale} (vLLM's load-time "
+                "dequantisation of DeepSeek-V3.2's indexer wk); the FP8 bytes cannot be read back",
+                "merge or re-shard from the original Hugging Face checkpoint",
+            )
+        if dtypes.setdefault(p.source, dtype) != dtype:
+            raise SourceError(f"{p.source} is stored in two dtypes; cannot read it back")
+        regions.setdefault(p.source, []).append(Region(file, pos, p.start, p.stop, p.up, p.pad))
+    elif isinstance(p, Cols):  # each part's rows, every `stride` bytes, after the parts before it
+        item = ITEMSIZE[dtype]
+        widths = [(q.stop[-1] - q.start[-1]) * item for q in p.parts]
+        for q, col in zip(p.parts, (sum(widths[:j]) for j in range(len(widths))), strict=True):
+            if dtypes.setdefault(q.source, dtype) != dtype:
+                raise SourceError(f"{q.source} is stored in two dtypes; cannot read it back")
+            region = Region(file, pos + col, q.start, q.stop, None, None, sum(widths))
+            regions.setdefault(q.source, []).append(region)
+    return pos + p.numel * ITEMSIZE[dtype]
+
+
+def _tile(name: str, shape: tuple[int, ...], regs: list[Region], sizes: dict) -> list[Region]:
+    """Drop replicas so the regions cover the tensor once; check they cover all of it (`sizes`: the
+    elements of each extent seen so far, shared by the calls)."""
     seen: dict[tuple, Region] = {}
     for r in regs:
         seen.setdefault((r.start, r.stop, r.up), r)
     unique = list(seen.values())
     if any(r.up for r in unique):
         return unique  # small scale tensors: painted whole, overlaps are copies of one value
-    covered = sum(math.prod(b - a for a, b in zip(r.start, r.stop, strict=True)) for r in unique)
+    covered = 0
+    for r in unique:
+        n = sizes.get((r.start, r.stop))  # the same few extents for every expert of a layer
+        if n is None:
+            n = sizes[(r.start, r.stop)] = math.prod(b - a for a, b in zip(r.start, r.stop, strict=True))
+        covered += n
     if covered != math.prod(shape):
         raise SourceError(f"{name}: the output's pieces do not cover it exactly; cannot read it back")
     return unique
