@@ -296,5 +296,7 @@ def put_section(path: Path, heading: str, section: str) -> None:
     """Replace the section of `path` that starts with `heading` with `section`, or append it."""
     text = path.read_text() if path.exists() else ""
     old = section_of(path, heading)
+    if old.endswith("\n\n") and not section.endswith("\n\n"):  # a section followed by another: keep the blank line
+        section = section.rstrip("\n") + "\n\n"
     text = text.replace(old, section) if old else text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
