@@ -17,7 +17,7 @@ from reshard.errors import ReshardError, SourceError, UnsupportedError
 from reshard.execute import WriteOptions, run_executor
 from reshard.format import ITEMSIZE
 from reshard.hashing import NONE
-from reshard.io.memory import DEFAULT_MAX_MEMORY
+from reshard.io.memory import DEFAULT_MAX_MEMORY, resident_bytes
 from reshard.layout import Layout
 from reshard.names import CONFIG, INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
@@ -36,16 +36,19 @@ def merge_plan(ckpt: Checkpoint, max_shard_size: int) -> Plan:
     """One whole tensor per source tensor the output holds, in Hub-style shards."""
     manifest = ckpt.manifest
     assert manifest is not None and manifest.source_tensors is not None  # OutputSource refuses it otherwise
+    keys = {name: natural_key(name) for name in ckpt.tensors}  # made once: 200k names cost ~1 s a sort
     tensors = []
-    for name in sorted(ckpt.tensors, key=natural_key):
+    for name in sorted(ckpt.tensors, key=keys.__getitem__):
         dtype, shape = manifest.source_tensors[name]
         tensors.append(OutTensor(name, dtype, shape, (Slice(name, (0,) * len(shape), shape),)))
-    tensors += restored_tensors(ckpt)
+    restored = restored_tensors(ckpt)
+    keys.update((t.name, natural_key(t.name)) for t in restored)
+    tensors += restored
     shards = split_by_size(tensors, max_shard_size)
     files = []
     for i, chunk in enumerate(shards):
         # widest dtypes first keeps tensors aligned; the executor writes in that order
-        chunk.sort(key=lambda t: (-ITEMSIZE[t.dtype], natural_key(t.name)))
+        chunk.sort(key=lambda t: (-ITEMSIZE[t.dtype], keys[t.name]))
         files.append(OutFile(hf_shard_name(i, len(shards)), 0, 0, i, tuple(chunk)))
     return Plan(source=ckpt.ref, architecture=manifest.architecture, layout=Layout(), files=files, layer_ranges=[])
 
@@ -70,12 +73,11 @@ def lossy_tensors(ckpt: Checkpoint) -> list[dict]:
     """Tensors the output holds in a dtype that cannot give back the original values (e.g. a
     bf16 checkpoint saved with --dtype float16, or a float32 one saved as bfloat16)."""
     assert ckpt.manifest is not None and ckpt.manifest.source_tensors is not None
-    out = []
-    for name, t in sorted(ckpt.tensors.items(), key=lambda kv: natural_key(kv[0])):
-        original = ckpt.manifest.source_tensors[name][0]
-        if t.dtype != original and (original, t.dtype) not in _EXACT:
-            out.append({"name": name, "original": original, "stored": t.dtype})
-    return out
+    source = ckpt.manifest.source_tensors
+    lossy = [n for n, t in ckpt.tensors.items() if t.dtype != source[n][0] and (source[n][0], t.dtype) not in _EXACT]
+    return [
+        {"name": n, "original": source[n][0], "stored": ckpt.tensors[n].dtype} for n in sorted(lossy, key=natural_key)
+    ]
 
 
 def merge(
@@ -96,6 +98,7 @@ def merge(
     Refuses (exit 3) when the output holds tensors in a dtype that lost precision against the
     original, unless `allow_lossy`; the result lists them either way.
     """
+    rss_base = resident_bytes()  # the metadata read from here on (regions, plan) counts inside max_memory
     source: OutputSource | BucketOutputSource
     if isinstance(out_dir, str) and is_bucket_url(out_dir):
         source = BucketOutputSource(parse_bucket_url(out_dir))
@@ -123,7 +126,7 @@ def merge(
     with staged(hf_dir, uuid.uuid4().hex, source=root, overwrite=overwrite, need=plan.total_bytes) as folder:
         progress = on_plan(plan) if on_plan else None
         # Hub shards record no checksum: hashing them would only cost CPU
-        options = WriteOptions(checksum=NONE, max_memory=max_memory)
+        options = WriteOptions(checksum=NONE, max_memory=max_memory, rss_base=rss_base)
         written = run_executor(plan, source, folder, options, {"format": "pt"}, progress)
         if len(plan.files) > 1:
             index = {

@@ -13,7 +13,9 @@ _NUM = re.compile(r"(\d+)")
 
 def natural_key(name: str) -> tuple:
     """Sort key that orders `layers.2` before `layers.10`."""
-    return tuple(int(p) if p.isdigit() else p for p in _NUM.split(name))
+    parts: list = _NUM.split(name)  # text, digits, text, ...: the digits at odd places
+    parts[1::2] = map(int, parts[1::2])
+    return tuple(parts)
 
 
 def split_by_size(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:

@@ -20,7 +20,6 @@ What is checked, without reading the rank files twice:
 from __future__ import annotations
 
 import atexit
-import math
 import shutil
 import tempfile
 import threading
@@ -34,7 +33,7 @@ from reshard.hashing import NONE, hash_bytes, new_hasher
 from reshard.manifest import Manifest
 from reshard.names import MANIFEST
 from reshard.sources.output import check_complete, read_output
-from reshard.sources.output_reader import OutputReader, Region
+from reshard.sources.output_reader import OutputReader, Regions
 from reshard.store.url import BucketURL
 from reshard.store.view import BucketView
 
@@ -56,7 +55,7 @@ class BucketOutputSource(Source):
         atexit.register(shutil.rmtree, self.root, True)
         _fetch_side_files(self.view, manifest, self.root)
         self._checkpoint, self.regions = read_output(self.view, manifest, self.root, {"url": str(url)})
-        self.fill = {f.name: _unread(self.view, f.name, self._checkpoint, self.regions) for f in manifest.files}
+        self.fill = _unread(self.view, [f.name for f in manifest.files], self._checkpoint, self.regions)
         self.readers: list[BucketOutputReader] = []
 
     @property
@@ -158,8 +157,8 @@ class _Stream:
 class BucketOutputReader(OutputReader):
     """`OutputReader` over ranged GETs, hashing each file in order where the reads allow."""
 
-    def __init__(self, source: BucketOutputSource, regions: dict[str, list[Region]]) -> None:
-        if any(r.stride for regs in regions.values() for r in regs):
+    def __init__(self, source: BucketOutputSource, regions: Regions) -> None:
+        if regions.strided():
             raise UnsupportedError(
                 f"{source.view.display} holds K-first packed weights side by side (GPTQ / AWQ merged layers); "
                 "reading them back from a bucket is not supported",
@@ -215,27 +214,25 @@ class BucketOutputReader(OutputReader):
 
     def close(self) -> None:
         self.fds.clear()
+        self.groups.clear()
 
 
-def _unread(view: BucketView, name: str, ckpt: Checkpoint, regions: dict[str, list[Region]]) -> list[tuple[int, int]]:
-    """The spans of `name` no read covers: its header, alignment gaps, rows of vocabulary padding,
-    tensors read once from another file (replicas) or not at all."""
-    spans = []
-    for tensor, regs in regions.items():
-        item = ITEMSIZE[ckpt.tensors[tensor].dtype]
-        for r in regs:
-            if r.file != name:
-                continue
-            dims = [b - a for a, b in zip(r.start, r.stop, strict=True)] or [1]
-            inner = list(r.pad[1:]) if r.pad else dims[1:]
-            spans.append((r.offset, r.offset + dims[0] * math.prod(inner) * item))
-    end = view.size(name)
-    out, pos = [], 0
-    for a, b in [*sorted(spans), (end, end)]:
-        if a > pos:
-            out.append((pos, a - pos))
-        pos = max(pos, b)
-    return out
+def _unread(view: BucketView, names: list[str], ckpt: Checkpoint, regions: Regions) -> dict[str, list[tuple[int, int]]]:
+    """The spans of each of the files `names` no read covers: its header, alignment gaps, rows of
+    vocabulary padding, tensors read once from another file (replicas) or not at all."""
+    spans: dict[str, list[tuple[int, int]]] = {n: [] for n in names}
+    for file, begin, end in regions.spans(lambda tensor: ITEMSIZE[ckpt.tensors[tensor].dtype]):
+        spans[file].append((begin, end))
+    fill = {}
+    for name in names:
+        end = view.size(name)
+        out, pos = [], 0
+        for a, b in [*sorted(spans[name]), (end, end)]:
+            if a > pos:
+                out.append((pos, a - pos))
+            pos = max(pos, b)
+        fill[name] = out
+    return fill
 
 
 def _manifest(view: BucketView) -> Manifest:

@@ -25,7 +25,7 @@ from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest
 from reshard.plan import Cols, Piece, Slice, Stack, build_plan
 from reshard.sources.local import read_config
-from reshard.sources.output_reader import OutputReader, Region
+from reshard.sources.output_reader import Group, OutputReader, Region, Regions
 
 VIRTUAL = "<reshard-output>"
 
@@ -52,9 +52,7 @@ class OutputSource(Source):
         return OutputReader(self.path, self.regions)
 
 
-def read_output(
-    view: FolderView, manifest: Manifest, root: Path, ref: dict
-) -> tuple[Checkpoint, dict[str, list[Region]]]:
+def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> tuple[Checkpoint, Regions]:
     """The original checkpoint's metadata, and where each of its tensors lies in the rank files.
 
     root: a local folder holding the output's side files (config.json, tokenizer, ...)."""
@@ -72,8 +70,9 @@ def read_output(
     }
     old = build_plan(Checkpoint(None, config, original, [VIRTUAL], manifest.source), manifest.layout)
     check_complete(path, manifest, [f.name for f in old.files])
-    regions: dict[str, list[Region]] = {}
+    plain: dict[str, list[Region]] = {}
     dtypes: dict[str, str] = {}
+    stacks: dict[tuple[str, ...], list] = {}  # a Stack's sources -> [dtype, its parts]
     for f in old.files:
         header, _, _ = view.header(f.name)
         for t in f.tensors:
@@ -81,31 +80,60 @@ def read_output(
                 raise CorruptError(f"{view.where(f.name)}: tensor {t.name} is missing", "the output is damaged")
             pos = header[t.name].offset
             for p in t.pieces:
-                if type(p) is Stack:  # a layer's experts on this rank (issue 28): the bounds shared
-                    pos = _stack_regions(f.name, pos, p, t.dtype, regions, dtypes)
+                if type(p) is Stack:  # a layer's experts on this rank (issue 28): kept as one part
+                    size = math.prod(b - a for a, b in zip(p.start, p.stop, strict=True)) * ITEMSIZE[t.dtype]
+                    entry = stacks.setdefault(p.sources, [t.dtype])
+                    if entry[0] != t.dtype:
+                        raise SourceError(f"{p.sources[0]} is stored in two dtypes; cannot read it back")
+                    entry.append((f.name, pos, p.start, p.stop, size))
+                    pos += size * len(p.sources)
                 else:
-                    pos = _piece_regions(path, f.name, pos, p, t.dtype, regions, dtypes)
-    tensors, sizes = {}, {}
-    for name, regs in regions.items():
-        shape = original[name].shape
-        tensors[name] = TensorInfo(name, dtypes[name], shape, VIRTUAL, 0, math.prod(shape) * ITEMSIZE[dtypes[name]])
-        regions[name] = _tile(name, shape, regs, sizes)
+                    pos = _piece_regions(path, f.name, pos, p, t.dtype, plain, dtypes)
+    stacked = _groups(original, stacks, plain, dtypes)
+    sizes: dict = {}
+    for name, regs in plain.items():
+        plain[name] = _tile(name, original[name].shape, regs, sizes)
+    tensors = {}
+    for name, info in original.items():
+        held = stacked.get(name)
+        dtype = held[0].dtype if held is not None else dtypes.get(name)
+        if dtype is not None:
+            tensors[name] = TensorInfo(name, dtype, info.shape, VIRTUAL, 0, math.prod(info.shape) * ITEMSIZE[dtype])
     ref = {**ref, "resharded_from": manifest.source, "from_run": manifest.run_id}
     ckpt = Checkpoint(root, config, tensors, [], ref, manifest=manifest, missing=sorted(set(original) - set(tensors)))
-    return ckpt, regions
+    return ckpt, Regions(plain, stacked)
 
 
-def _stack_regions(
-    file: str, pos: int, p: Stack, dtype: str, regions: dict[str, list[Region]], dtypes: dict[str, str]
-) -> int:
-    """The regions of a `Stack` at `pos` of `file` (each source's slice in turn); where it ends."""
-    size = math.prod(b - a for a, b in zip(p.start, p.stop, strict=True)) * ITEMSIZE[dtype]
-    for s in p.sources:
-        if dtypes.setdefault(s, dtype) != dtype:
-            raise SourceError(f"{s} is stored in two dtypes; cannot read it back")
-        regions.setdefault(s, []).append(Region(file, pos, p.start, p.stop, None, None))
-        pos += size
-    return pos
+def _groups(
+    original: dict[str, TensorInfo], stacks: dict[tuple[str, ...], list], plain: dict[str, list[Region]], dtypes: dict
+) -> dict[str, tuple[Group, int]]:
+    """The stacks as `Group`s (each source -> its group and index), replicas dropped and coverage
+    checked once per group. A stack some source of which is held elsewhere too, or whose sources
+    differ in shape, is made into plain regions instead (checked by `_tile` with the rest)."""
+    seen: dict[str, int] = {}
+    for sources in stacks:
+        for s in sources:
+            seen[s] = seen.get(s, 0) + 1
+    stacked: dict[str, tuple[Group, int]] = {}
+    for sources, (dtype, *parts) in stacks.items():
+        shape = original[sources[0]].shape
+        if all(seen[s] == 1 and s not in plain and original[s].shape == shape for s in sources):
+            first: dict[tuple, tuple] = {}
+            for part in parts:  # replicas (the same slice on two ranks) read once
+                first.setdefault((part[2], part[3]), part)
+            unique = tuple(first.values())
+            covered = sum(math.prod(y - x for x, y in zip(a, b, strict=True)) for _, _, a, b, _ in unique)
+            if covered != math.prod(shape):
+                raise SourceError(f"{sources[0]}: the output's pieces do not cover it exactly; cannot read it back")
+            group = Group(sources, dtype, shape, unique)
+            stacked.update((s, (group, k)) for k, s in enumerate(sources))
+            continue
+        for f, off, a, b, size in parts:
+            for k, s in enumerate(sources):
+                if dtypes.setdefault(s, dtype) != dtype:
+                    raise SourceError(f"{s} is stored in two dtypes; cannot read it back")
+                plain.setdefault(s, []).append(Region(f, off + k * size, a, b, None, None))
+    return stacked
 
 
 def _piece_regions(
