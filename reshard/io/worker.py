@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from reshard.errors import SourceError
+from reshard.io import writer
 from reshard.io.memory import Lease
 from reshard.io.writer import Sink, Written
 
@@ -145,5 +146,10 @@ class Worker:
             self.sink.write(data)
         elif data.flags.c_contiguous:  # the sink may keep the lease's memory instead of copying it
             self.sink.write_held(memoryview(data).cast("B"), lease)
+        elif data.ndim > 1 and data[0].nbytes >= writer.HELD_MIN and data[0].flags.c_contiguous:
+            # blocks of rows, each contiguous (a rank's rows of each expert in a batch buffer): each
+            # may be held or go through like a contiguous piece (no copy), else staged as before
+            for block in data:
+                self.sink.write_held(memoryview(block).cast("B"), lease)
         else:  # a strided slice: the sink gathers it (FileWriter into its stage; others by row blocks)
             self.sink.write_array(data)
