@@ -234,6 +234,11 @@ class NoFp8Kernel:
     def __init__(self, reason: str):
         self.reason = reason
 
+    def input_quant_key(self):
+        """Asked while building (ModelOpt's linear: vllm fusion.quant_activation.expose_input_quant_key),
+        for fusion only: None is "the kernel quantizes its own input", which adds no attribute."""
+        return None
+
     def __getattr__(self, name):
         raise RuntimeError(f"no FP8 linear kernel on this machine: {self.reason}")
 
@@ -249,6 +254,8 @@ def allow_missing_fp8_linear_kernel(dump_dir: Path) -> None:
     stand-in that fails if it is ever used.  The fallback is logged in
     ``<dump_dir>/fp8-kernel-fallback.txt``.
     """
+    import importlib
+
     from vllm.model_executor.layers.quantization import fp8
 
     orig = fp8.init_fp8_linear_kernel
@@ -266,4 +273,17 @@ def allow_missing_fp8_linear_kernel(dump_dir: Path) -> None:
             return NoFp8Kernel(reason)
 
     init_fp8_linear_kernel._reshard_patched = True  # type: ignore[attr-defined]
-    fp8.init_fp8_linear_kernel = init_fp8_linear_kernel
+    # every scheme that picks an FP8 GEMM kernel while building imported the function by name
+    # (ModelOpt's FP8_PB_WO block linear picks the block-scaled kernel, which needs AMX too)
+    for name in _FP8_KERNEL_USERS:
+        module = importlib.import_module(name)
+        if getattr(module, "init_fp8_linear_kernel", None) is orig:
+            module.init_fp8_linear_kernel = init_fp8_linear_kernel
+
+
+_FP8_KERNEL_USERS = (
+    "vllm.model_executor.layers.quantization.fp8",
+    "vllm.model_executor.layers.quantization.modelopt",
+    "vllm.model_executor.layers.quantization.fbgemm_fp8",
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_fp8",
+)
