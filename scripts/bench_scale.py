@@ -12,6 +12,8 @@
    release's names; data regions are holes): `plan --tp 8 --ep`.
 3. A header of 1M junk tensors beside a tiny Llama's own (one model.safetensors): `save --tp 8`,
    refused with exit 4 (the junk matches no rule).
+4. The TP 8 output of (1) read back: `merge` to a Hugging Face folder and `save OUT NEW --tp 4`
+   (re-shard without the original), each against `cp -r` of that output, within a save's memory bound.
 
 Every command runs in its own process under /usr/bin/time (wall, CPU, peak RSS), then `sync`; each
 round times `cp -r SRC` + `sync` of the same folder right before it, and ratios are medians of the
@@ -44,6 +46,7 @@ TARGETS = {
 }
 HEADING = "## 8. Scale: 200k-tensor MoE, a 1M-tensor header, Kimi-K2's headers (issue 28)"
 JUNK_SECONDS, JUNK_RSS = 10.0, 768 * MIB
+OUTPUT_RSS = 768 * MIB  # reading an output back: a save's bound (--max-memory's default + 256 MiB)
 KIMI_SECONDS, KIMI_RSS = 5.0, GIB
 
 
@@ -121,6 +124,8 @@ CASES = (
     ("save --tp 8 --ep", "moe", ["save", "{src}", "{out}", "--tp", "8", "--ep"], (0,)),
     ("junk header: save --tp 8 (exit 4)", "junk", ["save", "{src}", "{out}", "--tp", "8"], (4,)),
     ("kimi-k2 headers: plan --tp 8 --ep", "kimi", ["plan", "{src}", "--tp", "8", "--ep"], (0,)),
+    ("TP 8 output: merge", "moe-out", ["merge", "{src}", "{out}"], (0,)),
+    ("TP 8 output: save --tp 4", "moe-out", ["save", "{src}", "{out}", "--tp", "4"], (0,)),
 )
 
 
@@ -143,6 +148,13 @@ def run(a: argparse.Namespace) -> dict:
             else:
                 made[key] = write_junk(tmp, junk) if key == "junk" else write_kimi(tmp)
             tmp.rename(path)
+    sources["moe-out"] = work / f"moe-{layers}x512-tp8"
+    if "moe" in made:  # a new source: its output again
+        shutil.rmtree(sources["moe-out"], ignore_errors=True)
+    if not sources["moe-out"].exists():  # the output read back by the last cases
+        say(f"writing {sources['moe-out'].name}")
+        cmd = [sys.executable, "-m", "reshard", "save", str(sources["moe"]), str(sources["moe-out"]), "--tp", "8"]
+        timed(cmd, log)
     results: dict = {
         "date": time.strftime("%Y-%m-%d"),
         "quick": a.quick,
@@ -156,7 +168,7 @@ def run(a: argparse.Namespace) -> dict:
         for label, key, args, ok in CASES:
             src = sources[key]
             cmd = [sys.executable, "-m", "reshard", *(x.format(src=src, out=out) for x in args)]
-            data = key == "moe"
+            data = key in ("moe", "moe-out")
             with timed_alone():
                 if data:
                     warm(src)
@@ -192,6 +204,8 @@ def report(results: dict) -> str:
             target = f"<= {JUNK_SECONDS:g} s, <= {fmt_b(JUNK_RSS)}"
         elif label.startswith("kimi"):
             target = f"<= {KIMI_SECONDS:g} s, <= {fmt_b(KIMI_RSS)}"
+        elif label.startswith("TP 8 output"):
+            target = f"<= {fmt_b(OUTPUT_RSS)}"
         else:
             target = ""
         lines.append(
@@ -215,7 +229,8 @@ def section(results: dict) -> str:
         f"`python -m scripts.bench scale` ({when}; {results['rounds']} round(s), the source in the page cache). "
         "Per-tensor costs: a Qwen3-MoE of 197,763 tiny tensors (hidden 64, moe_intermediate 32, 128 layers x "
         "512 experts, 0.87 GB bf16), a Llama whose header holds 1M junk tensors (refused, exit 4), and a "
-        "header-only copy of Kimi-K2 (61 layers, 384 experts, block FP8). Each MoE command is timed against "
+        "header-only copy of Kimi-K2 (61 layers, 384 experts, block FP8); then the MoE's TP 8 output read back "
+        "(`merge`, and `save OUT NEW --tp 4`). Each MoE command is timed against "
         "`cp -r` + `sync` of the same folder in the same round; `--max-memory` is the default 512 MiB, so the "
         "RSS bound is 768 MiB.\n\n```\n" + report(results) + "\n```\n"
     )
