@@ -212,10 +212,6 @@ class BucketOutputReader(OutputReader):
                 worst = max(self.streams.values(), key=lambda s: sum(len(c) for c in s.held.values()))
                 self.held -= worst.drop()
 
-    def close(self) -> None:
-        self.fds.clear()
-        self.groups.clear()
-
 
 def _unread(view: BucketView, names: list[str], ckpt: Checkpoint, regions: Regions) -> dict[str, list[tuple[int, int]]]:
     """The spans of each of the files `names` no read covers: its header, alignment gaps, rows of

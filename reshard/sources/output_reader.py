@@ -119,7 +119,7 @@ class OutputReader:
 
         held = self.stacked.get(t.name)
         if held is not None:
-            whole = self._group(*held)
+            whole = self._group(held[0])
             if whole is not None:  # a small expert: its bytes out of its layer's group, read whole
                 got = whole[held[1]].reshape(-1)[start : start + nbytes]
                 if buf is None:
@@ -160,7 +160,7 @@ class OutputReader:
             return memoryview(buf)[:nbytes]
         return view
 
-    def _group(self, group: Group, k: int) -> np.ndarray | None:
+    def _group(self, group: Group) -> np.ndarray | None:
         """Every source of `group` as one array (source, its bytes), read a part (a rank's slice of
         all of them) at a time; None for a group over GROUP_MAX bytes (read a source at a time).
         A 200k-tensor output at TP 8 holds 1.6M expert slices of a few hundred bytes: read and
@@ -205,3 +205,4 @@ class OutputReader:
             os.close(fd)
         self.fds.clear()
         self.groups.clear()
+        self.cached = 0
