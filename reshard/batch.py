@@ -26,14 +26,13 @@ from typing import Protocol
 import numpy as np
 
 from reshard.format import ITEMSIZE
+from reshard.io import writer
 from reshard.io.dtypes import Caster
 from reshard.io.memory import Lease, Memory
 from reshard.plan import OutTensor, Slice, Stack, count
 from reshard.schedule import Read, Step, bounds, shape_of
 
 MIN_READS = 16  # fewer reads than this: the piece-by-piece path is as fast
-# a read copied into a batch with numpy at least this large (without the GIL), else as a memoryview
-NUMPY_COPY = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,8 @@ def fill(buf: memoryview, get: Callable[[], tuple[memoryview, Lease]], count: in
     other, releasing their leases; consecutive reads share one (reshard.io.prefetch's runs), given
     back at once."""
     held, k = None, 0
-    dst = np.frombuffer(buf, np.uint8) if nbytes >= NUMPY_COPY else None
+    # from writer.NUMPY_COPY bytes a read is copied with numpy (without the GIL), as the writers' stages are
+    dst = np.frombuffer(buf, np.uint8) if nbytes >= writer.NUMPY_COPY else None
     try:
         for off in range(0, count * nbytes, nbytes):  # ~200k reads in a run: copies, nothing else
             view, lease = get()

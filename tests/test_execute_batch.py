@@ -8,6 +8,7 @@ import pytest
 
 import reshard.batch as batch
 import reshard.execute as ex
+import reshard.io.writer as wr
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.sources import open_source
 from tests.fixtures.saving import save
@@ -37,7 +38,7 @@ def test_uniform_steps_write_the_bytes_of_the_piece_path(
 ):
     src = str(tiny(arch))
     if numpy_copy:  # reads copied into the batch by numpy (larger reads: NUMPY_COPY), not as memoryviews
-        monkeypatch.setattr(batch, "NUMPY_COPY", 1)
+        monkeypatch.setattr(wr, "NUMPY_COPY", 1)
     experts = [t.nbytes for t in open_source(src).checkpoint.tensors.values() if ".experts." in t.name]
     chunk = reads * max(experts)  # a batch holds `reads` of the largest expert tensors
     monkeypatch.setattr(batch, "MIN_READS", 2)  # the tiny models have 8 experts
