@@ -16,6 +16,8 @@ API::
 
     dump_expected(hf_dir, dump_dir, tp, *, ep=False, pp=1, dtype="auto") -> list[Path]
     dump_expected_many(hf_dir, cases) -> list[list[Path]]    # one vLLM import for many cases
+    dump_expected_each(hf_dir, cases) -> list[list[Path] | Exception]  # ... each case's own result
+                                                             # (a case's "hf_dir" overrides hf_dir)
     compare(expected_dir, out_dir, tp, *, pp=1) -> list[str]  # [] == identical
     loader_problems(dump_dir, tp, *, pp=1) -> list[str]       # results of load_dir=... checks
 
@@ -25,10 +27,11 @@ CLI::
 
 prints the differences between reshard's OUT_DIR and vLLM, exits 1 on any.
 
-Every case runs in one fresh Python process that imports vLLM once, builds the
-``VllmConfig`` and then *forks* the ``T*P`` ranks (no OpenMP work happens in the
-parent before the fork), so a case costs one vLLM import (~6 s) rather than
-``T*P`` of them.
+Cases run in one fresh Python process that imports vLLM once, builds each case's
+``VllmConfig`` and then *forks* its ``T*P`` ranks (no OpenMP work happens in the
+parent before the fork), so a case costs ~1 s, and a batch of cases, of one
+checkpoint or many, one vLLM import and first config (~10 s) rather than ``T*P``
+of them per case.  A failing case does not stop the others (``dump_expected_each``).
 """
 
 from __future__ import annotations
@@ -124,10 +127,30 @@ def dump_expected(
 def dump_expected_many(
     hf_dir: str | os.PathLike, cases: list[dict[str, Any]], *, timeout: float = 1800
 ) -> list[list[Path]]:
-    """Several ``dump_expected`` cases (dicts of its arguments) in one vLLM process."""
+    """Several ``dump_expected`` cases (dicts of its arguments) in one vLLM process; raises the first
+    case's failure."""
+    out = dump_expected_each(hf_dir, cases, timeout=timeout)
+    for res in out:
+        if isinstance(res, Exception):
+            raise res
+    return out
+
+
+def dump_expected_each(
+    hf_dir: str | os.PathLike, cases: list[dict[str, Any]], *, timeout: float = 1800
+) -> list[list[Path] | Exception]:
+    """Several ``dump_expected`` cases (dicts of its arguments) in one vLLM process: each case's files,
+    or the exception saying why it has none (a failing case does not stop the others).
+
+    A case may name its own ``hf_dir`` (else ``hf_dir``): one process for the cases of many checkpoints
+    pays vLLM's import and first engine config (~10 s here) once.  The process runs with ``hf_dir``'s
+    environment (textonly.env), so cases whose checkpoints need another go in another call."""
     norm = []
     for c in cases:
         c = dict(c)
+        c["hf_dir"] = str(Path(c.get("hf_dir") or hf_dir).resolve())
+        if textonly.env(c["hf_dir"], {}) != textonly.env(hf_dir, {}):
+            raise ValueError(f"{c['hf_dir']} needs another environment than {hf_dir}: dump it in its own call")
         c.setdefault("ep", False)
         c.setdefault("pp", 1)
         c.setdefault("dtype", "auto")
@@ -140,7 +163,7 @@ def dump_expected_many(
             "expected-*.safetensors",
             "info-*.json",
             "load-*.json",
-            "error-rank*.txt",
+            "error-*.txt",
             "fp8-kernel-fallback.txt",
         ):
             for stale in Path(c["dump_dir"]).glob(pat):
@@ -152,11 +175,11 @@ def dump_expected_many(
             sd = Path(c["save_dir"])
             sd.mkdir(parents=True, exist_ok=True)
             # like examples/features/sharded_state/save_sharded_state_offline.py
-            for f in Path(hf_dir).iterdir():
+            for f in Path(c["hf_dir"]).iterdir():
                 if f.is_file() and f.suffix not in (".bin", ".pt", ".safetensors"):
                     shutil.copy(f, sd / f.name)
         norm.append(c)
-    spec = {"hf_dir": str(Path(hf_dir).resolve()), "cases": norm}
+    spec = {"cases": norm}
     log = Path(norm[0]["dump_dir"]) / "vllm-dump.log"
     with open(log, "w") as fh:
         proc = subprocess.run(
@@ -166,16 +189,21 @@ def dump_expected_many(
             env=textonly.env(hf_dir, vllm_env()),
             timeout=timeout,
         )
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-6000:]
-        raise RuntimeError(f"vLLM dump failed (rc={proc.returncode}) for {hf_dir} {cases}; log {log}:\n{tail}")
-    out = []
+    out: list[list[Path] | Exception] = []
     for c in norm:
         files = [Path(c["dump_dir"]) / expected_name(p, r) for p in range(c["pp"]) for r in range(c["tp"])]
         missing = [f for f in files if not f.exists()]
-        if missing:
-            raise RuntimeError(f"vLLM dump did not write {missing}; log {log}")
-        out.append(files)
+        if not missing:
+            out.append(files)
+            continue
+        errors = "".join(f"{e.name}:\n{e.read_text(errors='replace')}" for e in Path(c["dump_dir"]).glob("error-*.txt"))
+        tail = errors[-6000:] or log.read_text(errors="replace")[-6000:]
+        out.append(
+            RuntimeError(
+                f"vLLM dump failed (rc={proc.returncode}) for {c['hf_dir']} {c}: missing {[f.name for f in missing]}; "
+                f"log {log}:\n{tail}"
+            )
+        )
     return out
 
 
@@ -346,15 +374,20 @@ def _dump_main(spec_json: str) -> int:
     for k, v in VLLM_ENV.items():
         os.environ.setdefault(k, v)
     spec = json.loads(spec_json)
-    hf_dir = spec["hf_dir"]
     ctx = mp.get_context("fork")
     rc = 0
     for case in spec["cases"]:
         t0 = time.perf_counter()
-        vllm_config = _make_config(hf_dir, case)
-        load_config = None
-        if case.get("load_dir") and Path(case["load_dir"], "config.json").exists():
-            load_config = _make_config(case["load_dir"], case, load_format="sharded_state")
+        try:
+            vllm_config = _make_config(case["hf_dir"], case)
+            load_config = None
+            if case.get("load_dir") and Path(case["load_dir"], "config.json").exists():
+                load_config = _make_config(case["load_dir"], case, load_format="sharded_state")
+        except Exception:
+            Path(case["dump_dir"], "error-config.txt").write_text(traceback.format_exc())
+            print(f"case {case} failed making vLLM's config", flush=True)
+            rc = 1
+            continue
         world = case["tp"] * case["pp"]
         port = _free_port()
         procs = [
@@ -379,8 +412,9 @@ def _dump_main(spec_json: str) -> int:
         if failed or any(p.exitcode != 0 for p in procs):
             print(f"case {case} failed: exit codes {[p.exitcode for p in procs]}", flush=True)
             rc = 1
-            break
-        print(f"case tp={case['tp']} ep={case['ep']} pp={case['pp']}: {time.perf_counter() - t0:.1f}s", flush=True)
+            continue  # the ranks were forked: the next case starts from this process's clean state
+        what = f"{Path(case['hf_dir']).name} tp={case['tp']} ep={case['ep']} pp={case['pp']}"
+        print(f"case {what}: {time.perf_counter() - t0:.1f}s", flush=True)
     return rc
 
 
