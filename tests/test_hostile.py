@@ -277,6 +277,18 @@ MALFORMED = {
     "copied_files zero": lambda p: edit_manifest(p.parent, lambda m: m.update(copied_files=0)),
     "source_tensors bad": lambda p: edit_manifest(p.parent, lambda m: m.update(source_tensors={"x": 5})),
     "source_tensors a list": lambda p: edit_manifest(p.parent, lambda m: m.update(source_tensors=[1])),
+    # each entry is checked with the others in bulk first (schema._well_formed), then alone to name it
+    "source tensor dtype a list": lambda p: edit_manifest(p.parent, lambda m: m["source_tensors"].update(x=[[], [1]])),
+    "source tensor size true": lambda p: edit_manifest(
+        p.parent, lambda m: m["source_tensors"].update(x=["BF16", [True]])
+    ),
+    "source tensor size 1.0": lambda p: edit_manifest(
+        p.parent, lambda m: m["source_tensors"].update(x=["BF16", [1.0]])
+    ),
+    "source tensor size -1": lambda p: edit_manifest(p.parent, lambda m: m["source_tensors"].update(x=["BF16", [-1]])),
+    "source tensor of 3 items": lambda p: edit_manifest(
+        p.parent, lambda m: m["source_tensors"].update(x=["BF16", [1], 1])
+    ),
 }
 
 

@@ -5,6 +5,8 @@ here and nowhere else. Everything outside reshard.manifest reads a `Manifest`'s 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from pathlib import PurePosixPath
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS
@@ -288,13 +290,38 @@ def _source_tensors(src: object) -> dict[str, tuple[str, tuple[int, ...]]] | Non
     if src is None:
         return None
     need(isinstance(src, dict) and len(src) <= MAX_FILES, "source_tensors is not an object of tensors")
+    assert isinstance(src, dict)
+    if _well_formed(list(src.values())):  # one entry per source tensor: 200k at Kimi-K2's scale
+        shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
+        return {name: (v[0], shapes.setdefault(t := tuple(v[1]), t)) for name, v in src.items()}
     out = {}
-    for name, v in src.items():  # type: ignore[union-attr]
-        ok = isinstance(v, list) and len(v) == 2 and v[0] in ITEMSIZE and isinstance(v[1], list)
-        ok = ok and len(v[1]) <= MAX_DIMS and all(type(n) is int and 0 <= n <= MAX_SIZE for n in v[1])
+    for name, v in src.items():  # the slow way, to name the entry that is wrong
+        ok = isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and v[0] in ITEMSIZE
+        ok = ok and isinstance(v[1], list) and len(v[1]) <= MAX_DIMS
+        ok = ok and all(type(n) is int and 0 <= n <= MAX_SIZE for n in v[1])
         need(ok, f"source_tensors[{name[:200]!r}] is {str(v)[:200]}")
         out[name] = (v[0], tuple(v[1]))
     return out
+
+
+def _well_formed(values: list) -> bool:
+    """Whether every value is [dtype, shape] with a known dtype and a shape of at most MAX_DIMS sizes
+    in [0, MAX_SIZE]: the per-entry checks of `_source_tensors`, as a few C-level passes over all."""
+    if not values:
+        return True
+    try:
+        if set(map(type, values)) != {list} or set(map(len, values)) != {2}:
+            return False
+        dtypes = set(map(itemgetter(0), values))
+        if set(map(type, dtypes)) != {str} or not dtypes <= ITEMSIZE.keys():
+            return False
+        shapes = list(map(itemgetter(1), values))
+        if set(map(type, shapes)) != {list} or max(map(len, shapes)) > MAX_DIMS:
+            return False
+        dims = list(chain.from_iterable(shapes))
+        return not dims or (set(map(type, dims)) == {int} and min(dims) >= 0 and max(dims) <= MAX_SIZE)
+    except TypeError:  # an unhashable dtype
+        return False
 
 
 def _source_files(v: object) -> tuple[SourceFileRecord, ...]:
