@@ -13,8 +13,8 @@ import math
 import os
 import stat
 import struct
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 from reshard.errors import SourceError
 
@@ -53,9 +53,11 @@ DTYPE_CODES: dict[str, str] = {v: k for k, v in DTYPE_NAMES.items()}
 MAX_HEADER = 256 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One tensor of a safetensors file, as its header describes it."""
+class TensorInfo(NamedTuple):
+    """One tensor of a safetensors file, as its header describes it.
+
+    A named tuple, not a frozen dataclass: one is made per source tensor (200k to 1M headers, issue 28),
+    and a dataclass's field-by-field __init__ cost 3x the tuple's (0.44 against 0.15 s per 200k)."""
 
     name: str
     dtype: str

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -102,7 +101,7 @@ def test_missing_tensor_is_named():
 
 def test_unexpected_tensor_is_refused():
     ckpt = synthetic_checkpoint({**LLAMA_3_70B, "num_hidden_layers": 1})
-    ckpt.tensors["model.extra.weight"] = replace(ckpt.tensors["model.norm.weight"], name="model.extra.weight")
+    ckpt.tensors["model.extra.weight"] = ckpt.tensors["model.norm.weight"]._replace(name="model.extra.weight")
     with pytest.raises(SourceError, match="match no rule"):
         build_plan(ckpt, Layout(tp=1))
 
