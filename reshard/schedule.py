@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from reshard.bulk import paused_gc
 from reshard.format import ITEMSIZE, TensorInfo, encode_header
@@ -20,9 +21,9 @@ DEFAULT_CHUNK = 32 * 1024 * 1024
 ALL_ROWS = 1 << 62
 
 
-@dataclass(frozen=True, slots=True)
-class Read:
-    """One source read: bytes [start, start + nbytes) of `info`.
+class Read(NamedTuple):
+    """One source read: bytes [start, start + nbytes) of `info`. A named tuple: one is made per source
+    tensor (~200k in an MoE save), 2-3x faster than a frozen dataclass.
 
     rows: the source rows [r0, r1) it holds; None: the whole tensor (it is up-sampled).
     piece: None: fed to every rank's copy of the step's tensor (one pass over the source);
@@ -95,45 +96,25 @@ def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: in
                     (a, *_), (b, *_) = bounds(q)
                     yield _whole(info, (h, i)) if q.up else _rows(info, a, b, (h, i))
         return
-    row_bytes: dict[tuple[str, tuple[int, ...]], int] = {}  # by dtype and shape: an MoE layer's are a few
-    for s, (up, lo, hi) in sources.items():
-        info = tensors[s]
+    # by dtype and shape (an MoE layer's are a few): bytes per row, rows per chunk
+    geometry: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
+    new = tuple.__new__
+    for (up, lo, hi), info in zip(sources.values(), map(tensors.__getitem__, sources), strict=True):
         if up:
             yield _whole(info)
             continue
         key = (info.dtype, info.shape)
-        rb = row_bytes.get(key)
-        if rb is None:
-            rb = row_bytes[key] = _row_bytes(info)
-        per = max(1, chunk_bytes // max(rb, 1))
+        got = geometry.get(key)
+        if got is None:
+            rb = _row_bytes(info)
+            got = geometry[key] = (rb, max(1, chunk_bytes // max(rb, 1)))
+        rb, per = got
         if hi - lo <= per:  # one chunk: most sources (an expert's tensor)
-            yield _read(info, lo * rb, (hi - lo) * rb, (lo, hi))
+            yield new(Read, (info, lo * rb, (hi - lo) * rb, (lo, hi), None, False))
             continue
         for c0 in range(lo, hi, per):
             c1 = min(c0 + per, hi)
-            yield _read(info, c0 * rb, (c1 - c0) * rb, (c0, c1))
-
-
-_READ_FIELDS = ("info", "start", "nbytes", "rows", "piece", "scale")
-if tuple(Read.__slots__) != _READ_FIELDS:
-    raise AssertionError("Read's fields changed: update `_read`")
-_READ_SET = tuple(Read.__dict__[f].__set__ for f in _READ_FIELDS)
-
-
-def _read(
-    info: TensorInfo, start: int, nbytes: int, rows: tuple[int, int], piece: tuple[int, int] | None = None
-) -> Read:
-    """`Read(info, start, nbytes, rows, piece)`, without the frozen dataclass's field-by-field __init__ (a
-    read per source tensor: ~200k in an MoE save; tests/test_schedule_pass.py holds them equal)."""
-    r = object.__new__(Read)
-    s_info, s_start, s_nbytes, s_rows, s_piece, s_scale = _READ_SET
-    s_info(r, info)
-    s_start(r, start)
-    s_nbytes(r, nbytes)
-    s_rows(r, rows)
-    s_piece(r, piece)
-    s_scale(r, False)
-    return r
+            yield new(Read, (info, c0 * rb, (c1 - c0) * rb, (c0, c1), None, False))
 
 
 def _whole(info: TensorInfo, piece: tuple[int, int] | None = None) -> Read:
@@ -142,7 +123,7 @@ def _whole(info: TensorInfo, piece: tuple[int, int] | None = None) -> Read:
 
 def _rows(info: TensorInfo, r0: int, r1: int, piece: tuple[int, int] | None = None) -> Read:
     row_bytes = _row_bytes(info)
-    return _read(info, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1), piece)
+    return Read(info, r0 * row_bytes, (r1 - r0) * row_bytes, (r0, r1), piece)
 
 
 Sources = dict[str, tuple[bool, int, int]]
