@@ -99,6 +99,20 @@ def test_missing_tensor_is_named():
         build_plan(ckpt, Layout(tp=2))
 
 
+@pytest.mark.parametrize("proj", ["gate_proj", "down_proj"])
+def test_an_expert_of_the_wrong_shape_is_named(proj):
+    """A layer's experts are checked at once (plan/experts.py `_weights`); one off is still named."""
+    cfg = {k: v for k, v in QWEN3_235B_A22B_FP8.items() if k != "quantization_config"}
+    ckpt = synthetic_checkpoint({**cfg, "num_hidden_layers": 2})
+    name = f"model.layers.1.mlp.experts.77.{proj}.weight"
+    info = ckpt.tensors[name]
+    ckpt.tensors[name] = info._replace(shape=info.shape[::-1])  # same bytes, transposed
+    with pytest.raises(SourceError, match=rf"experts\.77\.{proj}\.weight has shape"):
+        build_plan(ckpt, Layout(tp=2))
+    with pytest.raises(SourceError, match=rf"experts\.77\.{proj}\.weight has shape"):
+        build_plan(ckpt, Layout(tp=2, ep=True))
+
+
 def test_unexpected_tensor_is_refused():
     ckpt = synthetic_checkpoint({**LLAMA_3_70B, "num_hidden_layers": 1})
     ckpt.tensors["model.extra.weight"] = ckpt.tensors["model.norm.weight"]._replace(name="model.extra.weight")

@@ -9,6 +9,7 @@ per-rank intermediate size (reshard.plan.backends): the rest is zeros.
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import attrgetter
 
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
@@ -121,6 +122,9 @@ def _split(ctx: Context, m: Experts, prefix: str) -> MoeSplit:
     return split
 
 
+_SHAPE = attrgetter("shape")
+
+
 def _weights(ctx: Context, split: MoeSplit, scheme: Quant | None) -> list[tuple[TensorInfo, TensorInfo, TensorInfo]]:
     """Every expert's (gate, up, down) weight, shapes and dtype checked."""
     inter, hidden = split.inter, split.hidden
@@ -133,6 +137,11 @@ def _weights(ctx: Context, split: MoeSplit, scheme: Quant | None) -> list[tuple[
         )
     found = split.tensors(ctx, split.names, param)  # in bulk (issue 28); None: one by one, as their errors say
     shapes = ((inter, hidden // pk), (inter, hidden // pk), (hidden, inter // pk))
+    if found is not None and scheme is None:  # a layer's experts checked at once (issue 28)
+        columns = zip(*found, strict=True)  # every expert's gate, then up, then down
+        if [set(map(_SHAPE, c)) for c in columns] == [{shape} for shape in shapes]:
+            return found
+    # one by one, to name the tensor that is wrong (or the scheme checks each)
     out = []
     for e in range(split.num):
         g, u, dn = found[e] if found is not None else (split.tensor(ctx, e, proj, param) for proj in split.names)

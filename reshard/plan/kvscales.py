@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from operator import methodcaller
 
 from reshard import VLLM_LAYOUT
 from reshard.errors import SourceError, UnsupportedError
@@ -73,7 +74,7 @@ def vllm_kv_name(name: str, *, fp8_config: bool) -> str | None:
 def kv_scale_sources(names: Iterable[str], *, fp8_config: bool) -> dict[str, list[str]]:
     """vLLM KV-cache parameter -> the checkpoint tensors vLLM would load into it."""
     out: dict[str, list[str]] = {}
-    for name in names:
+    for name in filter(methodcaller("endswith", KV_ENDINGS), names):  # vllm_kv_name's first test, in C
         target = vllm_kv_name(name, fp8_config=fp8_config)
         if target is not None:
             out.setdefault(target, []).append(name)
