@@ -117,6 +117,10 @@ def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: in
             yield new(Read, (info, c0 * rb, (c1 - c0) * rb, (c0, c1), None, False))
 
 
+if Read._fields != ("info", "start", "nbytes", "rows", "piece", "scale"):  # what `_reads` builds by position
+    raise AssertionError("Read's fields changed: update `_reads`")
+
+
 def _whole(info: TensorInfo, piece: tuple[int, int] | None = None) -> Read:
     return Read(info, 0, info.nbytes, None, piece)
 
