@@ -5,7 +5,10 @@ tests/against_vllm/test_plugin.py."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import mmap
 import os
 import shutil
 import threading
@@ -226,26 +229,95 @@ def _targets(files: list[checks.RankFile]) -> dict[str, torch.Tensor]:
     }
 
 
+def _direct_io_works(path: Path) -> bool:
+    """Whether the file system of `path` takes O_DIRECT reads (tmpfs, for one, may not)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+    try:
+        return os.preadv(fd, [memoryview(mmap.mmap(-1, 4096))], 0) > 0
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("direct", ["0", "1"])
 @pytest.mark.parametrize(
     ("chunk", "stripe_min", "threads"),
     [(reader.CHUNK, reader.STRIPE_MIN, 2), (4096, reader.STRIPE_MIN, 1), (4096, 8192, 3), (4096 * 3, 4096, 4)],
 )
-def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_min, threads):
-    # small chunks: many reads and hashed pieces per tensor; small stripes: several streams per file
+def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_min, threads, direct):
+    # small chunks: many reads and hashed pieces per tensor; small stripes: several streams per file;
+    # O_DIRECT through a bounce buffer smaller than a chunk: several reads and copies per chunk
     monkeypatch.setattr(reader, "CHUNK", chunk)
     monkeypatch.setattr(reader, "STRIPE_MIN", stripe_min)
+    monkeypatch.setattr(reader, "BOUNCE", 8192)
     files = _files(clean[1])
     targets = _targets(files)
     lines: list[str] = []
     algo = read_manifest(clean[1]).checksum
-    n, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=threads, log=lines.append, label="rank 1")
+    made = _spy_striped(monkeypatch)
+    n, _, bad = reader.read_rank(
+        files, targets, algorithm=algo, threads=threads, log=lines.append, label="rank 1", direct_reads=direct
+    )
     assert bad == [] and n == sum(f.size for f in files)
+    used = direct == "1" and _direct_io_works(files[0].path)  # where O_DIRECT is refused: the page cache
+    assert made and all(sum(s.direct_chunks) == (s.chunks if used else 0) for s in made)
     want = {k: v for f in files for k, v in load_file(f.path).items()}
     assert sorted(want) == sorted(targets)
     for k, v in want.items():
         assert targets[k].dtype == v.dtype and torch.equal(
             targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)
         ), k
+
+
+def _spy_striped(monkeypatch) -> list:
+    """The `_Striped` files read_rank makes, as it makes them."""
+    made: list = []
+    init = reader._Striped.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(reader._Striped, "__init__", spy)
+    return made
+
+
+def test_a_file_system_refusing_direct_reads_is_read_through_the_cache(clean, monkeypatch):
+    """O_DIRECT accepted when asked for, then refused by the reads (EINVAL): the stream goes on
+    through the page cache from the chunk that failed, and every byte still arrives."""
+    monkeypatch.setattr(reader, "CHUNK", 4096)
+    monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
+    files = _files(clean[1])
+    if not _direct_io_works(files[0].path):
+        pytest.skip("this file system takes no O_DIRECT reads")
+    real = os.preadv
+    refused = []
+
+    def preadv(fd, buffers, offset, *flags):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and offset >= 8192:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(reader.os, "preadv", preadv)
+    made = _spy_striped(monkeypatch)
+    targets = _targets(files)
+    algo = read_manifest(clean[1]).checksum
+    n, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=2, log=print, label="rank 1", direct_reads="1")
+    assert (
+        bad == []
+        and n == sum(f.size for f in files)
+        and refused
+        and all(s.o_direct and 0 < sum(s.direct_chunks) < s.chunks for s in made)
+    )
+    want = {k: v for f in files for k, v in load_file(f.path).items()}
+    assert all(
+        torch.equal(targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)) for k, v in want.items()
+    )
 
 
 def test_read_rank_leaves_parameters_the_folder_lacks_as_initialised(clean):

@@ -92,6 +92,15 @@ class AlignedReader(abc.ABC):
     def close(self) -> None: ...
 
 
+def wants_direct(path: Path, mode: str) -> bool:
+    """Whether to read `path` with O_DIRECT, by RESHARD_DIRECT_READS' value `mode`: "auto" where
+    the file is mostly not in the page cache, "1" always, "0" never."""
+    if mode != "auto":
+        return mode == "1"
+    share = cached_share(path)
+    return share is not None and share < 0.5
+
+
 class FileReader(AlignedReader):
     """Positioned reads from a checkpoint folder's safetensors files (thread-safe once files are
     open; `prepare` is called by one thread at a time)."""
@@ -161,10 +170,7 @@ class FileReader(AlignedReader):
         return self.direct_fds[name]
 
     def _wants_direct(self, name: str) -> bool:
-        if self.mode != "auto":
-            return self.mode == "1"
-        share = cached_share(self.root / name)
-        return share is not None and share < 0.5
+        return wants_direct(self.root / name, self.mode)
 
     @staticmethod
     def _fill(fd: int, t: TensorInfo, pos: int, out: memoryview, need: int) -> None:

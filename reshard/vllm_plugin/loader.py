@@ -25,6 +25,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
+from reshard import settings
 from reshard.errors import ReshardError
 from reshard.format import DTYPE_NAMES
 from reshard.layout import DTYPES, Layout
@@ -63,6 +64,10 @@ class ReshardModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         folder = _folder(model_config)
+        try:
+            direct_reads = settings.DIRECT_READS.get()
+        except ReshardError as e:
+            raise ReshardLoadError(f"--load-format reshard: {e}") from None
         bucket = BucketWeights(self.options.weights) if self.options.weights else None
         where: Path | str = folder
         if bucket is not None:  # the model folder: the config; the bucket: the manifest and the weights
@@ -110,6 +115,7 @@ class ReshardModelLoader(BaseModelLoader):
                 log=logger.info,
                 label=engine.label,
                 source=bucket,
+                direct_reads=direct_reads,
             )
         except ReadError as e:
             raise ReshardLoadError(

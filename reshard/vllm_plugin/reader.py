@@ -1,24 +1,33 @@
 """Read one rank's files straight into its parameters, checksumming on the fly; torch, no vLLM.
 
 Every byte of a file is read once, in large reads (`CHUNK`). A file whose tensors all land in CPU
-parameters that are contiguous and of the recorded shape is read straight into them (nothing is
-copied after), by several threads at once, each with its own descriptor reading its own contiguous
-stripe front to back: more reads in flight than one sequential stream (as the parallel page faults of
-a multi-threaded `copy_` out of safetensors' mmap give sharded_state), each stream still sequential
-for the kernel's read-ahead. The file's checksum covers its bytes in order: a hash thread per file
-follows the stripes chunk by chunk, hashing from the parameters' memory.
+parameters that are contiguous and of the recorded shape is read straight into them, by several
+threads at once, each with its own descriptor: the file's chunks are dealt to them in turn, so the
+file is read about in order with several reads in flight (as the parallel page faults of a
+multi-threaded `copy_` out of safetensors' mmap give sharded_state). Its checksum covers its bytes
+in order: a hash thread per file follows the chunks as they arrive, right behind the reads, hashing
+from the parameters' memory.
+
+A file mostly not in the page cache (RESHARD_DIRECT_READS, `reshard.io.reader.wants_direct`) is read
+with O_DIRECT into a page-aligned buffer per thread (`BOUNCE`) and copied into the parameters
+(which torch does not align for O_DIRECT): the copy costs far less CPU than the kernel's allocation
+and copy of every page a cold read through the page cache costs, and leaves the disk's queue full
+(docs/benchmarks.md: a cold TP 2 rank of 2.1 GB here in about half the time). A file in the cache
+is read out of it.
 
 Other files (a GPU parameter, a LoRA-padded one) are read front to back by one thread, through a
 bounce buffer of at most `CHUNK` bytes (a narrowed LoRA view: one tensor), and hashed as read.
 
-The files come from a local folder, or from a `Source` (the objects of a bucket prefix: each stripe
-one ranged GET, each other file one GET), read the same way into the same memory.
+The files come from a local folder, or from a `Source` (the objects of a bucket prefix: each thread
+one ranged GET of a contiguous stripe, each other file one GET), read the same way into the same
+memory.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import math
 import os
 import queue
@@ -33,10 +42,14 @@ import torch
 
 from reshard.format import open_regular
 from reshard.hashing import new_hasher
+from reshard.io import direct
+from reshard.io.memory import ALIGN
+from reshard.io.reader import wants_direct
 from reshard.vllm_plugin.checks import RankFile, fits_narrowed
 
 CHUNK = 32 * 1024 * 1024
 STRIPE_MIN = 64 * 1024 * 1024  # a file is read by at most size / STRIPE_MIN streams
+BOUNCE = 8 * 1024 * 1024  # an O_DIRECT read's page-aligned buffer, one per stream
 IOV_MAX = 1024  # buffers per preadv
 PROGRESS_EVERY = 5.0  # seconds between progress lines of a long load
 
@@ -77,8 +90,9 @@ def _direct(param: torch.Tensor, shape: tuple[int, ...]) -> bool:
 
 
 class _Striped:
-    """A file read straight into CPU parameters by `streams` threads, one contiguous stripe each,
-    and hashed in order by a thread of its own (when `algorithm`)."""
+    """A file read straight into CPU parameters by `streams` threads, and hashed in order by a
+    thread of its own (when `algorithm`). Local: stream j reads chunks j, j + streams, ... (with
+    O_DIRECT when `o_direct`); from a `source`: stream j one contiguous stripe (one ranged GET)."""
 
     def __init__(
         self,
@@ -87,6 +101,7 @@ class _Striped:
         algorithm: str | None,
         streams: int,
         source: Source | None = None,
+        o_direct: bool = False,
     ) -> None:
         self.rf = rf
         self.source = source
@@ -97,7 +112,10 @@ class _Striped:
                 self.segments.append((info.offset, memoryview(_byte_view(targets[info.name]).numpy())))
         self.starts = [off for off, _ in self.segments]
         self.chunks = max(1, math.ceil(rf.size / CHUNK))
-        self.bounds = [j * self.chunks // streams for j in range(streams + 1)]
+        self.streams = max(1, min(streams, self.chunks))
+        self.bounds = [j * self.chunks // self.streams for j in range(self.streams + 1)]
+        self.o_direct = o_direct and source is None and CHUNK % ALIGN == 0
+        self.direct_chunks = [0] * self.streams  # per stream: chunks read with O_DIRECT
         self.ready = [threading.Event() for _ in range(self.chunks)]
         self.failed = False
         self.hasher = new_hasher(algorithm) if algorithm and rf.digest else None
@@ -108,7 +126,7 @@ class _Striped:
             self.hash_thread.start()
 
     def stripes(self) -> list[int]:
-        return [j for j in range(len(self.bounds) - 1) if self.bounds[j] < self.bounds[j + 1]]
+        return list(range(self.streams))
 
     def _views(self, c: int) -> list[memoryview]:
         """The memory of file bytes [c * CHUNK, (c + 1) * CHUNK), in order."""
@@ -129,23 +147,30 @@ class _Striped:
                 self._stream_stripe(j, count)
                 return
             fd = open_regular(self.rf.path, follow=False)  # what check_files checked, not a link put there since
+            bounce = None  # O_DIRECT's read buffer
             try:
-                with contextlib.suppress(AttributeError, OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                for c in range(self.bounds[j], self.bounds[j + 1]):
+                if self.o_direct:
+                    bounce = direct.enable(fd, BOUNCE)
+                if bounce is None:
+                    with contextlib.suppress(AttributeError, OSError):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                for c in range(j, self.chunks, self.streams):
                     if self.failed:
                         return
-                    views, pos = self._views(c), c * CHUNK
-                    while views:
-                        got = os.preadv(fd, views[:IOV_MAX], pos)
-                        if got <= 0:
-                            raise EOFError(f"{self.rf.path.name}: ended early")
-                        count(got)
-                        pos += got
-                        while views and got >= len(views[0]):
-                            got -= len(views.pop(0))
-                        if got:
-                            views[0] = views[0][got:]
+                    if bounce is not None:
+                        try:
+                            end = min(self.rf.size, (c + 1) * CHUNK)
+                            direct.read_into(fd, c * CHUNK, end, self._views(c), bounce, self.rf.path.name)
+                            count(end - c * CHUNK)
+                            self.direct_chunks[j] += 1
+                            self.ready[c].set()
+                            continue
+                        except OSError as e:  # O_DIRECT refused here after all: read through the cache
+                            if e.errno != errno.EINVAL:
+                                raise
+                            direct.disable(fd)
+                            bounce = None  # (unmapped when the failed read's views are gone)
+                    self._read_chunk(fd, c, count)
                     self.ready[c].set()
             finally:
                 os.close(fd)
@@ -154,6 +179,19 @@ class _Striped:
             for e in self.ready:
                 e.set()
             raise
+
+    def _read_chunk(self, fd: int, c: int, count: Count) -> None:
+        views, pos = self._views(c), c * CHUNK
+        while views:
+            got = os.preadv(fd, views[:IOV_MAX], pos)
+            if got <= 0:
+                raise EOFError(f"{self.rf.path.name}: ended early")
+            count(got)
+            pos += got
+            while views and got >= len(views[0]):
+                got -= len(views.pop(0))
+            if got:
+                views[0] = views[0][got:]
 
     def _stream_stripe(self, j: int, count: Count) -> None:
         assert self.source is not None
@@ -294,11 +332,13 @@ def read_rank(
     log: Callable[[str], None],
     label: str,
     source: Source | None = None,
+    direct_reads: str = "auto",
 ) -> tuple[int, float, list[BadChecksum]]:
     """Read every file of a rank with `threads` read streams at a time (largest files first; a file
     that goes straight into CPU parameters is cut in up to `threads` stripes). Returns (bytes,
     seconds, files whose checksum differs from the manifest's). Logs progress every few seconds.
-    `source`: where the files are read from (None: the local paths `files` name)."""
+    `source`: where the files are read from (None: the local paths `files` name). `direct_reads`:
+    which local files read into CPU parameters use O_DIRECT (RESHARD_DIRECT_READS' values)."""
     total = sum(f.size for f in files)
     done = [0]
     lock = threading.Lock()
@@ -318,7 +358,8 @@ def read_rank(
     for rf in sorted(files, key=lambda f: -f.size):
         if all(_direct(targets[t.name], t.shape) for t in rf.tensors if t.nbytes):
             streams = max(1, min(threads, rf.size // STRIPE_MIN))
-            s = _Striped(rf, targets, algorithm, streams, source)
+            cold = source is None and wants_direct(rf.path, direct_reads)
+            s = _Striped(rf, targets, algorithm, streams, source, cold)
             striped.append(s)
             jobs += [(rf, lambda s=s, j=j: s.read_stripe(j, count)) for j in s.stripes()]
         else:
