@@ -335,8 +335,9 @@ def read_rank(
     direct_reads: str = "auto",
 ) -> tuple[int, float, list[BadChecksum]]:
     """Read every file of a rank with `threads` read streams at a time (largest files first; a file
-    that goes straight into CPU parameters is cut in up to `threads` stripes). Returns (bytes,
-    seconds, files whose checksum differs from the manifest's). Logs progress every few seconds.
+    that goes straight into CPU parameters is read by up to `threads` streams: locally its chunks
+    dealt to them in turn, from a source a contiguous stripe each). Returns (bytes, seconds, files
+    whose checksum differs from the manifest's). Logs progress every few seconds.
     `source`: where the files are read from (None: the local paths `files` name). `direct_reads`:
     which local files read into CPU parameters use O_DIRECT (RESHARD_DIRECT_READS' values)."""
     total = sum(f.size for f in files)
@@ -377,7 +378,7 @@ def read_rank(
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs))), thread_name_prefix="reshard-read") as pool:
             results = list(pool.map(run, jobs))
     finally:
-        for s in striped:  # a failed stripe has released its file's hash thread
+        for s in striped:  # a failed stream has released its file's hash thread
             if s.hash_thread is not None and any(not e.is_set() for e in s.ready):
                 s.failed = True
                 for e in s.ready:
