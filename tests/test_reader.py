@@ -10,6 +10,7 @@ import pytest
 
 from reshard import settings
 from reshard.format import TensorInfo
+from reshard.io import reader as reader_module
 from reshard.io.memory import ALIGN, aligned_buffer
 from reshard.io.reader import FileReader, cached_share
 
@@ -87,8 +88,8 @@ def test_prepared_reads_give_the_file_bytes(monkeypatch, data_file, mode, offset
 
 def test_auto_reads_uncached_files_with_o_direct(monkeypatch, data_file):
     path, data = data_file
-    if _fs_type(path) in ("tmpfs", "ramfs", "") or not _direct_capable(path) or not hasattr(os, "RWF_NOWAIT"):
-        pytest.skip("needs a disk-backed filesystem with O_DIRECT and RWF_NOWAIT")
+    if _fs_type(path) in ("tmpfs", "ramfs", "") or not _direct_capable(path) or cached_share(path) is None:
+        pytest.skip("needs a disk-backed filesystem with O_DIRECT, and cachestat(2) or mincore(2)")
     monkeypatch.delenv("RESHARD_DIRECT_READS", raising=False)
     assert path.read_bytes() == data
     assert cached_share(path) == 1.0
@@ -103,7 +104,7 @@ def test_auto_reads_uncached_files_with_o_direct(monkeypatch, data_file):
         if share == 0.0:
             break
     assert share == 0.0
-    _evict(path)  # the probe's reads of its pages may have brought them in
+    assert cached_share(path) == 0.0  # asking read nothing in: the same answer again
     reader = FileReader(path.parent)
     try:
         prepared = reader.prepare(info, 3, 10)
@@ -112,6 +113,33 @@ def test_auto_reads_uncached_files_with_o_direct(monkeypatch, data_file):
         assert bytes(got) == data[3:13]
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("how", ["cachestat", "mincore"])
+def test_cached_share_asks_without_reading(data_file, how):
+    """Either way of asking (cachestat(2), or mincore(2) where the kernel lacks it) tells a read file
+    from an evicted one, and asking twice brings nothing into the cache (RWF_NOWAIT reads did)."""
+    path, data = data_file
+    if _fs_type(path) in ("tmpfs", "ramfs", ""):
+        pytest.skip("needs a disk-backed filesystem (tmpfs pages cannot be evicted)")
+    ask = getattr(reader_module, f"_{how}")
+
+    def share() -> float | None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return ask(fd, len(data))
+        finally:
+            os.close(fd)
+
+    if share() is None:
+        pytest.skip(f"{how} is not available here")
+    assert path.read_bytes() == data
+    assert share() == 1.0
+    for _ in range(10):  # a page another CPU still holds may escape one eviction
+        _evict(path)
+        if share() == 0.0:
+            break
+    assert [share(), share(), share()] == [0.0, 0.0, 0.0]
 
 
 def test_cached_share_of_an_empty_file_is_unknown(tmp_path):
