@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reshard import settings
 from reshard.format import TensorInfo, kind, open_inside, open_regular, read_header
 from reshard.hashing import hash_fd
+from reshard.io.reader import wants_direct
 
 if TYPE_CHECKING:
     from reshard.manifest import Manifest
@@ -121,7 +123,8 @@ class LocalView(FolderView):
         try:
             if os.fstat(fd).st_size != size:
                 return ""
-            return hash_fd(fd, algorithm, advance=advance, limit=size)
+            direct = wants_direct(self.local / name, settings.DIRECT_READS.get())  # a cold file: O_DIRECT
+            return hash_fd(fd, algorithm, advance=advance, limit=size, direct=direct)
         finally:
             os.close(fd)
 

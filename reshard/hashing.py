@@ -14,6 +14,7 @@ a 2-core machine slower. sha256 stays for users who must check files with `sha25
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections.abc import Callable
@@ -26,6 +27,7 @@ NONE = "none"
 ALGORITHMS = (DEFAULT, "sha256", NONE)
 FIELD = "checksum"  # the manifest's top-level field naming the algorithm
 READ_BLOCK = 16 * 1024 * 1024
+DIRECT_MIN = 64 * 1024 * 1024  # `hash_fd(direct=True)`: smaller files are read through the page cache
 
 
 class Hasher(Protocol):
@@ -85,13 +87,23 @@ def hash_fd(
     advance: Callable[[int], None] | None = None,
     block: int = READ_BLOCK,
     limit: int | None = None,
+    direct: bool = False,
 ) -> str | None:
     """`hash_file` of an open file, from its current position: at most `limit` bytes where given (a
-    manifest-named file is read no further than its recorded size). Raises OSError."""
+    manifest-named file is read no further than its recorded size). `direct`: read with O_DIRECT
+    where the file system takes it (`reshard.io.direct.blocks`, a thread reading ahead), for a file
+    not in the page cache (`reshard.io.reader.wants_direct`): no kernel copy of every page. Raises
+    OSError."""
     h = new_hasher(algorithm)
     if algorithm == NONE:
         return None
-    left = os.fstat(fd).st_size if limit is None else limit
+    if direct and (limit is None or limit >= DIRECT_MIN):
+        done = _hash_direct(fd, h, block, limit, advance)
+        if done is None:
+            return h.hexdigest()
+        if limit is not None:
+            limit -= done
+    left = os.fstat(fd).st_size - os.lseek(fd, 0, os.SEEK_CUR) if limit is None else limit
     # no larger than the file (+1 to see its end in one read): a tokenizer folder's many small
     # files would each pay for zeroing a 16 MiB buffer
     buf = bytearray(max(1, min(block, left + 1)))
@@ -107,3 +119,32 @@ def hash_fd(
             if advance is not None:
                 advance(n)
     return h.hexdigest()
+
+
+def _hash_direct(
+    fd: int, h: Hasher, block: int, limit: int | None, advance: Callable[[int], None] | None
+) -> int | None:
+    """Hash `fd` from its position with O_DIRECT: None when done; else how many bytes were hashed
+    before O_DIRECT was refused (or could not start: an unaligned position), the position then
+    moved past them for the page cache to go on."""
+    from reshard.io import direct
+    from reshard.io.memory import ALIGN
+
+    start = os.lseek(fd, 0, os.SEEK_CUR)
+    if start % ALIGN or block % ALIGN or not direct.enable(fd):
+        return 0
+    done = 0
+    try:
+        for view in direct.blocks(fd, start, limit, block):
+            h.update(view)
+            done += len(view)
+            if advance is not None:
+                advance(len(view))
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        direct.disable(fd)
+        os.lseek(fd, start + done, os.SEEK_SET)
+        return done
+    os.lseek(fd, start + done, os.SEEK_SET)
+    return None

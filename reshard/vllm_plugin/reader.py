@@ -149,8 +149,8 @@ class _Striped:
             fd = open_regular(self.rf.path, follow=False)  # what check_files checked, not a link put there since
             bounce = None  # O_DIRECT's read buffer
             try:
-                if self.o_direct:
-                    bounce = direct.enable(fd, BOUNCE)
+                if self.o_direct and direct.enable(fd):
+                    bounce = direct.buffer(BOUNCE)
                 if bounce is None:
                     with contextlib.suppress(AttributeError, OSError):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
