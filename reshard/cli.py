@@ -78,7 +78,7 @@ def cli() -> None:
       RESHARD_DEBUG=1             show the traceback of an error
       RESHARD_DISABLE_PROGRESS=1  no progress output on stderr (also: --json, NO_COLOR only colours)
       RESHARD_O_DIRECT=0          buffered writes instead of O_DIRECT (for filesystems that mis-handle it)
-      RESHARD_DIRECT_READS=auto   O_DIRECT reads of source (and served rank) files not in the page cache (1: all, 0: none)
+      RESHARD_DIRECT_READS=auto   O_DIRECT reads of files not in the page cache (sources, files verified or served; 1: all, 0: none)
       RESHARD_HUB_CONNECTIONS=8   repo ids: HTTP connections at once
       RESHARD_HUB_RETRIES=8       repo ids: retries of a failing request without progress
       RESHARD_HUB_BACKOFF=0.5     repo ids: first wait before a retry, seconds (doubled each time)

@@ -107,7 +107,7 @@ DIRECT_READS = Setting(
     "RESHARD_DIRECT_READS",
     "auto",
     "auto (those not in the page cache), 1 (all; also true, yes) or 0 (none; also false, no)",
-    "which source files (and, under --load-format reshard, rank files) are read with O_DIRECT",
+    "which files are read with O_DIRECT: save's sources, the files verify hashes, the loader plugin's",
     _direct_reads,
 )
 HUB_CONNECTIONS = Setting(
