@@ -17,13 +17,11 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from reshard import settings
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.folderview import FolderView, LocalView, view_manifest
 from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
-from reshard.io.reader import wants_direct
 from reshard.manifest import FileRecord, Manifest
 from reshard.plan import Cols, Piece, Slice, Stack, build_plan
 from reshard.sources.local import read_config
@@ -230,8 +228,9 @@ def check_files(path: Path, manifest: Manifest) -> None:
                 return f"{entry.name} has {size} bytes, the manifest says {entry.size}"
             if algorithm == NONE:  # saved with --checksum none: sizes are all there is to check
                 return None
-            direct = wants_direct(path / entry.name, settings.DIRECT_READS.get())  # a cold file: O_DIRECT
-            digest = hash_fd(fd, algorithm, limit=entry.size, direct=direct)
+            # through the page cache: the tensors are read again right after (O_DIRECT here would
+            # leave that second pass cold where the output fits in memory)
+            digest = hash_fd(fd, algorithm, limit=entry.size)
         except OSError as e:
             return f"{entry.name}: {e.strerror}"
         finally:
