@@ -6,8 +6,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import mmap
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,26 +15,24 @@ import pytest
 from reshard import hashing
 from reshard.io import direct
 from reshard.io.memory import ALIGN
+from tests.fixtures.odirect import direct_io_works
 
 BLOCK = 2 * ALIGN
-
-
-def _direct_io_works(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return False
-    try:
-        return os.preadv(fd, [memoryview(mmap.mmap(-1, ALIGN))], 0) >= 0
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture
 def small_direct(monkeypatch):
     monkeypatch.setattr(hashing, "DIRECT_MIN", 0)
+
+
+def _direct_file(tmp_path: Path, size: int) -> tuple[Path, bytes]:
+    """A file of `size` random bytes on a file system that takes O_DIRECT reads (else the test is skipped)."""
+    data = os.urandom(size)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    if not direct_io_works(path):
+        pytest.skip("this file system takes no O_DIRECT reads")
+    return path, data
 
 
 def _digest(path: Path, algorithm: str, **kw) -> str | None:
@@ -60,11 +58,7 @@ def test_direct_and_cached_digests_agree(tmp_path, small_direct, algorithm, size
 
 
 def test_the_direct_path_is_taken_and_stops_its_reader(tmp_path, small_direct, monkeypatch):
-    data = os.urandom(9 * BLOCK + 11)
-    path = tmp_path / "f"
-    path.write_bytes(data)
-    if not _direct_io_works(path):
-        pytest.skip("this file system takes no O_DIRECT reads")
+    path, data = _direct_file(tmp_path, 9 * BLOCK + 11)
     seen = []
     real = direct.blocks
 
@@ -85,15 +79,11 @@ def test_the_direct_path_is_taken_and_stops_its_reader(tmp_path, small_direct, m
         it.close()
     finally:
         os.close(fd)
-    assert not [t for t in __import__("threading").enumerate() if t.name == "reshard-direct-read"]
+    assert not [t for t in threading.enumerate() if t.name == "reshard-direct-read"]
 
 
 def test_o_direct_refused_mid_file_goes_on_through_the_cache(tmp_path, small_direct, monkeypatch):
-    data = os.urandom(6 * BLOCK + 100)
-    path = tmp_path / "f"
-    path.write_bytes(data)
-    if not _direct_io_works(path):
-        pytest.skip("this file system takes no O_DIRECT reads")
+    path, data = _direct_file(tmp_path, 6 * BLOCK + 100)
     real = os.preadv
     refused = []
 

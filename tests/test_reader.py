@@ -13,6 +13,7 @@ from reshard.format import TensorInfo
 from reshard.io import reader as reader_module
 from reshard.io.memory import ALIGN, aligned_buffer
 from reshard.io.reader import FileReader, cached_share
+from tests.fixtures.odirect import direct_io_works
 
 
 def _fs_type(path: Path) -> str:
@@ -25,14 +26,6 @@ def _fs_type(path: Path) -> str:
             if str(path).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
                 best, kind = mnt, fs
     return kind
-
-
-def _direct_capable(path: Path) -> bool:
-    try:
-        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
-    except (OSError, AttributeError):
-        return False
-    return True
 
 
 def _evict(path: Path) -> None:
@@ -78,7 +71,7 @@ def test_prepared_reads_give_the_file_bytes(monkeypatch, data_file, mode, offset
     info = TensorInfo("w", "U8", (len(data) - offset,), path.name, offset, len(data) - offset)
     try:
         prepared = reader.prepare(info, start, nbytes)
-        assert (prepared.fd is not None) == (mode == "1" and _direct_capable(path))
+        assert (prepared.fd is not None) == (mode == "1" and direct_io_works(path))
         region = memoryview(aligned_buffer(prepared.size))
         got = reader.read_prepared(info, start, nbytes, prepared, region)
         assert bytes(got) == data[offset + start : offset + start + nbytes]
@@ -88,7 +81,7 @@ def test_prepared_reads_give_the_file_bytes(monkeypatch, data_file, mode, offset
 
 def test_auto_reads_uncached_files_with_o_direct(monkeypatch, data_file):
     path, data = data_file
-    if _fs_type(path) in ("tmpfs", "ramfs", "") or not _direct_capable(path) or cached_share(path) is None:
+    if _fs_type(path) in ("tmpfs", "ramfs", "") or not direct_io_works(path) or cached_share(path) is None:
         pytest.skip("needs a disk-backed filesystem with O_DIRECT, and cachestat(2) or mincore(2)")
     monkeypatch.delenv("RESHARD_DIRECT_READS", raising=False)
     assert path.read_bytes() == data

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import mmap
 import os
 import shutil
 import threading
@@ -25,6 +24,7 @@ from reshard.manifest import Manifest, read_manifest
 from reshard.names import MANIFEST
 from reshard.vllm_plugin import checks, reader
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
+from tests.fixtures.odirect import direct_io_works
 
 ENGINE = Engine(Layout(tp=2, dtype="bfloat16"), quantization=None, vllm_version="0.32.0")
 
@@ -229,20 +229,6 @@ def _targets(files: list[checks.RankFile]) -> dict[str, torch.Tensor]:
     }
 
 
-def _direct_io_works(path: Path) -> bool:
-    """Whether the file system of `path` takes O_DIRECT reads (tmpfs, for one, may not)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return False
-    try:
-        return os.preadv(fd, [memoryview(mmap.mmap(-1, 4096))], 0) > 0
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("direct", ["0", "1"])
 @pytest.mark.parametrize(
     ("chunk", "stripe_min", "threads"),
@@ -263,7 +249,7 @@ def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_
         files, targets, algorithm=algo, threads=threads, log=lines.append, label="rank 1", direct_reads=direct
     )
     assert bad == [] and n == sum(f.size for f in files)
-    used = direct == "1" and _direct_io_works(files[0].path)  # where O_DIRECT is refused: the page cache
+    used = direct == "1" and direct_io_works(files[0].path)  # where O_DIRECT is refused: the page cache
     assert made and all(sum(s.direct_chunks) == (s.chunks if used else 0) for s in made)
     want = {k: v for f in files for k, v in load_file(f.path).items()}
     assert sorted(want) == sorted(targets)
@@ -292,7 +278,7 @@ def test_a_file_system_refusing_direct_reads_is_read_through_the_cache(clean, mo
     monkeypatch.setattr(reader, "CHUNK", 4096)
     monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
     files = _files(clean[1])
-    if not _direct_io_works(files[0].path):
+    if not direct_io_works(files[0].path):
         pytest.skip("this file system takes no O_DIRECT reads")
     real = os.preadv
     refused = []
