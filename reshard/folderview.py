@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from reshard import settings
 from reshard.format import TensorInfo, kind, open_inside, open_regular, read_header
 from reshard.hashing import hash_fd
-from reshard.io.reader import wants_direct
+from reshard.io.direct import wants_direct
 
 if TYPE_CHECKING:
     from reshard.manifest import Manifest

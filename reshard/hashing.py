@@ -92,7 +92,7 @@ def hash_fd(
     """`hash_file` of an open file, from its current position: at most `limit` bytes where given (a
     manifest-named file is read no further than its recorded size). `direct`: read with O_DIRECT
     where the file system takes it (`reshard.io.direct.blocks`, a thread reading ahead), for a file
-    not in the page cache (`reshard.io.reader.wants_direct`): no kernel copy of every page. Raises
+    not in the page cache (`reshard.io.direct.wants_direct`): no kernel copy of every page. Raises
     OSError."""
     h = new_hasher(algorithm)
     if algorithm == NONE:
@@ -128,7 +128,7 @@ def _hash_direct(
     before O_DIRECT was refused (or could not start: an unaligned position), the position then
     moved past them for the page cache to go on."""
     from reshard.io import direct
-    from reshard.io.memory import ALIGN
+    from reshard.io.direct import ALIGN
 
     start = os.lseek(fd, 0, os.SEEK_CUR)
     if start % ALIGN or block % ALIGN or not direct.enable(fd):

@@ -10,9 +10,10 @@ import pytest
 
 from reshard import settings
 from reshard.format import TensorInfo
-from reshard.io import reader as reader_module
+from reshard.io import direct as direct_module
+from reshard.io.direct import cached_share
 from reshard.io.memory import ALIGN, aligned_buffer
-from reshard.io.reader import FileReader, cached_share
+from reshard.io.reader import FileReader
 from tests.fixtures.odirect import direct_io_works
 
 
@@ -115,7 +116,7 @@ def test_cached_share_asks_without_reading(data_file, how):
     path, data = data_file
     if _fs_type(path) in ("tmpfs", "ramfs", ""):
         pytest.skip("needs a disk-backed filesystem (tmpfs pages cannot be evicted)")
-    ask = getattr(reader_module, f"_{how}")
+    ask = getattr(direct_module, f"_{how}")
 
     def share() -> float | None:
         fd = os.open(path, os.O_RDONLY)

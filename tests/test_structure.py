@@ -139,7 +139,8 @@ def test_file_names_live_in_names():
 def test_vllm_plugin_layering():
     """The vLLM loader plugin (issue 13) sits beside the commands: nothing imports it (vLLM does, by its
     entry point), and it uses only the folder's layers (manifest, layout, format, hashing, vllm_versions,
-    errors) and the object store's client, never the commands, planning, execution or verify."""
+    errors), the object store's client and `reshard.io.direct` (O_DIRECT reads, importing nothing of
+    reshard), never the commands, planning, execution or verify."""
     graph = _imports()
     for mod, deps in graph.items():
         if not mod.startswith("reshard.vllm_plugin"):
@@ -149,7 +150,7 @@ def test_vllm_plugin_layering():
         # bucket with reshard's own client (`{"weights": "s3://..."}`)
         allowed = ("reshard.vllm_plugin", "reshard.manifest", "reshard.layout", "reshard.names", "reshard.serve",
                    "reshard.format", "reshard.hashing", "reshard.vllm_versions", "reshard.errors",
-                   "reshard.store", "reshard.settings")  # fmt: skip
+                   "reshard.store", "reshard.settings", "reshard.io.direct")  # fmt: skip
         bad = sorted(d for d in deps if d != "reshard" and not d.startswith(allowed))
         assert not bad, f"{mod} imports {bad}"
 

@@ -1,5 +1,7 @@
-"""O_DIRECT reads: a file's blocks read ahead by a thread of their own, or a range copied into memory
-that is not aligned for O_DIRECT through a bounce buffer.
+"""O_DIRECT reads: which files to read so (`wants_direct`: those mostly not in the page cache, asked
+without reading), a file's blocks read ahead by a thread of their own (`blocks`), or a range copied
+into memory that is not aligned for O_DIRECT through a bounce buffer (`read_into`). No other reshard
+module is imported here: the save's readers, verify and the vLLM loader plugin all use it.
 
 O_DIRECT needs the file offset, the length and the memory block-aligned (ALIGN). A cold file read
 this way costs no page-cache allocation and copy of every page in the kernel (on this project's VM
@@ -9,14 +11,112 @@ reads must be kept in flight by the reader (`blocks`: `depth` ahead).
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
-from reshard.io.memory import ALIGN
+ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
+
+
+def wants_direct(path: Path, mode: str) -> bool:
+    """Whether to read `path` with O_DIRECT, by RESHARD_DIRECT_READS' value `mode`: "auto" where
+    the file is mostly not in the page cache, "1" always, "0" never."""
+    if mode != "auto":
+        return mode == "1"
+    share = cached_share(path)
+    return share is not None and share < 0.5
+
+
+PROBES = 16  # pages sampled per file where the whole file cannot be asked about at once (mincore)
+
+
+def cached_share(path: Path) -> float | None:
+    """The share of the file's pages in the page cache; None where the system cannot tell. Asked
+    without reading a byte, so that asking changes nothing (a read, even RWF_NOWAIT's, brings the
+    page in: asked twice, a cold file looked cached): cachestat(2) of the whole file (Linux 6.5+),
+    else mincore(2) of `PROBES` pages spread over a mapping of it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return None
+        share = _cachestat(fd, size)
+        return share if share is not None else _mincore(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+class _Range(ctypes.Structure):
+    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = tuple(
+        (n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    )
+
+
+_SYS_CACHESTAT = 451  # the same number on every Linux architecture
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL | None:
+    global _libc
+    if _libc is None and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            return None
+        libc.syscall.restype = ctypes.c_long
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        _libc = libc
+    return _libc
+
+
+def _cachestat(fd: int, size: int) -> float | None:
+    libc = _c()
+    if libc is None:
+        return None
+    rng, st = _Range(0, size), _Stat()
+    if libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+        return None  # ENOSYS before Linux 6.5, EPERM under some seccomp filters
+    return min(1.0, st.nr_cache / -(-size // mmap.PAGESIZE))
+
+
+def _mincore(fd: int, size: int) -> float | None:
+    libc = _c()
+    if libc is None:
+        return None
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        n = min(PROBES, pages)
+        vec = ctypes.create_string_buffer(1)
+        hits = 0
+        for i in range(n):
+            page = (2 * i + 1) * pages // (2 * n)
+            if libc.mincore(ctypes.c_void_p(addr + page * mmap.PAGESIZE), mmap.PAGESIZE, vec) != 0:
+                return None
+            hits += vec.raw[0] & 1
+        return hits / n
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), size)
 
 
 def enable(fd: int) -> bool:

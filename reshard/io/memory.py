@@ -13,9 +13,10 @@ import mmap
 import threading
 from collections.abc import Callable
 
+from reshard.io.direct import ALIGN as ALIGN  # O_DIRECT's alignment (the executor's modules take it from here)
+
 DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
 MIN_SLAB = 1024 * 1024
-ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
 
 
 def resident_bytes() -> int:

@@ -6,21 +6,19 @@ the prefetching threads (`reshard.io.prefetch`) can read into reused aligned buf
 Other readers (a reshard output as SOURCE) implement `Reader` only.
 
 Which files are read with O_DIRECT (RESHARD_DIRECT_READS): `auto` (default) those mostly not in
-the page cache (asked without reading, `cached_share`), `1` all, `0` none. A file in the cache is copied out of
-it (the fastest read there is); a file that is not costs, through the page cache, the kernel's
-allocation and copy of every page besides the disk's time (on the benchmark machine 1.5-4 CPU
-seconds per GB against 0.9 with O_DIRECT, in the same wall time), and evicts the user's cache.
+the page cache (asked without reading: `reshard.io.direct.cached_share`), `1` all, `0` none. A file
+in the cache is copied out of it (the fastest read there is); a file that is not costs, through the
+page cache, the kernel's allocation and copy of every page besides the disk's time (on the benchmark
+machine 1.5-4 CPU seconds per GB against 0.9 with O_DIRECT, in the same wall time), and evicts the
+user's cache.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import ctypes
 import errno
-import mmap
 import os
-import sys
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -28,92 +26,7 @@ from typing import NamedTuple
 from reshard import settings
 from reshard.errors import SourceError
 from reshard.format import TensorInfo
-from reshard.io.memory import ALIGN
-
-PROBES = 16  # pages sampled per file where the whole file cannot be asked about at once (mincore)
-
-
-def cached_share(path: Path) -> float | None:
-    """The share of the file's pages in the page cache; None where the system cannot tell. Asked
-    without reading a byte, so that asking changes nothing (a read, even RWF_NOWAIT's, brings the
-    page in: asked twice, a cold file looked cached): cachestat(2) of the whole file (Linux 6.5+),
-    else mincore(2) of `PROBES` pages spread over a mapping of it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return None
-        share = _cachestat(fd, size)
-        return share if share is not None else _mincore(fd, size)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-class _Range(ctypes.Structure):
-    _fields_ = (("off", ctypes.c_uint64), ("len", ctypes.c_uint64))
-
-
-class _Stat(ctypes.Structure):
-    _fields_ = tuple(
-        (n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
-    )
-
-
-_SYS_CACHESTAT = 451  # the same number on every Linux architecture
-_libc: ctypes.CDLL | None = None
-
-
-def _c() -> ctypes.CDLL | None:
-    global _libc
-    if _libc is None and sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-        except OSError:
-            return None
-        libc.syscall.restype = ctypes.c_long
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-        _libc = libc
-    return _libc
-
-
-def _cachestat(fd: int, size: int) -> float | None:
-    libc = _c()
-    if libc is None:
-        return None
-    rng, st = _Range(0, size), _Stat()
-    if libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(rng), ctypes.byref(st), 0) != 0:
-        return None  # ENOSYS before Linux 6.5, EPERM under some seccomp filters
-    return min(1.0, st.nr_cache / -(-size // mmap.PAGESIZE))
-
-
-def _mincore(fd: int, size: int) -> float | None:
-    libc = _c()
-    if libc is None:
-        return None
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        return None
-    try:
-        pages = -(-size // mmap.PAGESIZE)
-        n = min(PROBES, pages)
-        vec = ctypes.create_string_buffer(1)
-        hits = 0
-        for i in range(n):
-            page = (2 * i + 1) * pages // (2 * n)
-            if libc.mincore(ctypes.c_void_p(addr + page * mmap.PAGESIZE), mmap.PAGESIZE, vec) != 0:
-                return None
-            hits += vec.raw[0] & 1
-        return hits / n
-    finally:
-        libc.munmap(ctypes.c_void_p(addr), size)
+from reshard.io.direct import ALIGN, wants_direct
 
 
 class Prepared(NamedTuple):
@@ -148,15 +61,6 @@ class AlignedReader(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
-
-
-def wants_direct(path: Path, mode: str) -> bool:
-    """Whether to read `path` with O_DIRECT, by RESHARD_DIRECT_READS' value `mode`: "auto" where
-    the file is mostly not in the page cache, "1" always, "0" never."""
-    if mode != "auto":
-        return mode == "1"
-    share = cached_share(path)
-    return share is not None and share < 0.5
 
 
 class FileReader(AlignedReader):

@@ -8,7 +8,7 @@ multi-threaded `copy_` out of safetensors' mmap give sharded_state). Its checksu
 in order: a hash thread per file follows the chunks as they arrive, right behind the reads, hashing
 from the parameters' memory.
 
-A file mostly not in the page cache (RESHARD_DIRECT_READS, `reshard.io.reader.wants_direct`) is read
+A file mostly not in the page cache (RESHARD_DIRECT_READS, `reshard.io.direct.wants_direct`) is read
 with O_DIRECT into a page-aligned buffer per thread (`BOUNCE`) and copied into the parameters
 (which torch does not align for O_DIRECT): the copy costs far less CPU than the kernel's allocation
 and copy of every page a cold read through the page cache costs, and leaves the disk's queue full
@@ -40,11 +40,10 @@ from typing import BinaryIO, Protocol
 
 import torch
 
+import reshard.io.direct as direct
 from reshard.format import open_regular
 from reshard.hashing import new_hasher
-from reshard.io import direct
-from reshard.io.memory import ALIGN
-from reshard.io.reader import wants_direct
+from reshard.io.direct import ALIGN, wants_direct
 from reshard.vllm_plugin.checks import RankFile, fits_narrowed
 
 CHUNK = 32 * 1024 * 1024
