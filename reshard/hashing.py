@@ -128,10 +128,9 @@ def _hash_direct(
     before O_DIRECT was refused (or could not start: an unaligned position), the position then
     moved past them for the page cache to go on."""
     from reshard.io import direct
-    from reshard.io.direct import ALIGN
 
     start = os.lseek(fd, 0, os.SEEK_CUR)
-    if start % ALIGN or block % ALIGN or not direct.enable(fd):
+    if start % direct.ALIGN or block % direct.ALIGN or not direct.enable(fd):
         return 0
     done = 0
     try:
