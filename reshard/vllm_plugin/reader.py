@@ -11,9 +11,9 @@ from the parameters' memory.
 A file mostly not in the page cache (RESHARD_DIRECT_READS, `reshard.io.direct.wants_direct`) is read
 with O_DIRECT into a page-aligned buffer per thread (`BOUNCE`) and copied into the parameters
 (which torch does not align for O_DIRECT): the copy costs far less CPU than the kernel's allocation
-and copy of every page a cold read through the page cache costs, and leaves the disk's queue full
-(docs/benchmarks.md: a cold TP 2 rank of 2.1 GB here in about half the time). A file in the cache
-is read out of it.
+and copy of every page a cold read through the page cache costs, and keeps the disk's queue full
+(docs/benchmarks.md: a cold TP 2 load of 2.1 GB per rank in vLLM took 0.75 of the time). A file in
+the cache is read out of it.
 
 Other files (a GPU parameter, a LoRA-padded one) are read front to back by one thread, through a
 bounce buffer of at most `CHUNK` bytes (a narrowed LoRA view: one tensor), and hashed as read.
