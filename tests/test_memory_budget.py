@@ -58,3 +58,37 @@ def test_a_save_with_little_memory_left_by_its_metadata_writes_the_same_bytes(ti
     for f in full.plan.files:
         a, b = (tmp_path / "a" / f.name).read_bytes(), (tmp_path / "b" / f.name).read_bytes()
         assert a[8 + int.from_bytes(a[:8], "little") :] == b[8 + int.from_bytes(b[:8], "little") :]
+
+
+def test_read_buffers_are_faulted_in_by_a_foreign_call(monkeypatch):
+    """The executor's read buffers come resident, faulted in by madvise(MADV_POPULATE_WRITE) through
+    ctypes (which lets go of the GIL: MAP_POPULATE inside mmap(2) holds it, and the reader threads
+    making the first buffers starved the thread handing their bytes on); where madvise is refused
+    (Linux before 5.14), MAP_POPULATE as before. Both give zeroed, writable, page-aligned memory."""
+    import ctypes
+    import sys
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("Linux only")
+    memory._populate(memory.aligned_buffer(memory.ALIGN))  # resolves memory._madvise
+    calls = []
+    real = memory._madvise
+
+    def recorded(addr, size, advice):
+        calls.append((addr, size, advice))
+        return real(addr, size, advice)
+
+    for madvise in (recorded, lambda *a: -1):
+        monkeypatch.setattr(memory, "_madvise", madvise)
+        before = memory.resident_bytes()
+        buf = memory.aligned_buffer(48 * MIB)
+        assert memory.resident_bytes() - before >= 44 * MIB
+        anchor = ctypes.c_char.from_buffer(buf)
+        assert ctypes.addressof(anchor) % memory.ALIGN == 0
+        del anchor
+        assert buf[:4096] == bytes(4096) and buf[-4096:] == bytes(4096)
+        buf[-5:] = b"hello"
+        buf.close()
+    assert [(size, advice) for _, size, advice in calls] == [(48 * MIB, memory._MADV_POPULATE_WRITE)]
