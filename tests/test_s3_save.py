@@ -176,6 +176,24 @@ def test_object_writer_cuts_parts_at_the_part_size(s3, monkeypatch, size):
     assert open_uploads(client, bucket) == []
 
 
+def test_uploads_started_in_the_pool_are_all_aborted(s3):
+    """`begin` starts uploads in the pool; aborting at once (a save failing as it opens its files)
+    waits for the starts under way and cancels the rest: no upload is left open."""
+    from reshard.store.bucket import Bucket
+    from reshard.store.upload import Uploads
+    from reshard.store.url import parse_bucket_url
+
+    client, bucket = s3
+    uploads = Uploads(Bucket(parse_bucket_url(url(bucket, "w/"))))
+    try:
+        ups = [uploads.begin(f"w/f{i}.bin") for i in range(40)]
+        uploads.abort_all()
+    finally:
+        uploads.close()
+    assert all(up.created is not None and up.created.done() for up in ups)
+    assert open_uploads(client, bucket) == []
+
+
 # ---- guards --------------------------------------------------------------------------------------
 
 
@@ -361,6 +379,19 @@ def test_forbidden_mid_upload(saved, s3proxy, monkeypatch, s3server):
     code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite")
     assert code == 5 and "denied (uploading part 1 of model-rank-" in one_line(err), err
     assert_untouched(client, bucket, before)
+
+
+def test_forbidden_start_of_a_rank_files_upload(saved, s3proxy, monkeypatch, s3server):
+    """A rank file's upload is started in the pool (reshard.store.upload.Uploads.begin): its
+    refusal is the save's one-line error, and nothing is published."""
+    src, client, bucket = saved
+    before = objects(client, bucket, "out/")
+    starts = lambda method, path, query: method == "POST" and query.startswith("uploads") and "model-rank-" in path  # noqa: E731
+    _through(s3proxy, monkeypatch, s3server, forbidden=1, only=starts)
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite")
+    assert code == 5 and "denied (starting the upload of out/model-rank-" in one_line(err), err
+    assert_untouched(client, bucket, before)
+    assert open_uploads(client, bucket) == []
 
 
 def test_a_store_that_confirms_no_part_checksum_is_refused(saved, s3proxy, monkeypatch, s3server):

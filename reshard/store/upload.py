@@ -55,6 +55,7 @@ class OpenUpload:
     upload_id: str
     size: int = 0
     parts: dict[int, tuple[str, bytes]] = field(default_factory=dict)  # number -> (ETag, sha256)
+    created: Future | None = field(default=None, repr=False, compare=False)  # started in the pool: its parts wait
 
     def part_list(self) -> list[dict[str, Any]]:
         return [
@@ -95,6 +96,7 @@ class Uploads:
         self.lock = threading.Lock()
         self.open: dict[str, OpenUpload] = {}
         self.unchecked: set[str] = set()  # keys whose parts the store did not echo a checksum for
+        self.starting: list[OpenUpload] = []  # uploads `begin` started in the pool
         self.free: list[bytearray] = []  # part buffers of part_size whose upload is done, for reuse
 
     def buffer(self, size: int) -> bytearray:
@@ -118,13 +120,27 @@ class Uploads:
         return store_error(e, str(self.url), doing, self.error)
 
     def start(self, key: str) -> OpenUpload:
+        return self._create(OpenUpload(key, ""))
+
+    def _create(self, up: OpenUpload) -> OpenUpload:
         try:
-            r = self.client.create_multipart_upload(Bucket=self.url.bucket, Key=key, ChecksumAlgorithm="SHA256")
+            r = self.client.create_multipart_upload(Bucket=self.url.bucket, Key=up.key, ChecksumAlgorithm="SHA256")
         except Exception as e:
-            raise self.fail(e, f"starting the upload of {key}") from e
-        up = OpenUpload(key, r["UploadId"])
+            raise self.fail(e, f"starting the upload of {up.key}") from e
+        up.upload_id = r["UploadId"]
         with self.lock:
-            self.open[key] = up
+            self.open[up.key] = up
+        return up
+
+    def begin(self, key: str) -> OpenUpload:
+        """Start the upload of `key` in the pool, not on the caller's thread: the executor opens its
+        files one after another on the thread that feeds them all, and a request per file there
+        (8 at TP 8) held back the first parts by a quarter of a second on a local store. Its parts
+        wait for it (it is queued before them, so it runs first)."""
+        up = OpenUpload(key, "")
+        with self.lock:
+            self.starting.append(up)
+        up.created = self.pool.submit(self._create, up)
         return up
 
     def adopt(self, up: OpenUpload) -> None:
@@ -147,6 +163,8 @@ class Uploads:
 
     def _put_part(self, up: OpenUpload, number: int, data: bytes | bytearray | memoryview) -> None:
         try:
+            if up.created is not None:
+                up.created.result()  # raises the failed start's error
             body = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # botocore takes no memoryview
             digest = hashlib.sha256(body).digest()
             for attempt in range(_BAD_DIGEST_RETRIES + 1):
@@ -211,7 +229,15 @@ class Uploads:
             )
 
     def abort_all(self) -> None:
-        """Abort every upload still open (best effort: a failure here is not the error to report)."""
+        """Abort every upload still open (best effort: a failure here is not the error to report);
+        uploads still starting in the pool are waited for first, or cancelled if not yet started."""
+        with self.lock:
+            starting, self.starting = self.starting, []
+        for up in starting:
+            assert up.created is not None
+            if not up.created.cancel():
+                with contextlib.suppress(Exception):
+                    up.created.result()
         with self.lock:
             ups, self.open = list(self.open.values()), {}
         for up in ups:
@@ -230,7 +256,7 @@ class ObjectWriter(Sink):
     def __init__(self, uploads: Uploads, name: str, header: bytes, checksum: str, size: int) -> None:
         self.uploads = uploads
         self.name = name
-        self.up = uploads.start(uploads.url.key(name))
+        self.up = uploads.begin(uploads.url.key(name))
         self.part_size = uploads.part_size_for(size)
         self.hasher = new_hasher(checksum)
         # the part buffer is taken on the first write, on the writer's thread: the executor opens
@@ -313,6 +339,8 @@ class ObjectWriter(Sink):
         for f in self.pending:
             f.result()
         self.pending = []
+        if self.up.created is not None:
+            self.up.created.result()  # done: its parts waited for it
         self.up.size = self.size
         self.uploads._recycle(self.buf)
         self.buf = bytearray()
