@@ -31,7 +31,7 @@ import numpy as np
 from reshard import settings
 from reshard.errors import ReshardError
 from reshard.hashing import new_hasher
-from reshard.io.writer import Sink, Written
+from reshard.io.writer import NUMPY_COPY, Sink, Written
 from reshard.store.bucket import Bucket
 from reshard.store.client import error_code, store_error
 
@@ -284,7 +284,12 @@ class ObjectWriter(Sink):
         self.size += n
         while pos < n:
             k = min(n - pos, self.part_size - self.fill)
-            self.buf[self.fill : self.fill + k] = view[pos : pos + k]
+            if k < NUMPY_COPY:
+                self.buf[self.fill : self.fill + k] = view[pos : pos + k]
+            else:  # numpy copies without the GIL (a bytearray slice assignment holds it, and copied at half the speed here)
+                dst = np.frombuffer(self.buf, np.uint8, k, self.fill)
+                np.copyto(dst, np.frombuffer(view[pos : pos + k], np.uint8))
+                del dst  # no view of the buffer outlives its upload
             self.fill += k
             pos += k
             if self.fill == self.part_size:
