@@ -96,7 +96,7 @@ class Uploads:
         self.lock = threading.Lock()
         self.open: dict[str, OpenUpload] = {}
         self.unchecked: set[str] = set()  # keys whose parts the store did not echo a checksum for
-        self.starting: list[OpenUpload] = []  # uploads `begin` started in the pool
+        self.begun: list[OpenUpload] = []  # uploads `begin` started in the pool
         self.free: list[bytearray] = []  # part buffers of part_size whose upload is done, for reuse
 
     def buffer(self, size: int) -> bytearray:
@@ -139,7 +139,7 @@ class Uploads:
         wait for it (it is queued before them, so it runs first)."""
         up = OpenUpload(key, "")
         with self.lock:
-            self.starting.append(up)
+            self.begun.append(up)
         up.created = self.pool.submit(self._create, up)
         return up
 
@@ -232,10 +232,9 @@ class Uploads:
         """Abort every upload still open (best effort: a failure here is not the error to report);
         uploads still starting in the pool are waited for first, or cancelled if not yet started."""
         with self.lock:
-            starting, self.starting = self.starting, []
-        for up in starting:
-            assert up.created is not None
-            if not up.created.cancel():
+            begun, self.begun = self.begun, []
+        for up in begun:
+            if up.created is not None and not up.created.cancel():
                 with contextlib.suppress(Exception):
                     up.created.result()
         with self.lock:
