@@ -1,7 +1,13 @@
 """The checkpoint's metadata counts inside --max-memory (issue 28): the executor's buffers get what the
-process's growth since the save began leaves of it, at least a quarter."""
+process's growth since the save began leaves of it, at least a quarter; and those buffers come resident,
+faulted in without holding the GIL."""
 
 from __future__ import annotations
+
+import ctypes
+import sys
+
+import pytest
 
 import reshard.io.memory as memory
 
@@ -65,14 +71,9 @@ def test_read_buffers_are_faulted_in_by_a_foreign_call(monkeypatch):
     ctypes (which lets go of the GIL: MAP_POPULATE inside mmap(2) holds it, and the reader threads
     making the first buffers starved the thread handing their bytes on); where madvise is refused
     (Linux before 5.14), MAP_POPULATE as before. Both give zeroed, writable, page-aligned memory."""
-    import ctypes
-    import sys
-
-    import pytest
-
     if not sys.platform.startswith("linux"):
         pytest.skip("Linux only")
-    memory._populate(memory.aligned_buffer(memory.ALIGN))  # resolves memory._madvise
+    memory.aligned_buffer(memory.ALIGN).close()  # resolves memory._madvise
     calls = []
     real = memory._madvise
 
