@@ -1,7 +1,8 @@
 """O_DIRECT reads: which files to read so (`wants_direct`: those mostly not in the page cache, asked
 without reading), a file's blocks read ahead by a thread of their own (`blocks`), or a range copied
-into memory that is not aligned for O_DIRECT through a bounce buffer (`read_into`). No other reshard
-module is imported here: the save's readers, verify and the vLLM loader plugin all use it.
+into memory that is not aligned for O_DIRECT through a bounce buffer (`read_into`); read buffers
+faulted in without holding the GIL (`populate`). No other reshard module is imported here: the save's
+readers, verify and the vLLM loader plugin all use it.
 
 O_DIRECT needs the file offset, the length and the memory block-aligned (ALIGN). A cold file read
 this way costs no page-cache allocation and copy of every page in the kernel (on this project's VM
@@ -83,6 +84,8 @@ def _c() -> ctypes.CDLL | None:
         libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
         libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
         libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise.restype = ctypes.c_int
         _libc = libc
     return _libc
 
@@ -134,6 +137,22 @@ def enable(fd: int) -> bool:
 def disable(fd: int) -> None:
     """Turn O_DIRECT off again (its reads were refused after all: EINVAL)."""
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+
+_MADV_POPULATE_WRITE = 23
+
+
+def populate(m: mmap.mmap) -> bool:
+    """Fault the private mapping `m` in for writing (madvise MADV_POPULATE_WRITE, Linux 5.14+)
+    through ctypes, which lets go of the GIL (mmap(2) with MAP_POPULATE holds it); False where the
+    kernel or the platform cannot."""
+    libc = _c()
+    if libc is None:
+        return False
+    anchor = ctypes.c_char.from_buffer(m)
+    addr = ctypes.addressof(anchor)
+    del anchor  # no export of `m` may outlive this (close would refuse)
+    return libc.madvise(addr, len(m), _MADV_POPULATE_WRITE) == 0
 
 
 def buffer(size: int) -> mmap.mmap:

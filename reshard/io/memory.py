@@ -9,13 +9,12 @@ wait on memory, so all waits end.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
-import sys
 import threading
 from collections.abc import Callable
 
 from reshard.io.direct import ALIGN as ALIGN  # O_DIRECT's alignment (the executor's modules take it from here)
+from reshard.io.direct import populate
 
 DEFAULT_MAX_MEMORY = 512 * 1024 * 1024
 MIN_SLAB = 1024 * 1024
@@ -52,37 +51,13 @@ def aligned_buffer(size: int) -> mmap.mmap:
         m = mmap.mmap(-1, size, flags=private)
     except (OSError, TypeError, ValueError):
         return mmap.mmap(-1, size)
-    if _populate(m):
+    if populate(m):
         return m
     m.close()
     try:
         return mmap.mmap(-1, size, flags=private | getattr(mmap, "MAP_POPULATE", 0))
     except (OSError, TypeError, ValueError):
         return mmap.mmap(-1, size)
-
-
-_MADV_POPULATE_WRITE = 23
-_madvise: Callable[..., int] | None = None
-
-
-def _populate(m: mmap.mmap) -> bool:
-    """Fault `m` in for writing through a foreign call (ctypes lets go of the GIL); False where the
-    kernel or the platform cannot."""
-    global _madvise
-    if not sys.platform.startswith("linux"):
-        return False
-    if _madvise is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError):
-            return False
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        fn.restype = ctypes.c_int
-        _madvise = fn
-    anchor = ctypes.c_char.from_buffer(m)
-    addr = ctypes.addressof(anchor)
-    del anchor  # no export of `m` may outlive this (close would refuse)
-    return _madvise(addr, len(m), _MADV_POPULATE_WRITE) == 0
 
 
 class Stopped(Exception):
