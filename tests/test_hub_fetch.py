@@ -1,13 +1,19 @@
-"""HubRepo.fetch lands a range's bytes exactly, whichever way each received chunk is copied into the
-buffer (numpy from NUMPY_COPY bytes, which lets go of the GIL; a memoryview below)."""
+"""HubRepo.fetch lands a range's bytes exactly, whichever way they come: through huggingface_hub's
+client (each received chunk copied into the buffer, by numpy from NUMPY_COPY bytes, which lets go of
+the GIL, by a memoryview below) or, once the Hub has redirected a file to its CDN, from the socket
+straight into the buffer (reshard.sources.rawhttp): its connections kept alive, a dropped kept one
+replaced without a retry, a redirect or a proxy left to huggingface_hub's client, a chunked body."""
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
 
 import pytest
 
 import reshard.sources.hubhttp as hubhttp
+import reshard.sources.rawhttp as rawhttp
 from reshard.io.memory import aligned_buffer
 from tests.fixtures.hubrun import REPO, serving
 
@@ -23,15 +29,26 @@ def served(tmp_path_factory):
         yield server, data
 
 
-@pytest.mark.parametrize("numpy_from", [1, 1 << 40], ids=["numpy", "memoryview"])
-def test_fetched_ranges_are_the_files_bytes(served, monkeypatch, numpy_from):
+def _repo(served, monkeypatch, raw: bool = True) -> hubhttp.HubRepo:
     import huggingface_hub.constants as constants
 
-    server, data = served
+    server, _ = served
     monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
-    monkeypatch.setattr(hubhttp, "NUMPY_COPY", numpy_from)
     monkeypatch.setenv("RESHARD_HUB_RETRIES", "0")  # a wrong copy fails at once, not after backoffs
+    if not raw:
+        monkeypatch.setattr(rawhttp, "usable", lambda: False)
     repo = hubhttp.HubRepo(REPO, None)
+    assert (repo.raw is not None) == raw
+    return repo
+
+
+@pytest.mark.parametrize(
+    "numpy_from, raw", [(1, False), (1 << 40, False), (1, True)], ids=["numpy", "memoryview", "socket"]
+)
+def test_fetched_ranges_are_the_files_bytes(served, monkeypatch, numpy_from, raw):
+    _, data = served
+    monkeypatch.setattr(hubhttp, "NUMPY_COPY", numpy_from)
+    repo = _repo(served, monkeypatch, raw)
     buf = aligned_buffer(4 * MIB)
     try:
         for pos, n in ((0, len(data)), (7, 2 * MIB + 3), (len(data) - 100, 100), (MIB, 1)):
@@ -41,3 +58,84 @@ def test_fetched_ranges_are_the_files_bytes(served, monkeypatch, numpy_from):
             del out
     finally:
         buf.close()
+
+
+def test_the_cdn_connection_is_kept_and_a_dropped_one_replaced_without_a_retry(served, monkeypatch, capfd):
+    _, data = served
+    repo = _repo(served, monkeypatch)
+    out = bytearray(1000)
+    repo.fetch("blob.bin", 0, memoryview(out))  # the Hub's redirect, through huggingface_hub's client
+    repo.fetch("blob.bin", 5, memoryview(out))  # the CDN, straight
+    (kept,) = [c for cs in repo.raw.idle.values() for c in cs]
+    repo.fetch("blob.bin", 9, memoryview(out))
+    assert [c for cs in repo.raw.idle.values() for c in cs] == [kept] and bytes(out) == data[9:1009]
+    kept.sock.shutdown(2)  # as a server that closed an idle connection: seen before the request
+    repo.fetch("blob.bin", 11, memoryview(out))
+    (fresh,) = [c for cs in repo.raw.idle.values() for c in cs]
+    assert fresh is not kept and bytes(out) == data[11:1011]
+    # closed after the check (select says nothing to read): the request fails, once more on a new one
+    monkeypatch.setattr(rawhttp.select, "select", lambda r, w, x, t: ([], [], []))
+    fresh.sock.shutdown(2)
+    repo.fetch("blob.bin", 13, memoryview(out))
+    assert bytes(out) == data[13:1013]
+    assert "retrying" not in capfd.readouterr().err
+
+
+def test_a_redirect_from_the_download_url_is_followed_by_huggingface_hubs_client(served, monkeypatch):
+    _, data = served
+    repo = _repo(served, monkeypatch)
+    out = bytearray(4096)
+    repo.fetch("blob.bin", 0, memoryview(out))
+    cdn = repo.urls["blob.bin"]
+    repo.urls["blob.bin"] = repo.resolve_url("blob.bin")  # answers 302 to the CDN
+    repo.fetch("blob.bin", 100, memoryview(out))
+    assert bytes(out) == data[100:4196]
+    assert repo.urls["blob.bin"] == cdn
+
+
+def test_proxies_and_custom_clients_keep_huggingface_hubs_client(monkeypatch):
+    from huggingface_hub.utils import _http
+
+    assert rawhttp.usable()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert not rawhttp.usable()
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(_http, "_GLOBAL_CLIENT_FACTORY", lambda: None)
+    assert not rawhttp.usable()
+
+
+def test_a_chunked_body_is_taken_apart():
+    body = os.urandom(70_000)
+
+    class Chunked(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes 0-{len(body) - 1}/{len(body)}")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(body), 30_000):
+                piece = body[i : i + 30_000]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Chunked)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    pool = rawhttp.Pool()
+    try:
+        out = bytearray(len(body))
+        with pool.get(f"http://127.0.0.1:{httpd.server_address[1]}/x", {}, 10) as answer:
+            k = 0
+            while k < len(out):
+                m = answer.readinto1(memoryview(out)[k:])
+                assert m > 0
+                k += m
+        assert bytes(out) == body
+    finally:
+        pool.close()
+        httpd.shutdown()
+        httpd.server_close()

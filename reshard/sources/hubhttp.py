@@ -1,9 +1,11 @@
 """One Hub repo at one commit, over HTTP: model info, small files, and byte ranges of big ones.
 
-Everything goes through huggingface_hub's own HTTP client (`get_session`), headers (`build_hf_headers`:
-HF_TOKEN, user agent) and endpoint (HF_ENDPOINT). The revision asked for is resolved to its commit
-once (`HfApi.model_info`) and every later URL names that commit, so a branch that moves during the
-run cannot mix two commits' files.
+Requests to the Hub go through huggingface_hub's own HTTP client (`get_session`), headers
+(`build_hf_headers`: HF_TOKEN, user agent) and endpoint (HF_ENDPOINT); the ranges of a file the Hub
+redirected to its CDN are read from the socket straight into the buffer (reshard.sources.rawhttp)
+where that client would connect directly too (no proxy, its default factory). The revision asked
+for is resolved to its commit once (`HfApi.model_info`) and every later URL names that commit, so a
+branch that moves during the run cannot mix two commits' files.
 
 Failures a user can act on (401/403 gated or private, 404 repo, revision or file) raise SourceError at
 once, and so does a host that cannot be reached at all (its name does not resolve, the connection is
@@ -21,6 +23,7 @@ sha256 the commit holds, and the ETag and Content-Range total of each answer are
 from __future__ import annotations
 
 import contextlib
+import http.client
 import re
 import socket
 import sys
@@ -36,6 +39,7 @@ import numpy as np
 from reshard import settings
 from reshard.errors import SourceError
 from reshard.io.writer import NUMPY_COPY
+from reshard.sources import rawhttp
 
 _RECV: int | None = None
 T = TypeVar("T")
@@ -178,6 +182,8 @@ class HubRepo:
         self.urls: dict[str, str] = {}  # file -> where its bytes were last served from (the CDN)
         self.pins: dict[str, tuple[str | None, int]] = {}  # file -> (the CDN's ETag, total size) first served
         self.lock = threading.Lock()
+        # the CDN's ranges read straight into the buffers, where huggingface_hub's client would go direct too
+        self.raw = rawhttp.Pool() if rawhttp.usable() else None
         api = HfApi(endpoint=self.endpoint)
         try:
             info = with_retries(
@@ -246,47 +252,18 @@ class HubRepo:
         assert url is not None
         due = deadline(n)
         try:
+            if direct and self.raw is not None:
+                try:
+                    with self.raw.get(url, headers, settings.HUB_TIMEOUT.get()) as a:
+                        return self._receive(name, a, pos, out, got, count, due, direct)
+                except rawhttp.Redirected:
+                    pass  # huggingface_hub's client follows it
+                except http.client.HTTPException as e:  # not HTTP, or cut short: the connection failed
+                    raise Transient(f"{type(e).__name__}: {e}") from e
             with self.session.stream(
                 "GET", url, headers=headers, follow_redirects=True, timeout=settings.HUB_TIMEOUT.get()
             ) as r:
-                if r.status_code in (401, 403, 404, 410) and direct:  # a signed URL expired: resolve again
-                    with self.lock:
-                        self.urls.pop(name, None)
-                    raise Transient(f"HTTP {r.status_code} from the download URL")
-                if r.status_code == 412:
-                    raise self._changed(name, "answered 412 Precondition Failed to If-Match")
-                if r.status_code >= 400:
-                    from huggingface_hub.utils import hf_raise_for_status
-
-                    r.read()
-                    hf_raise_for_status(r)
-                remote = self._check(name, r, pos, n)
-                if r.history:
-                    with self.lock:
-                        self.urls[name] = str(r.url)
-                k = 0
-                for chunk in r.iter_raw(_RECV):  # as received: re-chunking would copy once more
-                    m = len(chunk)
-                    if m > n - k:
-                        m = n - k
-                        chunk = memoryview(chunk)[:m]
-                    if m < NUMPY_COPY:
-                        out[k : k + m] = chunk
-                    else:  # numpy copies without the GIL, at twice a memoryview's speed here
-                        dst = np.frombuffer(out, np.uint8, m, k)
-                        np.copyto(dst, np.frombuffer(chunk, np.uint8, m))
-                        del dst
-                    k += m
-                    got[0] += m
-                    if count is not None:
-                        count(m)
-                    if k >= n:
-                        break
-                    if time.monotonic() > due:
-                        raise TooSlow(f"{k} of {n} bytes, slower than RESHARD_HUB_MIN_SPEED")
-                if k < n:
-                    raise Transient(f"connection closed after {k} of {n} bytes")
-                return remote
+                return self._receive(name, r, pos, out, got, count, due, direct)
         except SourceError:
             raise
         except Exception as e:
@@ -297,6 +274,66 @@ class HubRepo:
                 if status in (401, 403, 404):
                     raise hub_error(self.repo_id, e, name) from e
             raise
+
+    def _receive(self, name: str, r, pos: int, out: memoryview, got: list[int], count, due: float, direct: bool):
+        """The answer `r` (httpx's, or rawhttp's Answer) checked, its body copied into `out`."""
+        n = len(out)
+        if r.status_code in (401, 403, 404, 410) and direct:  # a signed URL expired: resolve again
+            with self.lock:
+                self.urls.pop(name, None)
+            raise Transient(f"HTTP {r.status_code} from the download URL")
+        if r.status_code == 412:
+            raise self._changed(name, "answered 412 Precondition Failed to If-Match")
+        if r.status_code >= 400 and isinstance(r, rawhttp.Answer):
+            if r.status_code >= 500 or r.status_code in (408, 429):
+                raise Transient(f"HTTP {r.status_code} from the download URL")
+            raise SourceError(
+                f"{self.repo_id}/{name}: the download URL answered HTTP {r.status_code} to a range request"
+            )
+        if r.status_code >= 400:
+            from huggingface_hub.utils import hf_raise_for_status
+
+            r.read()
+            hf_raise_for_status(r)
+        remote = self._check(name, r, pos, n)
+        if r.history:
+            with self.lock:
+                self.urls[name] = str(r.url)
+        k = 0
+        if isinstance(r, rawhttp.Answer):  # straight from the socket into `out`
+            while k < n:
+                m = r.readinto1(out[k:])
+                if m == 0:
+                    break
+                k += m
+                got[0] += m
+                if count is not None:
+                    count(m)
+                if k < n and time.monotonic() > due:
+                    raise TooSlow(f"{k} of {n} bytes, slower than RESHARD_HUB_MIN_SPEED")
+        else:
+            for chunk in r.iter_raw(_RECV):  # as received: re-chunking would copy once more
+                m = len(chunk)
+                if m > n - k:
+                    m = n - k
+                    chunk = memoryview(chunk)[:m]
+                if m < NUMPY_COPY:
+                    out[k : k + m] = chunk
+                else:  # numpy copies without the GIL, at twice a memoryview's speed here
+                    dst = np.frombuffer(out, np.uint8, m, k)
+                    np.copyto(dst, np.frombuffer(chunk, np.uint8, m))
+                    del dst
+                k += m
+                got[0] += m
+                if count is not None:
+                    count(m)
+                if k >= n:
+                    break
+                if time.monotonic() > due:
+                    raise TooSlow(f"{k} of {n} bytes, slower than RESHARD_HUB_MIN_SPEED")
+        if k < n:
+            raise Transient(f"connection closed after {k} of {n} bytes")
+        return remote
 
     def _check(self, name: str, r, pos: int, n: int) -> Remote:
         """The answer is the range asked for, of this commit's file: say its size and ETag."""
