@@ -2,13 +2,17 @@
 client (each received chunk copied into the buffer, by numpy from NUMPY_COPY bytes, which lets go of
 the GIL, by a memoryview below) or, once the Hub has redirected a file to its CDN, from the socket
 straight into the buffer (reshard.sources.rawhttp): its connections kept alive, a dropped kept one
-replaced without a retry, a redirect or a proxy left to huggingface_hub's client, a chunked body."""
+replaced without a retry, a redirect or a proxy left to huggingface_hub's client, a chunked body,
+TLS verified as httpx verifies it (SSL_CERT_FILE: tests/fixtures/localhost.pem, a self-signed
+certificate for localhost and 127.0.0.1 valid until 2126, its key beside it)."""
 
 from __future__ import annotations
 
 import http.server
 import os
+import ssl
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -104,6 +108,55 @@ def test_proxies_and_custom_clients_keep_huggingface_hubs_client(monkeypatch):
     assert not rawhttp.usable()
 
 
+def _read(pool: rawhttp.Pool, url: str, size: int) -> bytes:
+    out = bytearray(size)
+    with pool.get(url, {}, 10) as answer:
+        k = 0
+        while k < size:
+            m = answer.readinto1(memoryview(out)[k:])
+            assert m > 0
+            k += m
+    return bytes(out)
+
+
+def test_tls_is_verified_as_huggingface_hubs_client_verifies_it(monkeypatch):
+    body = os.urandom(300_000)
+
+    class Plain(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    pem = Path(__file__).parent / "fixtures" / "localhost.pem"
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Plain)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pem)
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"https://localhost:{httpd.server_address[1]}/blob"
+    try:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _read(rawhttp.Pool(), url, len(body))
+        monkeypatch.setenv("SSL_CERT_FILE", str(pem))
+        pool = rawhttp.Pool()
+        assert _read(pool, url, len(body)) == body
+        assert _read(pool, url, len(body)) == body
+        assert sum(len(c) for c in pool.idle.values()) == 1  # one connection, kept
+        pool.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_a_chunked_body_is_taken_apart():
     body = os.urandom(70_000)
 
@@ -127,14 +180,7 @@ def test_a_chunked_body_is_taken_apart():
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     pool = rawhttp.Pool()
     try:
-        out = bytearray(len(body))
-        with pool.get(f"http://127.0.0.1:{httpd.server_address[1]}/x", {}, 10) as answer:
-            k = 0
-            while k < len(out):
-                m = answer.readinto1(memoryview(out)[k:])
-                assert m > 0
-                k += m
-        assert bytes(out) == body
+        assert _read(pool, f"http://127.0.0.1:{httpd.server_address[1]}/x", len(body)) == body
     finally:
         pool.close()
         httpd.shutdown()
