@@ -106,6 +106,9 @@ def test_proxies_and_custom_clients_keep_huggingface_hubs_client(monkeypatch):
     monkeypatch.delenv("HTTPS_PROXY")
     monkeypatch.setattr(_http, "_GLOBAL_CLIENT_FACTORY", lambda: None)
     assert not rawhttp.usable()
+    monkeypatch.undo()
+    monkeypatch.delattr(_http, "default_client_factory")  # a huggingface_hub without the private names
+    assert not rawhttp.usable()
 
 
 def _read(pool: rawhttp.Pool, url: str, size: int) -> bytes:

@@ -40,7 +40,8 @@ def usable() -> bool:
         return False
     from huggingface_hub.utils import _http
 
-    return getattr(_http, "_GLOBAL_CLIENT_FACTORY", None) is _http.default_client_factory
+    default = getattr(_http, "default_client_factory", None)  # private names: absent, the client is used
+    return default is not None and getattr(_http, "_GLOBAL_CLIENT_FACTORY", None) is default
 
 
 class Answer:
