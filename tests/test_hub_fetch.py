@@ -4,14 +4,16 @@ the GIL, by a memoryview below) or, once the Hub has redirected a file to its CD
 straight into the buffer (reshard.sources.rawhttp): its connections kept alive, a dropped kept one
 replaced without a retry, a redirect or a proxy left to huggingface_hub's client, a chunked body,
 TLS verified as httpx verifies it (SSL_CERT_FILE: tests/fixtures/localhost.pem, a self-signed
-certificate for localhost and 127.0.0.1 valid until 2126, its key beside it)."""
+certificate for localhost and 127.0.0.1 valid until 2126, with its key in the same file)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import ssl
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,29 +124,44 @@ def _read(pool: rawhttp.Pool, url: str, size: int) -> bytes:
     return bytes(out)
 
 
-def test_tls_is_verified_as_huggingface_hubs_client_verifies_it(monkeypatch):
-    body = os.urandom(300_000)
+@contextlib.contextmanager
+def _serving(answer, tls: Path | None = None) -> Iterator[int]:
+    """An HTTP/1.1 server on 127.0.0.1 whose GETs `answer(handler)` writes; its port."""
 
-    class Plain(http.server.BaseHTTPRequestHandler):
+    class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, *args):
             pass
 
         def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            answer(self)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    if tls is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(tls)
+        httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_tls_is_verified_as_huggingface_hubs_client_verifies_it(monkeypatch):
+    body = os.urandom(300_000)
+
+    def plain(h):
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
 
     pem = Path(__file__).parent / "fixtures" / "localhost.pem"
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Plain)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(pem)
-    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"https://localhost:{httpd.server_address[1]}/blob"
-    try:
+    with _serving(plain, tls=pem) as port:
+        url = f"https://localhost:{port}/blob"
         monkeypatch.delenv("SSL_CERT_FILE", raising=False)
         monkeypatch.delenv("SSL_CERT_DIR", raising=False)
         with pytest.raises(ssl.SSLCertVerificationError):
@@ -155,36 +172,22 @@ def test_tls_is_verified_as_huggingface_hubs_client_verifies_it(monkeypatch):
         assert _read(pool, url, len(body)) == body
         assert sum(len(c) for c in pool.idle.values()) == 1  # one connection, kept
         pool.close()
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def test_a_chunked_body_is_taken_apart():
     body = os.urandom(70_000)
 
-    class Chunked(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def chunked(h):
+        h.send_response(206)
+        h.send_header("Content-Range", f"bytes 0-{len(body) - 1}/{len(body)}")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        for i in range(0, len(body), 30_000):
+            piece = body[i : i + 30_000]
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        h.wfile.write(b"0\r\n\r\n")
 
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes 0-{len(body) - 1}/{len(body)}")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for i in range(0, len(body), 30_000):
-                piece = body[i : i + 30_000]
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-            self.wfile.write(b"0\r\n\r\n")
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Chunked)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     pool = rawhttp.Pool()
-    try:
-        assert _read(pool, f"http://127.0.0.1:{httpd.server_address[1]}/x", len(body)) == body
-    finally:
-        pool.close()
-        httpd.shutdown()
-        httpd.server_close()
+    with _serving(chunked) as port:
+        assert _read(pool, f"http://127.0.0.1:{port}/x", len(body)) == body
+    pool.close()
