@@ -16,17 +16,15 @@ the client factory is not huggingface_hub's own (`usable`). TLS uses the context
 from __future__ import annotations
 
 import http.client
-import os
 import select
 import threading
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
 from reshard import settings
-
-_PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy")
 
 
 class Redirected(Exception):
@@ -36,7 +34,8 @@ class Redirected(Exception):
 def usable() -> bool:
     """No proxy variable set and huggingface_hub's default client: what that client would do is a
     plain connection to the URL's host."""
-    if any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARS):
+    proxies = urllib.request.getproxies_environment()  # *_proxy, either case, as httpx reads them
+    if any(proxies.get(scheme) for scheme in ("http", "https", "all")):
         return False
     from huggingface_hub.utils import _http
 
@@ -148,11 +147,10 @@ class Pool:
             yield answer
             done = answer.left == 0 and not resp.will_close
         finally:
+            resp.close()  # the socket stays with `conn`: kept if the body was all read, else closed
             if done:
-                resp.close()  # the body is all read: the socket stays with `conn`
                 self._give(key, conn)
             else:
-                resp.close()
                 conn.close()
 
     def close(self) -> None:
