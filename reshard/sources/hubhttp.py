@@ -275,7 +275,17 @@ class HubRepo:
                     raise hub_error(self.repo_id, e, name) from e
             raise
 
-    def _receive(self, name: str, r, pos: int, out: memoryview, got: list[int], count, due: float, direct: bool):
+    def _receive(
+        self,
+        name: str,
+        r,
+        pos: int,
+        out: memoryview,
+        got: list[int],
+        count: Callable[[int], None] | None,
+        due: float,
+        direct: bool,
+    ) -> Remote:
         """The answer `r` (httpx's, or rawhttp's Answer) checked, its body copied into `out`."""
         n = len(out)
         if r.status_code in (401, 403, 404, 410) and direct:  # a signed URL expired: resolve again
@@ -299,38 +309,18 @@ class HubRepo:
         if r.history:
             with self.lock:
                 self.urls[name] = str(r.url)
+        fill = r.readinto1 if isinstance(r, rawhttp.Answer) else _copier(r)  # the former: socket -> `out`
         k = 0
-        if isinstance(r, rawhttp.Answer):  # straight from the socket into `out`
-            while k < n:
-                m = r.readinto1(out[k:])
-                if m == 0:
-                    break
-                k += m
-                got[0] += m
-                if count is not None:
-                    count(m)
-                if k < n and time.monotonic() > due:
-                    raise TooSlow(f"{k} of {n} bytes, slower than RESHARD_HUB_MIN_SPEED")
-        else:
-            for chunk in r.iter_raw(_RECV):  # as received: re-chunking would copy once more
-                m = len(chunk)
-                if m > n - k:
-                    m = n - k
-                    chunk = memoryview(chunk)[:m]
-                if m < NUMPY_COPY:
-                    out[k : k + m] = chunk
-                else:  # numpy copies without the GIL, at twice a memoryview's speed here
-                    dst = np.frombuffer(out, np.uint8, m, k)
-                    np.copyto(dst, np.frombuffer(chunk, np.uint8, m))
-                    del dst
-                k += m
-                got[0] += m
-                if count is not None:
-                    count(m)
-                if k >= n:
-                    break
-                if time.monotonic() > due:
-                    raise TooSlow(f"{k} of {n} bytes, slower than RESHARD_HUB_MIN_SPEED")
+        while k < n:
+            m = fill(out[k:])
+            if m == 0:
+                break
+            k += m
+            got[0] += m
+            if count is not None:
+                count(m)
+            if k < n and time.monotonic() > due:
+                raise TooSlow(f"{k} of {n} bytes, slower than RESHARD_HUB_MIN_SPEED")
         if k < n:
             raise Transient(f"connection closed after {k} of {n} bytes")
         return remote
@@ -371,6 +361,23 @@ class HubRepo:
             f"{self.repo_id}/{name}: the download served other bytes for a later range ({what})",
             "run again later; if it persists, the Hub's CDN serves a changed file: report it (nothing was published)",
         )
+
+
+def _copier(r) -> Callable[[memoryview], int]:
+    """httpx's body `r` as received, each chunk copied into the view it is given (re-chunking would
+    copy once more); 0 at its end. A chunk longer than the view (more than was asked) is cut."""
+    chunks = r.iter_raw(_RECV)
+
+    def fill(view: memoryview) -> int:
+        chunk = next(chunks, b"")
+        m = min(len(chunk), len(view))
+        if m < NUMPY_COPY:
+            view[:m] = memoryview(chunk)[:m]
+        else:  # numpy copies without the GIL, at twice a memoryview's speed here
+            np.copyto(np.frombuffer(view, np.uint8, m), np.frombuffer(chunk, np.uint8, m))
+        return m
+
+    return fill
 
 
 def _etag(value: str | None) -> str | None:
