@@ -298,7 +298,8 @@ class HubRepo:
             if r.status_code >= 500 or r.status_code in (408, 429):
                 raise Transient(f"HTTP {r.status_code} from the download URL")
             raise SourceError(
-                f"{self.repo_id}/{name}: the download URL answered HTTP {r.status_code} to a range request"
+                f"{self.repo_id}/{name}: the download URL answered HTTP {r.status_code} to a range request",
+                "run again; if it persists, report it with the status (the Hub's CDN refused a plain range)",
             )
         if r.status_code >= 400:
             from huggingface_hub.utils import hf_raise_for_status
