@@ -99,6 +99,17 @@ def test_a_redirect_from_the_download_url_is_followed_by_huggingface_hubs_client
     assert repo.urls["blob.bin"] == cdn
 
 
+def test_a_refused_range_on_the_socket_path_is_one_line_with_what_to_do(served, monkeypatch):
+    from reshard.errors import SourceError
+
+    _, data = served
+    repo = _repo(served, monkeypatch)
+    repo.fetch("blob.bin", 0, memoryview(bytearray(10)))  # the CDN's URL known: the socket path next
+    with pytest.raises(SourceError) as e:
+        repo.fetch("blob.bin", len(data) + 10, memoryview(bytearray(10)))  # past the end: 416
+    assert "answered HTTP 416" in str(e.value) and "run again" in str(e.value)
+
+
 def test_proxies_and_custom_clients_keep_huggingface_hubs_client(monkeypatch):
     from huggingface_hub.utils import _http
 
