@@ -26,6 +26,15 @@ from tests.fixtures.hubrun import REPO, serving
 MIB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch):
+    """The socket path is taken only without proxy variables: a runner that sets them for the package
+    index must not decide which path these tests see."""
+    for name in ("http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fetch")
