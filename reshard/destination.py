@@ -189,14 +189,16 @@ class BucketStaging(Staging):
 
     def publish(self, plan: Plan, manifest: Manifest) -> None:
         assert self.publisher is not None
-        ups: list[OpenUpload] = self._adopt([self.uploads.url.key(f.name) for f in manifest.files])
-        for side in manifest.copied_files:
-            ups.append(self.uploads.put_bytes(self.uploads.url.key(side.name), (self.folder / side.name).read_bytes()))
+        key = self.uploads.url.key
+        ups: list[OpenUpload] = self._adopt([key(f.name) for f in manifest.files])
+        ups += self.uploads.put_objects(
+            [(key(s.name), (self.folder / s.name).read_bytes()) for s in manifest.copied_files]
+        )
         # every object's checksum as the store will report it: `verify s3://` then catches an object
         # replaced after the save from a HEAD, without reading it
         sums = {self.uploads.url.name(up.key): up.checksum() for up in ups}
         manifest = replace(manifest, store_sha256=sums)
-        last = self.uploads.put_bytes(self.uploads.url.key(MANIFEST), manifest_bytes(manifest))
+        [last] = self.uploads.put_objects([(key(MANIFEST), manifest_bytes(manifest))])
         self._confirmed()  # before the commit: the previous output stays as it is
         self.publisher.commit(self.uploads, ups, last, self.prior, self.run)
 

@@ -194,6 +194,32 @@ def test_uploads_started_in_the_pool_are_all_aborted(s3):
     assert open_uploads(client, bucket) == []
 
 
+def test_small_objects_go_up_together_and_a_refused_completion_is_raised_once_the_rest_are_done(s3):
+    """`put_objects` uploads several small objects at once; `complete_all` completes them together,
+    and one refused (its key was taken meanwhile: If-None-Match) is raised after the others are in."""
+    from reshard.errors import ReshardError
+    from reshard.store.bucket import Bucket
+    from reshard.store.upload import Uploads
+    from reshard.store.url import parse_bucket_url
+
+    client, bucket = s3
+    items = [(f"w/s{i}.json", os.urandom(100 + i)) for i in range(12)]
+    uploads = Uploads(Bucket(parse_bucket_url(url(bucket, "w/"))))
+    try:
+        ups = uploads.put_objects(items)
+        assert [(up.key, up.size, len(up.parts)) for up in ups] == [(k, len(d), 1) for k, d in items]
+        assert objects(client, bucket, "w/") == {}  # open uploads, not objects yet
+        client.put_object(Bucket=bucket, Key="w/s5.json", Body=b"another run's")
+        with pytest.raises(ReshardError, match=r"s5\.json"):
+            uploads.complete_all(ups, create_only=lambda up: True)
+        got = objects(client, bucket, "w/")  # before the pool is shut down: nothing was still running
+    finally:
+        uploads.close()
+    assert got.pop("s5.json") == b"another run's"
+    assert got == {k[len("w/") :]: d for k, d in items if k != "w/s5.json"}
+    assert open_uploads(client, bucket) == ["w/s5.json"]  # the refused one, left to abort
+
+
 # ---- guards --------------------------------------------------------------------------------------
 
 

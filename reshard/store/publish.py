@@ -15,10 +15,10 @@ S3 has no rename, so the local swap (reshard.publish) becomes a commit of open u
 4. The rank files, side files and manifest are uploaded as open multipart uploads (reshard.store.upload):
    readers still see the previous output, or nothing.
 5. `commit`, signals held: the journal is written; the previous manifest deleted (that output no
-   longer verifies); every upload completed (new keys only if absent), each object's checksum as
-   the store reports it compared with the one computed while uploading; the previous output's
-   objects that the new one does not replace deleted; the manifest completed last; the journal
-   deleted. A kill in this window leaves the journal: the next run (or `reshard save` again)
+   longer verifies); every upload completed, several at once (new keys only if absent), each
+   object's checksum as the store reports it compared with the one computed while uploading; the
+   previous output's objects that the new one does not replace deleted; the manifest completed
+   last; the journal deleted. A kill in this window leaves the journal: the next run (or `reshard save` again)
    finishes it. An error before it leaves the previous output as it was.
 """
 
@@ -240,8 +240,7 @@ class BucketPublisher:
             self.journaled = True
             if journal["drop_manifest"]:
                 self.bucket.delete([self.url.key(MANIFEST)])
-            for up in files:
-                uploads.complete(up, create_only=up.key not in prior.keys)
+            uploads.complete_all(files, create_only=lambda up: up.key not in prior.keys)
             self.bucket.delete(remove)
             uploads.complete(manifest, create_only=True)
             claim_checked(f"{self.url} holds this run's new output, complete", lambda: self._holds(run))

@@ -22,7 +22,8 @@ import contextlib
 import hashlib
 import math
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -119,9 +120,6 @@ class Uploads:
     def fail(self, e: BaseException, doing: str) -> ReshardError:
         return store_error(e, str(self.url), doing, self.error)
 
-    def start(self, key: str) -> OpenUpload:
-        return self._create(OpenUpload(key, ""))
-
     def _create(self, up: OpenUpload) -> OpenUpload:
         try:
             r = self.client.create_multipart_upload(Bucket=self.url.bucket, Key=up.key, ChecksumAlgorithm="SHA256")
@@ -197,12 +195,14 @@ class Uploads:
         finally:
             self.slots.release()
 
-    def put_bytes(self, key: str, data: bytes) -> OpenUpload:
-        """A small object (a side file, the manifest) as a one-part upload, left open like the rest."""
-        up = self.start(key)
-        self.submit(up, 1, data).result()
-        up.size = len(data)
-        return up
+    def put_objects(self, items: list[tuple[str, bytes]]) -> list[OpenUpload]:
+        """Small objects (side files, the manifest), each a one-part upload left open like the rest,
+        all at once: one after the other they were two round trips each at the end of every save."""
+        ups = [self.begin(key) for key, _ in items]
+        _all_done([self.submit(up, 1, data) for up, (_, data) in zip(ups, items, strict=True)])
+        for up, (_, data) in zip(ups, items, strict=True):
+            up.size = len(data)
+        return ups
 
     def complete(self, up: OpenUpload, *, create_only: bool) -> None:
         """Make `up` an object; `create_only`: only if none exists under its key (If-None-Match: *).
@@ -228,6 +228,11 @@ class Uploads:
                 "the store assembled other bytes; rerun, and check the store",
             )
 
+    def complete_all(self, ups: list[OpenUpload], create_only: Callable[[OpenUpload], bool]) -> None:
+        """Complete `ups`, RESHARD_S3_CONCURRENCY at a time: each is a round trip (tens of ms on a
+        remote store), and a large model's output has hundreds of files."""
+        _all_done([self.pool.submit(self.complete, up, create_only=create_only(up)) for up in ups])
+
     def abort_all(self) -> None:
         """Abort every upload still open (best effort: a failure here is not the error to report);
         uploads still starting in the pool are waited for first, or cancelled if not yet started."""
@@ -246,6 +251,13 @@ class Uploads:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _all_done(futures: list[Future]) -> None:
+    """Wait for every one, then raise the first failure: nothing is left running behind an error."""
+    wait(futures)
+    for f in futures:
+        f.result()
 
 
 class ObjectWriter(Sink):
