@@ -10,8 +10,8 @@ A SeaweedFS (tests/fixtures/s3server.py, `weed mini` on 127.0.0.1, its data on t
   pool, checksum settings), the same part size (RESHARD_S3_PART_SIZE) and concurrency
   (RESHARD_S3_CONCURRENCY): s3transfer's TransferManager (what boto3's upload_file and
   `aws s3 cp --recursive` use), every file submitted at once, each part with its SHA256 for the
-  store to check (`python -m scripts.bench_s3 _upload OUT s3://...`). --reps interleaved rounds;
-  the ratio is the median of per-round ratios.
+  store to check (`python -m scripts.s3_upload OUT s3://...`, a module that imports no numpy).
+  --reps interleaved rounds; the ratio is the median of per-round ratios.
 - Hub -> S3: a synthetic checkpoint served by tests/fixtures/hubserver.py (each response throttled
   to --rate, default 50 MB/s), `reshard save REPO s3://... --tp 8 --stream` against the three steps by hand: `hf
   download REPO` (fresh HF_HOME), `reshard save SNAPSHOT OUT --tp 8`, and the upload above. Local
@@ -77,31 +77,6 @@ class Store:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def upload_folder(folder: Path, url: str) -> None:
-    """The baseline: every file of `folder` to `url` with reshard's client, part size and concurrency."""
-    from boto3.s3.transfer import TransferConfig, create_transfer_manager
-
-    from reshard import settings
-    from reshard.store.client import make_client
-
-    part, conc = settings.S3_PART_SIZE.get(), settings.S3_CONCURRENCY.get()
-    config = TransferConfig(
-        multipart_threshold=part,
-        multipart_chunksize=part,
-        max_concurrency=conc,
-        preferred_transfer_client="classic",
-    )
-    bucket, prefix = url[len("s3://") :].split("/", 1)
-    with create_transfer_manager(make_client(), config) as manager:
-        futures = [
-            manager.upload(str(p), bucket, prefix + p.name, extra_args={"ChecksumAlgorithm": "SHA256"})
-            for p in sorted(folder.iterdir())
-            if p.is_file()
-        ]
-        for f in futures:
-            f.result()
-
-
 def _py(*args: str) -> list[str]:
     return [sys.executable, *args]
 
@@ -111,7 +86,7 @@ def _save(src: str, out: str, tp: int, *more: str) -> list[str]:
 
 
 def _upload(folder: Path, url: str) -> list[str]:
-    return _py("-m", "scripts.bench_s3", "_upload", str(folder), url)
+    return _py("-m", "scripts.s3_upload", str(folder), url)
 
 
 def _warm(src: Path) -> None:
@@ -314,8 +289,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m scripts.bench_s3 _upload FOLDER s3://bucket/prefix/`: the baseline
-    if sys.argv[1:2] == ["_upload"]:
-        upload_folder(Path(sys.argv[2]), sys.argv[3])
-    else:
-        sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

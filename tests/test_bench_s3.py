@@ -1,12 +1,13 @@
-"""scripts/bench_s3.py (make bench, section 7): its baseline uploads every file byte for byte, as
-multipart uploads with the part size asked for, and its targets table says met / not met."""
+"""scripts/bench_s3.py (make bench, section 7): its baseline (scripts/s3_upload.py) uploads every
+file byte for byte, as multipart uploads with the part size asked for, and its targets table says
+met / not met."""
 
 from __future__ import annotations
 
 import os
 
-from scripts.bench_s3 import upload_folder
 from scripts.bench_s3_report import targets
+from scripts.s3_upload import upload_folder
 
 
 def test_the_baseline_upload_puts_every_file_byte_for_byte_in_parts(s3server, s3bucket, tmp_path, monkeypatch):
