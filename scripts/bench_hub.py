@@ -37,11 +37,12 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.benchlib import ROOT, fmt_b, run_measured, scrub
+from scripts.benchlib import ROOT, fmt_b, put_section, run_measured, scrub
 from scripts.make_synthetic import parse_size
 
 REPO = "bench/llama-synthetic"
 MARK = "<!-- hub-bench: written by `python -m scripts.bench hub --doc docs/benchmarks.md` -->"
+HEADING = "## 5. `reshard save --tp 8 REPO` from a Hub server (issue 16)"
 
 
 class DiskPeak:
@@ -129,12 +130,20 @@ def main(argv: list[str]) -> int:
         with open(a.notes, "a") as f:
             f.write(text + "\n\n")
     if a.doc:
-        old = a.doc.read_text() if a.doc.exists() else ""
-        head = old[: old.index(MARK)] if MARK in old else old
-        a.doc.write_text(head.rstrip("\n") + "\n\n" + doc_section(text, result) + "\n")
+        write_doc(a.doc, doc_section(text, result))
     if not a.keep:
         shutil.rmtree(src, ignore_errors=True)
     return 0
+
+
+def write_doc(doc: Path, section: str) -> None:
+    """Put `section` (MARK, then the heading) into `doc` in place of the earlier one, the mark kept
+    above it (`python -m scripts.bench` keeps what follows the mark), or at the end. The sections
+    after it stay: the earlier write cut the file at the mark, and with it sections 6 to 8."""
+    if doc.exists() and MARK in doc.read_text():
+        put_section(doc, HEADING, section.split("\n", 1)[1])
+    else:
+        put_section(doc, MARK, section)  # absent: appended
 
 
 def sha256_cost(src: Path) -> float:
@@ -224,7 +233,7 @@ def doc_section(text: str, r: dict) -> str:
 
     lines = [
         MARK,
-        "## 5. `reshard save --tp 8 REPO` from a Hub server (issue 16)",
+        HEADING,
         "",
         "A synthetic Llama checkpoint served by tests/fixtures/hubserver.py on 127.0.0.1 (the Hub's HTTP "
         "interface: model info, resolve with a 302 to a CDN origin, Range), each response throttled to "
