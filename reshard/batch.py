@@ -11,13 +11,17 @@ per rank and chunk.
 
 What makes a step uniform (`uniform`): each read is one whole source (or the same rows of each),
 all of one dtype and shape, at most `limit` bytes each; every piece of every rank is a plain slice
-(no fill, up-sampling, padding, transpose, stride or dequantisation) with the same bounds as that
-rank's other pieces, and a rank's pieces use the reads in increasing order. The bytes written are
+(no fill, padding, transpose, stride or dequantisation) with the same bounds as that rank's other
+pieces, and a rank's pieces use the reads in increasing order. The pieces may all up-sample their
+source by the same factors (an FP8 MoE's block scales in a backend's finer blocks: thousands of
+768-byte pieces a layer, each a queued write and a writer's wake-up when emitted one by one): the
+batch is then up-sampled at once, and each rank's pieces copied out of it. The bytes written are
 exactly those of the piece-by-piece path (tests/test_execute_batch.py compares both).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -27,7 +31,7 @@ import numpy as np
 
 from reshard.format import ITEMSIZE
 from reshard.io import writer
-from reshard.io.dtypes import Caster
+from reshard.io.dtypes import Caster, upsample
 from reshard.io.memory import Lease, Memory
 from reshard.plan import OutTensor, Slice, Stack, count
 from reshard.schedule import Read, Step, bounds, shape_of
@@ -43,7 +47,13 @@ class Uniform:
     nbytes: int  # bytes per read
     dtype: str  # the sources' dtype
     index: tuple[np.ndarray, ...]  # per holder: the read each of its pieces comes from, increasing
-    sel: tuple[tuple[slice, ...], ...]  # per holder: the slice of a read its pieces take
+    sel: tuple[tuple[slice, ...], ...]  # per holder: the slice of a read its pieces take (up-sampled)
+    up: tuple[int, ...] | None = None  # every piece up-samples its read by these factors (whole reads)
+
+    @property
+    def grown(self) -> int:
+        """Bytes per read once up-sampled."""
+        return self.nbytes * math.prod(self.up or ())
 
 
 def uniform(step: Step, tensors: list[OutTensor], limit: int) -> Uniform | None:
@@ -73,24 +83,32 @@ def uniform(step: Step, tensors: list[OutTensor], limit: int) -> Uniform | None:
     lo = first.rows[0] if first.rows is not None else 0
     full = shape_of(info0)
     rows = first.rows[1] - first.rows[0] if first.rows is not None else full[0]
-    index, sel = [], []
+    index, sel, ups = [], [], set()
     for t in tensors:
-        got = _holder(t, pos, lo, rows)
+        got = _holder(t, pos, lo, rows, full)
         if got is None:
             return None
         index.append(got[0])
         sel.append(got[1])
-    return Uniform((rows, *full[1:], ITEMSIZE[info0.dtype]), first.nbytes, info0.dtype, tuple(index), tuple(sel))
+        ups.add(got[2])
+    if len(ups) != 1:
+        return None  # ranks up-sampling differently (or some not at all)
+    up = ups.pop()
+    u = Uniform((rows, *full[1:], ITEMSIZE[info0.dtype]), first.nbytes, info0.dtype, tuple(index), tuple(sel), up)
+    return u if u.grown <= limit else None
 
 
 _GEOMETRY = attrgetter("start", "stop", "up", "pad", "perm", "step", "scale")
-_PLAIN = (None, None, None, 1, None)  # up, pad, perm, step, scale of a plain slice
+_PLAIN = (None, None, 1, None)  # pad, perm, step, scale of a plain slice
 
 
-def _holder(t: OutTensor, pos: dict[str, int], lo: int, rows: int) -> tuple[np.ndarray, tuple[slice, ...]] | None:
-    """One holder's read indices and slice, or None (checked with C-level loops: an MoE layer's
-    holder has thousands of pieces, or one `Stack` of them)."""
+def _holder(
+    t: OutTensor, pos: dict[str, int], lo: int, rows: int, full: tuple[int, ...]
+) -> tuple[np.ndarray, tuple[slice, ...], tuple[int, ...] | None] | None:
+    """One holder's read indices, slice and up-sampling, or None (checked with C-level loops: an MoE
+    layer's holder has thousands of pieces, or one `Stack` of them)."""
     pieces = t.pieces
+    up = None
     if len(pieces) == 1 and type(pieces[0]) is Stack:
         names, n = pieces[0].sources, len(pieces[0].sources)
         a, b = pieces[0].start, pieces[0].stop
@@ -100,8 +118,14 @@ def _holder(t: OutTensor, pos: dict[str, int], lo: int, rows: int) -> tuple[np.n
         geometry = set(map(_GEOMETRY, pieces))
         if len(geometry) != 1:
             return None
-        if next(iter(geometry))[2:] != _PLAIN:
+        shape = next(iter(geometry))
+        if shape[3:] != _PLAIN:
             return None
+        up = shape[2] or None
+        if up is not None:
+            if len(up) != len(full) or rows != full[0]:
+                return None  # up-sampling takes whole reads
+            rows = rows * up[0]
         names, n = map(_SOURCE, pieces), len(pieces)
         a, b = bounds(pieces[0])
     try:
@@ -113,7 +137,7 @@ def _holder(t: OutTensor, pos: dict[str, int], lo: int, rows: int) -> tuple[np.n
     if a[0] < lo or b[0] > lo + rows:
         return None
     sel = (slice(a[0] - lo, b[0] - lo), *(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
-    return index, sel
+    return index, sel, up
 
 
 _SOURCE = attrgetter("source")
@@ -145,8 +169,8 @@ def fill(buf: memoryview, get: Callable[[], tuple[memoryview, Lease]], count: in
 
 
 def batch_reads(u: Uniform, chunk_bytes: int) -> int:
-    """How many reads one batch buffer holds."""
-    return max(1, chunk_bytes // max(u.nbytes, 1))
+    """How many reads one batch takes: a batch buffer's worth (up-sampled: what up-samples to one)."""
+    return max(1, chunk_bytes // max(u.grown, 1))
 
 
 def cut(u: Uniform, batch: np.ndarray, base: int, count: int, holder: int) -> tuple[np.ndarray, bool, int, int] | None:
@@ -227,7 +251,10 @@ class Batches:
             try:
                 fill(memoryview(buf.buf), get, k, u.nbytes)
                 batch = np.frombuffer(buf.buf, np.uint8, k * u.nbytes).reshape((k, *u.shape))
-                self._hand_out(u, batch, base, holders, buf)
+                if u.up is None:
+                    self._hand_out(u, batch, base, holders, buf)
+                else:
+                    self._hand_out_grown(u, batch, base, holders)
             finally:
                 buf.release()
         for h in holders:
@@ -254,3 +281,25 @@ class Batches:
                 h.writer.write(out, self.mem.account(out.nbytes))
             self.progress(picked.nbytes)
             h.cursor = last
+
+    def _hand_out_grown(self, u: Uniform, batch: np.ndarray, base: int, holders: Sequence[Holder]) -> None:
+        """`_hand_out` for up-sampled pieces: the batch up-sampled at once (at most a batch buffer's
+        bytes, counted in the fresh budget while it lives), each holder's pieces copied out of it."""
+        assert u.up is not None
+        lease = self.mem.account(len(batch) * u.grown)
+        try:
+            grown = upsample(batch, (1, *u.up, 1))  # reads, their dims, the item's bytes
+            for hi, h in enumerate(holders):
+                got = cut(u, grown, base, len(grown), hi)
+                if got is None:
+                    continue
+                picked, _, first, last = got
+                assert first == h.cursor, f"{h.tensor.name}: pieces out of order"
+                shape = (last - first, *(x.stop - x.start for x in u.sel[hi]), u.shape[-1])
+                picked = np.ascontiguousarray(picked).view(np.uint8).reshape(shape)
+                out = self.cast(picked, u.dtype, h.tensor.dtype)
+                h.writer.write(out, self.mem.account(out.nbytes))
+                self.progress(out.nbytes)
+                h.cursor = last
+        finally:
+            lease.release()
