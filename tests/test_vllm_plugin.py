@@ -22,7 +22,7 @@ from reshard.hashing import hash_file
 from reshard.layout import Layout
 from reshard.manifest import Manifest, read_manifest
 from reshard.names import MANIFEST
-from reshard.vllm_plugin import checks, reader
+from reshard.vllm_plugin import checks, reader, striped
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 from tests.fixtures.odirect import direct_io_works
 
@@ -232,14 +232,14 @@ def _targets(files: list[checks.RankFile]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("direct", ["0", "1"])
 @pytest.mark.parametrize(
     ("chunk", "stripe_min", "threads"),
-    [(reader.CHUNK, reader.STRIPE_MIN, 2), (4096, reader.STRIPE_MIN, 1), (4096, 8192, 3), (4096 * 3, 4096, 4)],
+    [(striped.CHUNK, reader.STRIPE_MIN, 2), (4096, reader.STRIPE_MIN, 1), (4096, 8192, 3), (4096 * 3, 4096, 4)],
 )
 def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_min, threads, direct):
     # small chunks: many reads and hashed pieces per tensor; small stripes: several streams per file;
     # O_DIRECT through a bounce buffer smaller than a chunk: several reads and copies per chunk
-    monkeypatch.setattr(reader, "CHUNK", chunk)
+    monkeypatch.setattr(striped, "CHUNK", chunk)
     monkeypatch.setattr(reader, "STRIPE_MIN", stripe_min)
-    monkeypatch.setattr(reader, "BOUNCE", 8192)
+    monkeypatch.setattr(striped, "BOUNCE", 8192)
     files = _files(clean[1])
     targets = _targets(files)
     lines: list[str] = []
@@ -262,20 +262,20 @@ def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_
 def _spy_striped(monkeypatch) -> list:
     """The `_Striped` files read_rank makes, as it makes them."""
     made: list = []
-    init = reader._Striped.__init__
+    init = striped.Striped.__init__
 
     def spy(self, *a, **k):
         init(self, *a, **k)
         made.append(self)
 
-    monkeypatch.setattr(reader._Striped, "__init__", spy)
+    monkeypatch.setattr(striped.Striped, "__init__", spy)
     return made
 
 
 def test_a_file_system_refusing_direct_reads_is_read_through_the_cache(clean, monkeypatch):
     """O_DIRECT accepted when asked for, then refused by the reads (EINVAL): the stream goes on
     through the page cache from the chunk that failed, and every byte still arrives."""
-    monkeypatch.setattr(reader, "CHUNK", 4096)
+    monkeypatch.setattr(striped, "CHUNK", 4096)
     monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
     files = _files(clean[1])
     if not direct_io_works(files[0].path):
@@ -289,7 +289,7 @@ def test_a_file_system_refusing_direct_reads_is_read_through_the_cache(clean, mo
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, buffers, offset, *flags)
 
-    monkeypatch.setattr(reader.os, "preadv", preadv)
+    monkeypatch.setattr(striped.os, "preadv", preadv)
     made = _spy_striped(monkeypatch)
     targets = _targets(files)
     algo = read_manifest(clean[1]).checksum
@@ -319,10 +319,10 @@ def test_read_rank_leaves_parameters_the_folder_lacks_as_initialised(clean):
     assert all(torch.equal(targets[k], v) for k, v in want.items())
 
 
-@pytest.mark.parametrize("striped", [False, True])
-def test_a_flipped_byte_is_caught_and_can_be_let_through(out, monkeypatch, striped):
-    if striped:  # the byte lies in the last of several stripes, hashed after the others
-        monkeypatch.setattr(reader, "CHUNK", 4096)
+@pytest.mark.parametrize("stripes", [False, True])
+def test_a_flipped_byte_is_caught_and_can_be_let_through(out, monkeypatch, stripes):
+    if stripes:  # the byte lies in the last of several stripes, hashed after the others
+        monkeypatch.setattr(striped, "CHUNK", 4096)
         monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
     name = "model-rank-1-part-0.safetensors"
     data = bytearray((out / name).read_bytes())
@@ -341,7 +341,7 @@ def test_a_flipped_byte_is_caught_and_can_be_let_through(out, monkeypatch, strip
 
 @pytest.mark.parametrize("stripe_min", [reader.STRIPE_MIN, 4096])
 def test_a_file_that_shrank_since_the_check_is_a_read_error(out, monkeypatch, stripe_min):
-    monkeypatch.setattr(reader, "CHUNK", 4096)
+    monkeypatch.setattr(striped, "CHUNK", 4096)
     monkeypatch.setattr(reader, "STRIPE_MIN", stripe_min)
     files = _files(out)  # checked at full size
     path = files[0].path
@@ -368,25 +368,6 @@ def test_a_file_swapped_for_a_link_since_the_check_is_not_read(out, tmp_path, mo
     with pytest.raises(reader.ReadError, match="symlink"):
         reader.read_rank(files, _targets(files), algorithm=algo, threads=4, log=print, label="rank 1")
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("reshard-")]
-
-
-def test_gpu_parameters_go_through_the_bounce_buffer(clean, monkeypatch):
-    """Parameters the reads cannot land in (on a GPU: taken here as every one) are read front to
-    back by one thread through a bounce buffer; the bytes and the checksum come out the same."""
-    monkeypatch.setattr(reader, "CHUNK", 4096)
-    monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
-    monkeypatch.setattr(reader, "_direct", lambda param, shape: False)
-    bounced: list[int] = []
-    real = reader._bounce
-    monkeypatch.setattr(reader, "_bounce", lambda f, dest, *a: (bounced.append(dest.numel()), real(f, dest, *a)))
-    files = _files(clean[1])
-    targets = _targets(files)
-    algo = read_manifest(clean[1]).checksum
-    _, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=4, log=print, label="rank 1")
-    assert bad == [] and sum(bounced) == sum(t.nbytes for f in files for t in f.tensors)
-    want = {k: v for f in files for k, v in load_file(f.path).items()}
-    for k, v in want.items():
-        assert torch.equal(targets[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
 
 
 def test_lora_padded_parameter_gets_the_leading_corner(clean):

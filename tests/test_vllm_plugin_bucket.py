@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from reshard.layout import Layout
 from reshard.manifest import read_manifest
 from reshard.names import MANIFEST
-from reshard.vllm_plugin import checks, reader
+from reshard.vllm_plugin import checks, reader, staged, striped
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 from reshard.vllm_plugin.remote import BucketWeights
 
@@ -102,12 +102,13 @@ def test_weights_option():
 
 @pytest.mark.parametrize(
     ("chunk", "stripe_min", "direct"),
-    [(reader.CHUNK, reader.STRIPE_MIN, True), (4096, 8192, True), (4096, 4096, False)],
+    [(striped.CHUNK, reader.STRIPE_MIN, True), (4096, 8192, True), (4096, 4096, False)],
 )
 def test_objects_stream_into_every_tensor_exactly(stored, monkeypatch, chunk, stripe_min, direct):
-    # small chunks and stripes: several ranged GETs per object, each read in many pieces; not direct:
-    # every object one whole GET through the bounce buffer (the parameters of a GPU engine)
-    monkeypatch.setattr(reader, "CHUNK", chunk)
+    # small chunks and stripes: several ranged GETs per object, each read in many pieces; not direct
+    # (the parameters of a GPU engine): the same GETs, through host buffers of the chunk's size
+    monkeypatch.setattr(striped, "CHUNK", chunk)
+    monkeypatch.setattr(staged, "SLOT", chunk)
     monkeypatch.setattr(reader, "STRIPE_MIN", stripe_min)
     if not direct:
         monkeypatch.setattr(reader, "_direct", lambda param, shape: False)
@@ -122,7 +123,7 @@ def test_objects_stream_into_every_tensor_exactly(stored, monkeypatch, chunk, st
 
 
 def test_a_flipped_byte_in_the_bucket_is_caught(stored, s3server, monkeypatch):
-    monkeypatch.setattr(reader, "CHUNK", 4096)
+    monkeypatch.setattr(striped, "CHUNK", 4096)
     monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
     url, local = stored
     bucket = url.split("/")[2]

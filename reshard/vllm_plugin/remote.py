@@ -37,7 +37,7 @@ HEAD = 64 * 1024  # bytes first fetched of a rank object for its header (more wh
 
 
 class BucketWeights:
-    """A reshard output in `s3://bucket/prefix/`, read for one rank (and the `reader.Source` it reads from)."""
+    """A reshard output in `s3://bucket/prefix/`, read for one rank (and the `striped.Source` it reads from)."""
 
     def __init__(self, url: str, client: Any = None) -> None:
         self.url = parse_bucket_url(url)
@@ -154,7 +154,7 @@ class BucketWeights:
         infos, meta, _ = parse_header(raw[8 : 8 + n], e.size, where, e.name)
         return infos, meta
 
-    # ---- reading (reader.Source) ------------------------------------------------------------------------
+    # ---- reading (striped.Source) -----------------------------------------------------------------------
     def where(self, rf: RankFile) -> str:
         return f"{self.url}{rf.path.name}"
 

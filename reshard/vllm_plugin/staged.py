@@ -1,0 +1,265 @@
+"""Rank files whose parameters the reads cannot land in (GPU memory), read through host buffers.
+
+Such a file is read as a CPU one is (`reshard.vllm_plugin.reader`): in chunks dealt to several
+streams, each with its own descriptor (from a bucket: one ranged GET of a contiguous stripe each),
+and hashed in file order by a thread of its own. Each stream reads a chunk into one of its `DEPTH`
+host buffers (page-aligned, so a cold file is read with O_DIRECT straight into them; page-locked
+where the parameters are on a CUDA device, so that the copies to the device run on the stream's
+own CUDA stream while it reads the next chunk into its other buffer), starts the chunk's copies
+into the parameters, and hands the buffer to the hash thread. A buffer is read into again only once
+its chunk is hashed and its copies are done; the copies are all done when the file's streams end.
+
+Memory: `DEPTH` x `SLOT` bytes per stream at work (`threads` of them at most), whatever the sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import reshard.io.direct as direct
+from reshard.format import open_regular
+from reshard.hashing import new_hasher
+from reshard.io.direct import ALIGN
+from reshard.vllm_plugin.striped import Count, Source
+
+if TYPE_CHECKING:
+    from reshard.vllm_plugin.checks import RankFile
+
+SLOT = 16 * 1024 * 1024  # a chunk: read, copied and hashed as one (a multiple of ALIGN)
+DEPTH = 2  # host buffers per stream: one being read into while the other's chunk is copied and hashed
+
+
+class _Slot:
+    """One host buffer of a stream, and what must end before it is read into again."""
+
+    def __init__(self, cuda: torch.device | None) -> None:
+        self.mem = direct.buffer(SLOT)  # page-aligned: O_DIRECT reads land in it
+        self.view = memoryview(self.mem)
+        self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)
+        self.pinned = False
+        if cuda is not None:  # page-locked: the copies to the device run asynchronously
+            self.pinned = _register(self.tensor)
+        self.free = threading.Event()  # its last chunk is hashed (or needs no hash)
+        self.free.set()
+        self.copied: Any = None  # a CUDA event recorded after its last chunk's copies
+
+    def wait(self) -> None:
+        self.free.wait()
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+
+    def close(self) -> None:
+        if self.pinned:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        del self.tensor
+        with contextlib.suppress(BufferError):  # a failed file's hash thread may still hold a view
+            self.view.release()
+            self.mem.close()
+
+
+def _register(t: torch.Tensor) -> bool:
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)) == 0
+    except Exception:  # no usable CUDA runtime: the copies are made from pageable memory
+        return False
+
+
+class Staged:
+    """A file read into parameters through host buffers by `streams` threads (`read_stripe(j)`
+    each), hashed in order by a thread of its own when `algorithm`; `digest()` once they are done.
+    `targets`: the file's parameters by name, each contiguous and of its recorded shape (any
+    device). Local: stream j reads chunks j, j + streams, ... (with O_DIRECT when `o_direct`);
+    from a `source`: stream j one contiguous stripe."""
+
+    def __init__(
+        self,
+        rf: RankFile,
+        targets: dict[str, torch.Tensor],
+        algorithm: str | None,
+        streams: int,
+        source: Source | None = None,
+        o_direct: bool = False,
+    ) -> None:
+        self.rf = rf
+        self.source = source
+        # where the file's bytes go: (file offset, flat byte view of the parameter); the header nowhere
+        self.segments = [
+            (t.offset, targets[t.name].detach().reshape(-1).view(torch.uint8)) for t in rf.tensors if t.nbytes
+        ]
+        cuda = [d for _, d in self.segments if d.device.type == "cuda"]
+        self.cuda = cuda[0].device if cuda else None
+        self.chunks = max(1, -(-rf.size // SLOT))
+        self.streams = max(1, min(streams, self.chunks))
+        self.bounds = [j * self.chunks // self.streams for j in range(self.streams + 1)]
+        self.o_direct = o_direct and source is None
+        self.direct_chunks = [0] * self.streams  # per stream: chunks read with O_DIRECT
+        self.ready = [threading.Event() for _ in range(self.chunks)]
+        self.filled: dict[int, tuple[_Slot, int]] = {}  # chunk -> its buffer and length, until hashed
+        self.slots: list[_Slot] = []  # every stream's, while it reads (woken on a failure)
+        self.lock = threading.Lock()
+        self.failed = False
+        self.hasher = new_hasher(algorithm) if algorithm and rf.digest else None
+        self.hexdigest: str | None = None
+        self.error: BaseException | None = None  # the hash thread's, if it failed
+        self.hash_thread: threading.Thread | None = None
+        if self.hasher is not None:
+            self.hash_thread = threading.Thread(target=self._hash, name="reshard-hash", daemon=True)
+            self.hash_thread.start()
+
+    def stripes(self) -> list[int]:
+        return list(range(self.streams))
+
+    def read_stripe(self, j: int, count: Count) -> None:
+        slots = [_Slot(self.cuda) for _ in range(DEPTH)]
+        with self.lock:
+            self.slots += slots
+        stream = torch.cuda.Stream(device=self.cuda) if self.cuda is not None else None
+        try:
+            if self.source is not None:
+                self._stream_stripe(j, slots, stream, count)
+            else:
+                self._read_chunks(j, slots, stream, count)
+            for s in slots:  # hashed, and copied to the device, before the buffers go
+                s.wait()
+        except BaseException:
+            self.fail()
+            raise
+        finally:
+            with self.lock:
+                for s in slots:
+                    self.slots.remove(s)
+            for s in slots:
+                if s.copied is not None:  # a failed read: no copy may still read from a freed buffer
+                    with contextlib.suppress(Exception):
+                        s.copied.synchronize()
+                s.close()
+
+    def _read_chunks(self, j: int, slots: list[_Slot], stream: Any, count: Count) -> None:
+        fd = open_regular(self.rf.path, follow=False)  # what check_files checked, not a link put there since
+        try:
+            o_direct = self.o_direct and direct.enable(fd)
+            if not o_direct:
+                with contextlib.suppress(AttributeError, OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for k, c in enumerate(range(j, self.chunks, self.streams)):
+                slot = slots[k % DEPTH]
+                if not self._take(slot):
+                    return
+                pos, n = c * SLOT, min(SLOT, self.rf.size - c * SLOT)
+                if o_direct:
+                    try:
+                        _read(fd, slot.view[: -(-n // ALIGN) * ALIGN], pos, n, self.rf.path.name)
+                        self.direct_chunks[j] += 1
+                    except OSError as e:  # O_DIRECT refused here after all: read through the cache
+                        if e.errno != errno.EINVAL:
+                            raise
+                        direct.disable(fd)
+                        o_direct = False
+                if not o_direct:
+                    _read(fd, slot.view[:n], pos, n, self.rf.path.name)
+                count(n)
+                self._hand_on(c, slot, n, stream)
+        finally:
+            os.close(fd)
+
+    def _stream_stripe(self, j: int, slots: list[_Slot], stream: Any, count: Count) -> None:
+        assert self.source is not None
+        first, end = self.bounds[j], self.bounds[j + 1]
+        with self.source.open(self.rf, first * SLOT, min(self.rf.size, end * SLOT)) as f:
+            for k, c in enumerate(range(first, end)):
+                slot = slots[k % DEPTH]
+                if not self._take(slot):
+                    return
+                n, got = min(SLOT, self.rf.size - c * SLOT), 0
+                while got < n:
+                    r = f.readinto(slot.view[got:n])
+                    if not r:
+                        raise EOFError(f"{f.name}: ended early")
+                    got += r
+                count(n)
+                self._hand_on(c, slot, n, stream)
+
+    def _take(self, slot: _Slot) -> bool:
+        """Wait for `slot` to be free again; False when the file failed meanwhile."""
+        slot.wait()
+        if self.failed:
+            return False
+        slot.free.clear()
+        return True
+
+    def _hand_on(self, c: int, slot: _Slot, n: int, stream: Any) -> None:
+        """Start chunk c's copies from `slot` (its first n bytes) into the parameters, and hand the
+        slot to the hash thread (or free it at once)."""
+        a, b = c * SLOT, c * SLOT + n
+        for off, dest in self.segments:
+            end = off + dest.numel()
+            if end <= a or off >= b:
+                continue
+            lo, hi = max(a, off), min(b, end)
+            src = slot.tensor[lo - a : hi - a]
+            if dest.device.type == "cuda":
+                with torch.cuda.stream(stream):
+                    dest[lo - off : hi - off].copy_(src, non_blocking=True)
+            else:
+                dest[lo - off : hi - off].copy_(src)
+        if stream is not None:
+            slot.copied = torch.cuda.Event()
+            slot.copied.record(stream)
+        if self.hasher is None:
+            slot.free.set()
+        else:
+            self.filled[c] = (slot, n)
+        self.ready[c].set()
+
+    def _hash(self) -> None:
+        assert self.hasher is not None
+        try:
+            for c in range(self.chunks):
+                self.ready[c].wait()
+                if self.failed:
+                    return
+                slot, n = self.filled.pop(c)
+                self.hasher.update(slot.view[:n])
+                slot.free.set()
+            self.hexdigest = self.hasher.hexdigest()
+        except BaseException as e:  # the streams waiting for their buffers must not wait forever
+            self.error = e
+            self.fail()
+
+    def fail(self) -> None:
+        """Stop the file's streams and its hash thread (a read failed)."""
+        self.failed = True
+        for e in self.ready:
+            e.set()
+        with self.lock:
+            for s in self.slots:
+                s.free.set()
+
+    def digest(self) -> str | None:
+        """The file's digest once its streams are done (None: not hashed, or a read failed); the
+        hash thread's error if it failed."""
+        if self.hash_thread is None:
+            return None
+        self.hash_thread.join()
+        if self.error is not None:
+            raise self.error
+        return None if self.failed else self.hexdigest
+
+
+def _read(fd: int, view: memoryview, pos: int, n: int, name: str) -> None:
+    """Bytes [pos, pos + n) of `fd` into `view` (with O_DIRECT: rounded up to whole blocks, the
+    file's last one a short read)."""
+    got = 0
+    while got < n:
+        k = os.preadv(fd, [view[got:]], pos + got)
+        if k <= 0:
+            raise EOFError(f"{name}: ended early")
+        got += k
