@@ -4,8 +4,8 @@ Such a file is read as a CPU one is (`reshard.vllm_plugin.reader`): in chunks de
 streams, each with its own descriptor (from a bucket: one ranged GET of a contiguous stripe each),
 and hashed in file order by a thread of its own. Each stream reads a chunk into one of its `DEPTH`
 host buffers (page-aligned, so a cold file is read with O_DIRECT straight into them; page-locked
-where the parameters are on a CUDA device, so that the copies to the device run on the stream's
-own CUDA stream while it reads the next chunk into its other buffer), starts the chunk's copies
+by torch where the parameters are on a CUDA device, so that the copies to the device run on the
+stream's own CUDA stream while it reads the next chunk into its other buffer), starts the chunk's copies
 into the parameters, and hands the buffer to the hash thread. A buffer is read into again only once
 its chunk is hashed and its copies are done; the copies are all done when the file's streams end.
 
@@ -39,12 +39,14 @@ class _Slot:
     """One host buffer of a stream, and what must end before it is read into again."""
 
     def __init__(self, cuda: torch.device | None) -> None:
-        self.mem = direct.buffer(SLOT)  # page-aligned: O_DIRECT reads land in it
-        self.view = memoryview(self.mem)
-        self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)
-        self.pinned = False
-        if cuda is not None:  # page-locked: the copies to the device run asynchronously
-            self.pinned = _register(self.tensor)
+        self.mem = None
+        if cuda is not None:  # page-locked (torch's own host allocator): the copies run asynchronously
+            self.tensor = torch.empty(SLOT, dtype=torch.uint8, pin_memory=True)
+        else:
+            self.mem = direct.buffer(SLOT)
+            self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)
+        self.view = memoryview(self.tensor.numpy())
+        self.aligned = self.tensor.data_ptr() % ALIGN == 0  # O_DIRECT reads may land in it
         self.free = threading.Event()  # its last chunk is hashed (or needs no hash)
         self.free.set()
         self.copied: Any = None  # a CUDA event recorded after its last chunk's copies
@@ -56,20 +58,11 @@ class _Slot:
             self.copied = None
 
     def close(self) -> None:
-        if self.pinned:
-            with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         del self.tensor
         with contextlib.suppress(BufferError):  # a failed file's hash thread may still hold a view
             self.view.release()
-            self.mem.close()
-
-
-def _register(t: torch.Tensor) -> bool:
-    try:
-        return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)) == 0
-    except Exception:  # no usable CUDA runtime: the copies are made from pageable memory
-        return False
+            if self.mem is not None:
+                self.mem.close()
 
 
 class Staged:
@@ -121,7 +114,10 @@ class Staged:
         slots = [_Slot(self.cuda) for _ in range(DEPTH)]
         with self.lock:
             self.slots += slots
-        stream = torch.cuda.Stream(device=self.cuda) if self.cuda is not None else None
+        stream = None
+        if self.cuda is not None:  # its copies start after what the engine queued on the parameters
+            stream = torch.cuda.Stream(device=self.cuda)
+            stream.wait_stream(torch.cuda.current_stream(self.cuda))
         try:
             if self.source is not None:
                 self._stream_stripe(j, slots, stream, count)
@@ -145,7 +141,7 @@ class Staged:
     def _read_chunks(self, j: int, slots: list[_Slot], stream: Any, count: Count) -> None:
         fd = open_regular(self.rf.path, follow=False)  # what check_files checked, not a link put there since
         try:
-            o_direct = self.o_direct and direct.enable(fd)
+            o_direct = self.o_direct and all(s.aligned for s in slots) and direct.enable(fd)
             if not o_direct:
                 with contextlib.suppress(AttributeError, OSError):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
