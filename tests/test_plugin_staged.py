@@ -187,3 +187,18 @@ def test_a_hash_that_fails_is_a_read_error_not_a_file_taken_as_verified(out, mon
     with pytest.raises(reader.ReadError, match=r"cannot be verified \(no memory for the hash"):
         reader.read_rank(files, _targets(files), algorithm=algo, threads=2, log=print, label="rank 1")
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("reshard-")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run where one is lent)")
+@pytest.mark.parametrize("slot", [staged.SLOT, 4096])
+def test_cuda_parameters_get_every_byte_through_page_locked_buffers(clean, monkeypatch, slot):
+    """The path as a GPU engine takes it: page-locked buffers, copies on each stream's CUDA stream,
+    an event per buffer; every byte on the device once read_rank returns, the checksum verified."""
+    monkeypatch.setattr(staged, "SLOT", slot)
+    monkeypatch.setattr(reader, "STRIPE_MIN", 4096)
+    files = _files(clean[1])
+    targets = {k: v.cuda() for k, v in _targets(files).items()}
+    algo = read_manifest(clean[1]).checksum
+    n, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=4, log=print, label="rank 1", direct_reads="1")
+    assert bad == [] and n == sum(f.size for f in files)
+    _same(files, {k: v.cpu() for k, v in targets.items()})
