@@ -74,19 +74,27 @@ class _Hasher:
     def __init__(self, algorithm: str) -> None:
         self._h = new_hasher(algorithm)
         self._q: queue.Queue = queue.Queue(maxsize=8)
+        self._error: BaseException | None = None
         self._t = threading.Thread(target=self._run, name="reshard-hash", daemon=True)
         self._t.start()
 
     def _run(self) -> None:
         while (piece := self._q.get()) is not None:
-            self._h.update(piece)
+            if self._error is None:
+                try:
+                    self._h.update(piece)
+                except BaseException as e:  # kept for hexdigest; the queue still drains (no reader waits)
+                    self._error = e
 
     def update(self, piece: memoryview | bytes) -> None:
         self._q.put(piece)
 
     def hexdigest(self) -> str:
+        """The digest, once every piece is hashed; the hash's error if it failed."""
         self._q.put(None)
         self._t.join()
+        if self._error is not None:
+            raise self._error
         return self._h.hexdigest()
 
 
@@ -131,11 +139,15 @@ def read_file(
                     view.copy_(tmp.view(param.dtype).reshape(info.shape))
     except BaseException:
         if hasher is not None:
-            hasher.hexdigest()  # end its thread
+            with contextlib.suppress(BaseException):  # the read's error is the one reported
+                hasher.hexdigest()  # end its thread
         raise
     if hasher is None:
         return None
-    got = hasher.hexdigest()
+    try:
+        got = hasher.hexdigest()
+    except Exception as e:
+        raise ReadError(f"{source.where(rf) if source is not None else rf.path}: cannot be verified ({e})") from e
     return None if got == rf.digest else BadChecksum(rf.path.name, got, rf.digest or "")
 
 
