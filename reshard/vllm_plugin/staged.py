@@ -89,6 +89,8 @@ class Staged:
         ]
         cuda = [d for _, d in self.segments if d.device.type == "cuda"]
         self.cuda = cuda[0].device if cuda else None
+        # the caller's (the engine's) stream: the copies start after what it has queued on the parameters
+        self.after = torch.cuda.current_stream(self.cuda) if self.cuda is not None else None
         self.chunks = max(1, -(-rf.size // SLOT))
         self.streams = max(1, min(streams, self.chunks))
         self.bounds = [j * self.chunks // self.streams for j in range(self.streams + 1)]
@@ -115,9 +117,9 @@ class Staged:
         with self.lock:
             self.slots += slots
         stream = None
-        if self.cuda is not None:  # its copies start after what the engine queued on the parameters
+        if self.cuda is not None:
             stream = torch.cuda.Stream(device=self.cuda)
-            stream.wait_stream(torch.cuda.current_stream(self.cuda))
+            stream.wait_stream(self.after)
         try:
             if self.source is not None:
                 self._stream_stripe(j, slots, stream, count)
