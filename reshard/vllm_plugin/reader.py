@@ -2,12 +2,11 @@
 
 Every byte of a file is read once, in large reads (`striped.CHUNK`). A file whose tensors all land in
 CPU parameters that are contiguous and of the recorded shape is read straight into them
-(`reshard.vllm_plugin.striped`), by several
-threads at once, each with its own descriptor: the file's chunks are dealt to them in turn, so the
-file is read about in order with several reads in flight (as the parallel page faults of a
-multi-threaded `copy_` out of safetensors' mmap give sharded_state). Its checksum covers its bytes
-in order: a hash thread per file follows the chunks as they arrive, right behind the reads, hashing
-from the parameters' memory.
+(`reshard.vllm_plugin.striped`) by several threads at once, each with its own descriptor: the
+file's chunks are dealt to them in turn, so the file is read about in order with several reads in
+flight (as the parallel page faults of a multi-threaded `copy_` out of safetensors' mmap give
+sharded_state). Its checksum covers its bytes in order: a hash thread per file follows the chunks
+as they arrive, right behind the reads, hashing from the parameters' memory.
 
 A file mostly not in the page cache (RESHARD_DIRECT_READS, `reshard.io.direct.wants_direct`) is read
 with O_DIRECT into a page-aligned buffer per thread (`striped.BOUNCE`) and copied into the parameters
