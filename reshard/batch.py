@@ -261,8 +261,11 @@ class Batches:
             if h.cursor != count(h.tensor.pieces):
                 raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
 
-    def _hand_out(self, u: Uniform, batch: np.ndarray, base: int, holders: Sequence[Holder], lease: Lease) -> None:
-        """Every holder's pieces from reads [base, base + len(batch)), whose memory `lease` holds."""
+    def _hand_out(
+        self, u: Uniform, batch: np.ndarray, base: int, holders: Sequence[Holder], lease: Lease, lend: bool = True
+    ) -> None:
+        """Every holder's pieces from reads [base, base + len(batch)), whose memory `lease` holds;
+        `lend`: a holder may be handed a view of it (else every piece is copied out)."""
         same = u.dtype == holders[0].tensor.dtype and self.cast.device == "cpu"
         for hi, h in enumerate(holders):
             got = cut(u, batch, base, len(batch), hi)
@@ -270,7 +273,7 @@ class Batches:
                 continue
             picked, view, first, last = got
             assert first == h.cursor, f"{h.tensor.name}: pieces out of order"
-            if view and same:
+            if view and same and lend:
                 lease.hold()
                 h.writer.write(picked, lease)
             else:
@@ -288,18 +291,6 @@ class Batches:
         assert u.up is not None
         lease = self.mem.account(len(batch) * u.grown)
         try:
-            grown = upsample(batch, (1, *u.up, 1))  # reads, their dims, the item's bytes
-            for hi, h in enumerate(holders):
-                got = cut(u, grown, base, len(grown), hi)
-                if got is None:
-                    continue
-                picked, _, first, last = got
-                assert first == h.cursor, f"{h.tensor.name}: pieces out of order"
-                shape = (last - first, *(x.stop - x.start for x in u.sel[hi]), u.shape[-1])
-                picked = np.ascontiguousarray(picked).view(np.uint8).reshape(shape)
-                out = self.cast(picked, u.dtype, h.tensor.dtype)
-                h.writer.write(out, self.mem.account(out.nbytes))
-                self.progress(out.nbytes)
-                h.cursor = last
+            self._hand_out(u, upsample(batch, (1, *u.up, 1)), base, holders, lease, lend=False)
         finally:
             lease.release()

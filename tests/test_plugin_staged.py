@@ -15,21 +15,13 @@ from reshard.hashing import hash_file
 from reshard.manifest import read_manifest
 from reshard.vllm_plugin import reader, staged, striped
 from tests.fixtures.odirect import direct_io_works
-from tests.test_vllm_plugin import _files, _targets
+from tests.test_vllm_plugin import _files, _spy, _targets
 
 
 def _staged(monkeypatch) -> list[staged.Staged]:
     """Every parameter taken as one the reads cannot land in; the `Staged` files as read_rank makes them."""
     monkeypatch.setattr(reader, "_direct", lambda param, shape: False)
-    made: list[staged.Staged] = []
-    init = staged.Staged.__init__
-
-    def spy(self, *a, **k):
-        init(self, *a, **k)
-        made.append(self)
-
-    monkeypatch.setattr(staged.Staged, "__init__", spy)
-    return made
+    return _spy(monkeypatch, staged.Staged)
 
 
 def _same(files, targets) -> None:
@@ -55,7 +47,7 @@ def test_parameters_off_the_cpu_get_every_byte_through_host_buffers(
     made = _staged(monkeypatch)
     slots: list[int] = []
     real = staged._Slot.__init__
-    monkeypatch.setattr(staged._Slot, "__init__", lambda self, cuda: (slots.append(1), real(self, cuda))[1])
+    monkeypatch.setattr(staged._Slot, "__init__", lambda self, *a: (slots.append(1), real(self, *a))[1])
     files = _files(clean[1])
     targets = _targets(files)
     algo = read_manifest(clean[1]).checksum
@@ -135,30 +127,12 @@ def test_a_file_system_refusing_direct_reads_is_read_through_the_cache(clean, mo
     _same(files, targets)
 
 
-def test_a_lora_padded_parameter_still_goes_front_to_back(clean, monkeypatch):
-    """A file with a parameter larger than its recorded tensor (LoRA padding) is not striped: one
-    thread reads it in order and fills the parameter's leading corner."""
-    made = _staged(monkeypatch)
-    files = _files(clean[1])
-    targets = _targets(files)
-    big = max((t for f in files for t in f.tensors if len(t.shape) == 2), key=lambda t: t.nbytes)
-    padded = torch.zeros(big.shape[0] + 8, big.shape[1] + 2, dtype=targets[big.name].dtype)
-    targets[big.name] = padded
-    algo = read_manifest(clean[1]).checksum
-    _, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=2, log=print, label="rank 1")
-    assert bad == []
-    holder = next(f for f in files if big.name in {t.name for t in f.tensors})
-    assert holder.path not in {s.rf.path for s in made}
-    rows, cols = big.shape
-    assert torch.equal(padded[:rows, :cols], load_file(holder.path)[big.name])
-
-
 @pytest.mark.parametrize("path", ["striped", "staged", "front-to-back"])
 def test_a_hash_that_fails_is_a_read_error_not_a_file_taken_as_verified(out, monkeypatch, path):
     """The hash thread raising (a bug, memory) ends the read with an error naming the file: the
     file's streams (or its one reader, feeding a bounded queue) are not left waiting for the hash
     thread, and the file is not taken as verified for want of a digest."""
-    module = {"staged": staged, "striped": striped, "front-to-back": reader}[path]
+    module = reader if path == "front-to-back" else striped  # striped.FileRead's hash thread: both paths
     monkeypatch.setattr(staged, "SLOT", 4096)
     monkeypatch.setattr(staged, "DEPTH", 1)
     monkeypatch.setattr(striped, "CHUNK", 4096)

@@ -22,7 +22,7 @@ from reshard.hashing import hash_file
 from reshard.layout import Layout
 from reshard.manifest import Manifest, read_manifest
 from reshard.names import MANIFEST
-from reshard.vllm_plugin import checks, reader, striped
+from reshard.vllm_plugin import checks, reader, staged, striped
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 from tests.fixtures.odirect import direct_io_works
 
@@ -259,17 +259,21 @@ def test_read_rank_fills_every_tensor_exactly(clean, monkeypatch, chunk, stripe_
         ), k
 
 
-def _spy_striped(monkeypatch) -> list:
-    """The `_Striped` files read_rank makes, as it makes them."""
+def _spy(monkeypatch, cls: type) -> list:
+    """The `cls` objects (a way of reading a file) read_rank makes, as it makes them."""
     made: list = []
-    init = striped.Striped.__init__
+    init = cls.__init__
 
     def spy(self, *a, **k):
         init(self, *a, **k)
         made.append(self)
 
-    monkeypatch.setattr(striped.Striped, "__init__", spy)
+    monkeypatch.setattr(cls, "__init__", spy)
     return made
+
+
+def _spy_striped(monkeypatch) -> list:
+    return _spy(monkeypatch, striped.Striped)
 
 
 def test_a_file_system_refusing_direct_reads_is_read_through_the_cache(clean, monkeypatch):
@@ -370,7 +374,13 @@ def test_a_file_swapped_for_a_link_since_the_check_is_not_read(out, tmp_path, mo
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("reshard-")]
 
 
-def test_lora_padded_parameter_gets_the_leading_corner(clean):
+@pytest.mark.parametrize("off_cpu", [False, True])  # True: the other parameters taken as a GPU's
+def test_lora_padded_parameter_gets_the_leading_corner(clean, monkeypatch, off_cpu):
+    """A file with a parameter larger than its recorded tensor is read front to back by one thread
+    (neither striped nor staged), which fills the parameter's leading corner."""
+    made = [_spy(monkeypatch, striped.Striped), _spy(monkeypatch, staged.Staged)]
+    if off_cpu:
+        monkeypatch.setattr(reader, "_direct", lambda param, shape: False)
     files = _files(clean[1])
     targets = _targets(files)
     big = max((t for f in files for t in f.tensors if len(t.shape) == 2), key=lambda t: t.nbytes)
@@ -379,7 +389,9 @@ def test_lora_padded_parameter_gets_the_leading_corner(clean):
     algo = read_manifest(clean[1]).checksum
     _, _, bad = reader.read_rank(files, targets, algorithm=algo, threads=1, log=print, label="rank 1")
     assert bad == []
-    want = next(load_file(f.path)[big.name] for f in files if big.name in {t.name for t in f.tensors})
+    holder = next(f for f in files if big.name in {t.name for t in f.tensors})
+    assert holder.path not in {s.rf.path for kind in made for s in kind}
+    assert len(made[1 if off_cpu else 0]) == len(files) - 1  # the rank's other files
     rows, cols = big.shape
-    assert torch.equal(padded[:rows, :cols], want)
+    assert torch.equal(padded[:rows, :cols], load_file(holder.path)[big.name])
     assert not padded[rows:].any() and not padded[:, cols:].any()

@@ -18,18 +18,14 @@ import contextlib
 import errno
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import reshard.io.direct as direct
 from reshard.format import open_regular
-from reshard.hashing import new_hasher
 from reshard.io.direct import ALIGN
-from reshard.vllm_plugin.striped import Count, Source
-
-if TYPE_CHECKING:
-    from reshard.vllm_plugin.checks import RankFile
+from reshard.vllm_plugin.striped import Count, FileRead
 
 SLOT = 16 * 1024 * 1024  # a chunk: read, copied and hashed as one (a multiple of ALIGN)
 DEPTH = 2  # host buffers per stream: one being read into while the other's chunk is copied and hashed
@@ -38,12 +34,12 @@ DEPTH = 2  # host buffers per stream: one being read into while the other's chun
 class _Slot:
     """One host buffer of a stream, and what must end before it is read into again."""
 
-    def __init__(self, cuda: torch.device | None) -> None:
+    def __init__(self, size: int, cuda: torch.device | None) -> None:
         self.mem = None
         if cuda is not None:  # page-locked (torch's own host allocator): the copies run asynchronously
-            self.tensor = torch.empty(SLOT, dtype=torch.uint8, pin_memory=True)
+            self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         else:
-            self.mem = direct.buffer(SLOT)
+            self.mem = direct.buffer(size)
             self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)
         self.view = memoryview(self.tensor.numpy())
         self.aligned = self.tensor.data_ptr() % ALIGN == 0  # O_DIRECT reads may land in it
@@ -65,55 +61,30 @@ class _Slot:
                 self.mem.close()
 
 
-class Staged:
-    """A file read into parameters through host buffers by `streams` threads (`read_stripe(j)`
-    each), hashed in order by a thread of its own when `algorithm`; `digest()` once they are done.
+class Staged(FileRead):
+    """A file read into parameters through host buffers (see `FileRead`; the module docstring).
     `targets`: the file's parameters by name, each contiguous and of its recorded shape (any
-    device). Local: stream j reads chunks j, j + streams, ... (with O_DIRECT when `o_direct`);
-    from a `source`: stream j one contiguous stripe."""
+    device); O_DIRECT when `o_direct` (straight into the buffers)."""
 
-    def __init__(
-        self,
-        rf: RankFile,
-        targets: dict[str, torch.Tensor],
-        algorithm: str | None,
-        streams: int,
-        source: Source | None = None,
-        o_direct: bool = False,
-    ) -> None:
-        self.rf = rf
-        self.source = source
+    @staticmethod
+    def chunk_size() -> int:
+        return SLOT
+
+    def place(self, targets: dict[str, torch.Tensor]) -> None:
         # where the file's bytes go: (file offset, flat byte view of the parameter); the header nowhere
         self.segments = [
-            (t.offset, targets[t.name].detach().reshape(-1).view(torch.uint8)) for t in rf.tensors if t.nbytes
+            (t.offset, targets[t.name].detach().reshape(-1).view(torch.uint8)) for t in self.rf.tensors if t.nbytes
         ]
         cuda = [d for _, d in self.segments if d.device.type == "cuda"]
         self.cuda = cuda[0].device if cuda else None
         # the caller's (the engine's) stream: the copies start after what it has queued on the parameters
         self.after = torch.cuda.current_stream(self.cuda) if self.cuda is not None else None
-        self.chunks = max(1, -(-rf.size // SLOT))
-        self.streams = max(1, min(streams, self.chunks))
-        self.bounds = [j * self.chunks // self.streams for j in range(self.streams + 1)]
-        self.o_direct = o_direct and source is None
-        self.direct_chunks = [0] * self.streams  # per stream: chunks read with O_DIRECT
-        self.ready = [threading.Event() for _ in range(self.chunks)]
         self.filled: dict[int, tuple[_Slot, int]] = {}  # chunk -> its buffer and length, until hashed
         self.slots: list[_Slot] = []  # every stream's, while it reads (woken on a failure)
         self.lock = threading.Lock()
-        self.failed = False
-        self.hasher = new_hasher(algorithm) if algorithm and rf.digest else None
-        self.hexdigest: str | None = None
-        self.error: BaseException | None = None  # the hash thread's, if it failed
-        self.hash_thread: threading.Thread | None = None
-        if self.hasher is not None:
-            self.hash_thread = threading.Thread(target=self._hash, name="reshard-hash", daemon=True)
-            self.hash_thread.start()
-
-    def stripes(self) -> list[int]:
-        return list(range(self.streams))
 
     def read_stripe(self, j: int, count: Count) -> None:
-        slots = [_Slot(self.cuda) for _ in range(DEPTH)]
+        slots = [_Slot(self.chunk, self.cuda) for _ in range(DEPTH)]
         with self.lock:
             self.slots += slots
         stream = None
@@ -151,7 +122,7 @@ class Staged:
                 slot = slots[k % DEPTH]
                 if not self._take(slot):
                     return
-                pos, n = c * SLOT, min(SLOT, self.rf.size - c * SLOT)
+                pos, n = c * self.chunk, min(self.chunk, self.rf.size - c * self.chunk)
                 if o_direct:
                     try:
                         _read(fd, slot.view[: -(-n // ALIGN) * ALIGN], pos, n, self.rf.path.name)
@@ -171,12 +142,12 @@ class Staged:
     def _stream_stripe(self, j: int, slots: list[_Slot], stream: Any, count: Count) -> None:
         assert self.source is not None
         first, end = self.bounds[j], self.bounds[j + 1]
-        with self.source.open(self.rf, first * SLOT, min(self.rf.size, end * SLOT)) as f:
+        with self.source.open(self.rf, first * self.chunk, min(self.rf.size, end * self.chunk)) as f:
             for k, c in enumerate(range(first, end)):
                 slot = slots[k % DEPTH]
                 if not self._take(slot):
                     return
-                n, got = min(SLOT, self.rf.size - c * SLOT), 0
+                n, got = min(self.chunk, self.rf.size - c * self.chunk), 0
                 while got < n:
                     r = f.readinto(slot.view[got:n])
                     if not r:
@@ -196,7 +167,7 @@ class Staged:
     def _hand_on(self, c: int, slot: _Slot, n: int, stream: Any) -> None:
         """Start chunk c's copies from `slot` (its first n bytes) into the parameters, and hand the
         slot to the hash thread (or free it at once)."""
-        a, b = c * SLOT, c * SLOT + n
+        a, b = c * self.chunk, c * self.chunk + n
         for off, dest in self.segments:
             end = off + dest.numel()
             if end <= a or off >= b:
@@ -217,39 +188,18 @@ class Staged:
             self.filled[c] = (slot, n)
         self.ready[c].set()
 
-    def _hash(self) -> None:
+    def hash_chunk(self, c: int) -> None:
         assert self.hasher is not None
-        try:
-            for c in range(self.chunks):
-                self.ready[c].wait()
-                if self.failed:
-                    return
-                slot, n = self.filled.pop(c)
-                self.hasher.update(slot.view[:n])
-                slot.free.set()
-            self.hexdigest = self.hasher.hexdigest()
-        except BaseException as e:  # the streams waiting for their buffers must not wait forever
-            self.error = e
-            self.fail()
+        slot, n = self.filled.pop(c)
+        self.hasher.update(slot.view[:n])
+        slot.free.set()
 
     def fail(self) -> None:
-        """Stop the file's streams and its hash thread (a read failed)."""
-        self.failed = True
-        for e in self.ready:
-            e.set()
+        """Stop the file's streams (those waiting for a buffer too) and its hash thread."""
+        super().fail()
         with self.lock:
             for s in self.slots:
                 s.free.set()
-
-    def digest(self) -> str | None:
-        """The file's digest once its streams are done (None: not hashed, or a read failed); the
-        hash thread's error if it failed."""
-        if self.hash_thread is None:
-            return None
-        self.hash_thread.join()
-        if self.error is not None:
-            raise self.error
-        return None if self.failed else self.hexdigest
 
 
 def _read(fd: int, view: memoryview, pos: int, n: int, name: str) -> None:

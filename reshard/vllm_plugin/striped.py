@@ -52,10 +52,13 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-class Striped:
-    """A file read straight into CPU parameters by `streams` threads, and hashed in order by a
-    thread of its own (when `algorithm`). Local: stream j reads chunks j, j + streams, ... (with
-    O_DIRECT when `o_direct`); from a `source`: stream j one contiguous stripe (one ranged GET)."""
+class FileRead:
+    """A rank file read by `streams` threads (`read_stripe(j)` each, j in `stripes()`) in chunks of
+    `chunk_size()` bytes, and hashed in order by a thread of its own when `algorithm`: once chunk c
+    is in place its stream sets `ready[c]`, and the hash thread `hash_chunk(c)`s it. Local files: stream j
+    reads chunks j, j + streams, ...; from a `source`: stream j the contiguous stripe of chunks
+    [bounds[j], bounds[j + 1]) (one ranged GET). Subclasses say where the bytes go (`place`, given the
+    parameters by name) and how a chunk is hashed."""
 
     def __init__(
         self,
@@ -68,16 +71,11 @@ class Striped:
     ) -> None:
         self.rf = rf
         self.source = source
-        # the file as (offset, memory) segments, back to back: the header, then every tensor
-        self.segments: list[tuple[int, memoryview]] = [(0, memoryview(bytearray(rf.header_bytes)))]
-        for info in rf.tensors:
-            if info.nbytes:
-                self.segments.append((info.offset, memoryview(byte_view(targets[info.name]).numpy())))
-        self.starts = [off for off, _ in self.segments]
-        self.chunks = max(1, math.ceil(rf.size / CHUNK))
+        self.chunk = chunk = self.chunk_size()
+        self.chunks = max(1, math.ceil(rf.size / chunk))
         self.streams = max(1, min(streams, self.chunks))
         self.bounds = [j * self.chunks // self.streams for j in range(self.streams + 1)]
-        self.o_direct = o_direct and source is None and CHUNK % ALIGN == 0
+        self.o_direct = o_direct and source is None and chunk % ALIGN == 0
         self.direct_chunks = [0] * self.streams  # per stream: chunks read with O_DIRECT
         self.ready = [threading.Event() for _ in range(self.chunks)]
         self.failed = False
@@ -85,16 +83,75 @@ class Striped:
         self.hexdigest: str | None = None
         self.error: BaseException | None = None  # the hash thread's, if it failed
         self.hash_thread: threading.Thread | None = None
+        self.place(targets)
         if self.hasher is not None:
             self.hash_thread = threading.Thread(target=self._hash, name="reshard-hash", daemon=True)
             self.hash_thread.start()
 
+    @staticmethod
+    def chunk_size() -> int:
+        raise NotImplementedError
+
+    def place(self, targets: dict[str, torch.Tensor]) -> None:
+        """Say where the file's bytes go: `targets`, the parameters by name."""
+        raise NotImplementedError
+
     def stripes(self) -> list[int]:
         return list(range(self.streams))
 
+    def hash_chunk(self, c: int) -> None:
+        raise NotImplementedError
+
+    def _hash(self) -> None:
+        assert self.hasher is not None
+        try:
+            for c in range(self.chunks):
+                self.ready[c].wait()
+                if self.failed:
+                    return
+                self.hash_chunk(c)
+            self.hexdigest = self.hasher.hexdigest()
+        except BaseException as e:  # never a file taken as verified for want of a digest, nor a stream left waiting
+            self.error = e
+            self.fail()
+
+    def fail(self) -> None:
+        """Stop the file's streams and its hash thread (a read failed)."""
+        self.failed = True
+        for e in self.ready:
+            e.set()
+
+    def digest(self) -> str | None:
+        """The file's digest once its streams are done (None: not hashed, or a read failed); the
+        hash thread's error if it failed."""
+        if self.hash_thread is None:
+            return None
+        self.hash_thread.join()
+        if self.error is not None:
+            raise self.error
+        return None if self.failed else self.hexdigest
+
+
+class Striped(FileRead):
+    """A file read straight into CPU parameters (see `FileRead`: `targets` the parameters by name,
+    contiguous and of the recorded shapes), with O_DIRECT when `o_direct` through a bounce buffer
+    per stream."""
+
+    @staticmethod
+    def chunk_size() -> int:
+        return CHUNK
+
+    def place(self, targets: dict[str, torch.Tensor]) -> None:
+        # the file as (offset, memory) segments, back to back: the header, then every tensor
+        self.segments: list[tuple[int, memoryview]] = [(0, memoryview(bytearray(self.rf.header_bytes)))]
+        for info in self.rf.tensors:
+            if info.nbytes:
+                self.segments.append((info.offset, memoryview(byte_view(targets[info.name]).numpy())))
+        self.starts = [off for off, _ in self.segments]
+
     def _views(self, c: int) -> list[memoryview]:
-        """The memory of file bytes [c * CHUNK, (c + 1) * CHUNK), in order."""
-        a, b = c * CHUNK, min(self.rf.size, (c + 1) * CHUNK)
+        """The memory of file bytes [c * chunk, (c + 1) * chunk), in order."""
+        a, b = c * self.chunk, min(self.rf.size, (c + 1) * self.chunk)
         out = []
         for i in range(max(0, bisect.bisect_right(self.starts, a) - 1), len(self.segments)):
             off, mem = self.segments[i]
@@ -123,9 +180,9 @@ class Striped:
                         return
                     if bounce is not None:
                         try:
-                            end = min(self.rf.size, (c + 1) * CHUNK)
-                            direct.read_into(fd, c * CHUNK, end, self._views(c), bounce, self.rf.path.name)
-                            count(end - c * CHUNK)
+                            end = min(self.rf.size, (c + 1) * self.chunk)
+                            direct.read_into(fd, c * self.chunk, end, self._views(c), bounce, self.rf.path.name)
+                            count(end - c * self.chunk)
                             self.direct_chunks[j] += 1
                             self.ready[c].set()
                             continue
@@ -143,7 +200,7 @@ class Striped:
             raise
 
     def _read_chunk(self, fd: int, c: int, count: Count) -> None:
-        views, pos = self._views(c), c * CHUNK
+        views, pos = self._views(c), c * self.chunk
         while views:
             got = os.preadv(fd, views[:IOV_MAX], pos)
             if got <= 0:
@@ -158,7 +215,7 @@ class Striped:
     def _stream_stripe(self, j: int, count: Count) -> None:
         assert self.source is not None
         first, end = self.bounds[j], self.bounds[j + 1]
-        with self.source.open(self.rf, first * CHUNK, min(self.rf.size, end * CHUNK)) as f:
+        with self.source.open(self.rf, first * self.chunk, min(self.rf.size, end * self.chunk)) as f:
             for c in range(first, end):
                 if self.failed:
                     return
@@ -166,34 +223,10 @@ class Striped:
                     read_exact(f, view, None, count)
                 self.ready[c].set()
 
-    def _hash(self) -> None:
+    def hash_chunk(self, c: int) -> None:
         assert self.hasher is not None
-        try:
-            for c in range(self.chunks):
-                self.ready[c].wait()
-                if self.failed:
-                    return
-                for v in self._views(c):
-                    self.hasher.update(v)
-            self.hexdigest = self.hasher.hexdigest()
-        except BaseException as e:  # never a file taken as verified for want of a digest
-            self.error = e
-
-    def fail(self) -> None:
-        """Stop the file's hash thread (a read failed)."""
-        self.failed = True
-        for e in self.ready:
-            e.set()
-
-    def digest(self) -> str | None:
-        """The file's digest once its streams are done (None: not hashed, or a read failed); the
-        hash thread's error if it failed."""
-        if self.hash_thread is None:
-            return None
-        self.hash_thread.join()
-        if self.error is not None:
-            raise self.error
-        return None if self.failed else self.hexdigest
+        for v in self._views(c):
+            self.hasher.update(v)
 
 
 def read_exact(f, view: memoryview, hasher: Hasher | None, count: Count) -> None:
