@@ -14,6 +14,7 @@ Memory: `DEPTH` x `SLOT` bytes per stream at work (`threads` of them at most), w
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -75,6 +76,7 @@ class Staged(FileRead):
         self.segments = [
             (t.offset, targets[t.name].detach().reshape(-1).view(torch.uint8)) for t in self.rf.tensors if t.nbytes
         ]
+        self.starts = [off for off, _ in self.segments]  # in file order
         cuda = [d for _, d in self.segments if d.device.type == "cuda"]
         self.cuda = cuda[0].device if cuda else None
         # the caller's (the engine's) stream: the copies start after what it has queued on the parameters
@@ -168,9 +170,12 @@ class Staged(FileRead):
         """Start chunk c's copies from `slot` (its first n bytes) into the parameters, and hand the
         slot to the hash thread (or free it at once)."""
         a, b = c * self.chunk, c * self.chunk + n
-        for off, dest in self.segments:
+        for i in range(max(0, bisect.bisect_right(self.starts, a) - 1), len(self.segments)):
+            off, dest = self.segments[i]
+            if off >= b:
+                break
             end = off + dest.numel()
-            if end <= a or off >= b:
+            if end <= a:
                 continue
             lo, hi = max(a, off), min(b, end)
             src = slot.tensor[lo - a : hi - a]
