@@ -39,10 +39,11 @@ class _Slot:
         self.mem = None
         if cuda is not None:  # page-locked (torch's own host allocator): the copies run asynchronously
             self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.view = memoryview(self.tensor.numpy())  # keeps the tensor's memory while a slice of it lives
         else:
             self.mem = direct.buffer(size)
-            self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)
-        self.view = memoryview(self.tensor.numpy())
+            self.tensor = torch.frombuffer(self.mem, dtype=torch.uint8)  # (holds no export of the mapping)
+            self.view = memoryview(self.mem)  # an export: the mapping cannot be closed while a slice lives
         self.aligned = self.tensor.data_ptr() % ALIGN == 0  # O_DIRECT reads may land in it
         self.free = threading.Event()  # its last chunk is hashed (or needs no hash)
         self.free.set()
@@ -107,6 +108,10 @@ class Staged(FileRead):
             with self.lock:
                 for s in slots:
                     self.slots.remove(s)
+            if self.failed and self.hash_thread is not None:
+                # a failed file's buffers were freed without being hashed: the hash thread may be
+                # hashing one of them still (it stops before its next chunk)
+                self.hash_thread.join()
             for s in slots:
                 if s.copied is not None:  # a failed read: no copy may still read from a freed buffer
                     with contextlib.suppress(Exception):
