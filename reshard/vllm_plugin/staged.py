@@ -1,13 +1,14 @@
 """Rank files whose parameters the reads cannot land in (GPU memory), read through host buffers.
 
-Such a file is read as a CPU one is (`reshard.vllm_plugin.reader`): in chunks dealt to several
+Such a file is read as a CPU one is (`reshard.vllm_plugin.striped`): in chunks dealt to several
 streams, each with its own descriptor (from a bucket: one ranged GET of a contiguous stripe each),
 and hashed in file order by a thread of its own. Each stream reads a chunk into one of its `DEPTH`
 host buffers (page-aligned, so a cold file is read with O_DIRECT straight into them; page-locked
 by torch where the parameters are on a CUDA device, so that the copies to the device run on the
-stream's own CUDA stream while it reads the next chunk into its other buffer), starts the chunk's copies
-into the parameters, and hands the buffer to the hash thread. A buffer is read into again only once
-its chunk is hashed and its copies are done; the copies are all done when the file's streams end.
+stream's own CUDA stream while it reads the next chunk into its other buffer), starts the chunk's
+copies into the parameters, and hands the buffer to the hash thread. A buffer is read into again
+only once its chunk is hashed and its copies are done; the copies are all done when the file's
+streams end, and a failed file's buffers are unmapped only once its hash thread has stopped.
 
 Memory: `DEPTH` x `SLOT` bytes per stream at work (`threads` of them at most), whatever the sizes.
 """
