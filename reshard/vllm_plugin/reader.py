@@ -146,7 +146,7 @@ def read_file(
     try:
         got = hasher.hexdigest()
     except Exception as e:
-        raise ReadError(f"{source.where(rf) if source is not None else rf.path}: cannot be verified ({e})") from e
+        raise ReadError(f"{_where(rf, source)}: cannot be verified ({e})") from e
     return None if got == rf.digest else BadChecksum(rf.path.name, got, rf.digest or "")
 
 
@@ -218,8 +218,7 @@ def read_rank(
         try:
             return fn()
         except (OSError, EOFError) as e:
-            where = source.where(rf) if source is not None else rf.path
-            raise ReadError(f"{where}: cannot read ({getattr(e, 'strerror', None) or e})") from e
+            raise ReadError(f"{_where(rf, source)}: cannot read ({getattr(e, 'strerror', None) or e})") from e
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs))), thread_name_prefix="reshard-read") as pool:
@@ -239,9 +238,13 @@ def _checked(s: Striped | Staged, source: Source | None) -> BadChecksum | None:
     try:
         got = s.digest()
     except Exception as e:
-        where = source.where(s.rf) if source is not None else s.rf.path
-        raise ReadError(f"{where}: cannot be verified ({e})") from e
+        raise ReadError(f"{_where(s.rf, source)}: cannot be verified ({e})") from e
     return None if got is None or got == s.rf.digest else BadChecksum(s.rf.path.name, got, s.rf.digest or "")
+
+
+def _where(rf: RankFile, source: Source | None) -> str:
+    """`rf` as messages name it."""
+    return source.where(rf) if source is not None else str(rf.path)
 
 
 def _gb(n: int) -> str:

@@ -27,7 +27,7 @@ import torch
 import reshard.io.direct as direct
 from reshard.format import open_regular
 from reshard.io.direct import ALIGN
-from reshard.vllm_plugin.striped import Count, FileRead
+from reshard.vllm_plugin.striped import Count, FileRead, byte_view, read_exact
 
 SLOT = 16 * 1024 * 1024  # a chunk: read, copied and hashed as one (a multiple of ALIGN)
 DEPTH = 2  # host buffers per stream: one being read into while the other's chunk is copied and hashed
@@ -75,9 +75,7 @@ class Staged(FileRead):
 
     def place(self, targets: dict[str, torch.Tensor]) -> None:
         # where the file's bytes go: (file offset, flat byte view of the parameter); the header nowhere
-        self.segments = [
-            (t.offset, targets[t.name].detach().reshape(-1).view(torch.uint8)) for t in self.rf.tensors if t.nbytes
-        ]
+        self.segments = [(t.offset, byte_view(targets[t.name])) for t in self.rf.tensors if t.nbytes]
         self.starts = [off for off, _ in self.segments]  # in file order
         cuda = [d for _, d in self.segments if d.device.type == "cuda"]
         self.cuda = cuda[0].device if cuda else None
@@ -155,13 +153,8 @@ class Staged(FileRead):
                 slot = slots[k % DEPTH]
                 if not self._take(slot):
                     return
-                n, got = min(self.chunk, self.rf.size - c * self.chunk), 0
-                while got < n:
-                    r = f.readinto(slot.view[got:n])
-                    if not r:
-                        raise EOFError(f"{f.name}: ended early")
-                    got += r
-                count(n)
+                n = min(self.chunk, self.rf.size - c * self.chunk)
+                read_exact(f, slot.view[:n], None, count)
                 self._hand_on(c, slot, n, stream)
 
     def _take(self, slot: _Slot) -> bool:

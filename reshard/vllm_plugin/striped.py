@@ -55,10 +55,10 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 class FileRead:
     """A rank file read by `streams` threads (`read_stripe(j)` each, j in `stripes()`) in chunks of
     `chunk_size()` bytes, and hashed in order by a thread of its own when `algorithm`: once chunk c
-    is in place its stream sets `ready[c]`, and the hash thread `hash_chunk(c)`s it. Local files: stream j
-    reads chunks j, j + streams, ...; from a `source`: stream j the contiguous stripe of chunks
-    [bounds[j], bounds[j + 1]) (one ranged GET). Subclasses say where the bytes go (`place`, given the
-    parameters by name) and how a chunk is hashed."""
+    is in place its stream sets `ready[c]`, and the hash thread `hash_chunk(c)`s it. Local files:
+    stream j reads chunks j, j + streams, ...; from a `source`: stream j the contiguous stripe of
+    chunks [bounds[j], bounds[j + 1]) (one ranged GET). Subclasses say where the bytes go (`place`,
+    given the parameters by name) and how a chunk is hashed."""
 
     def __init__(
         self,
