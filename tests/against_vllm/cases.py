@@ -430,3 +430,16 @@ STATE_CASES += [
     case("kimi-k2.5-int4", 2, ep=True),
 ]
 MOE += ["kimi-k2.5", "kimi-k2.5-h3", "kimi-k2.5-int4"]  # marks only
+
+# Eight ranks, the layout the README's pre-bake uses (--tp 8, with EP): KV heads replicated 4x (8 heads, 2 KV),
+# experts cut in 8 (Ip 4), experts dealt 1 per rank, and TP 4 x PP 2. Sources built above; one batch of
+# 8-rank vLLM processes. (Also seen identical by hand, 2026-12-06: mistral, qwen3, phi3, gemma2, gemma3 and
+# qwen3-moe at TP 8, DeepSeek-V3 with 8 heads at TP 8 with and without EP, mixtral TP 8 + EP, Llama FP8
+# per-tensor and compressed-tensors at TP 8, block FP8 Qwen3-MoE with 8 heads and 8 experts at TP 2 x PP 2 + EP;
+# block FP8 at TP 8 with a per-rank input of 64 is refused by vLLM and reshard alike.)
+STATE_CASES += [
+    case("llama", 8),
+    case("qwen3-moe", 8, ep=True),
+    case("mixtral", 8),
+    case("qwen3-moe", 4, ep=True, pp=2),
+]
