@@ -132,6 +132,26 @@ def test_refusals(tiny):
     assert code == 3 and "is a text model" in err
 
 
+def test_language_model_only_still_builds_the_tower_in_vllm(tiny):
+    """vLLM constructs the encoder under --language-model-only too (on the meta device, then dropped:
+    `_mark_tower_model`, 0.32 and 0.33), split as --mm-encoder-tp-mode says: vision heads 4 at TP 8 fail
+    to split in weights mode (seen in vLLM, tests/against_vllm), so the serve line asks for data mode,
+    which builds it whole; Gemma-3 has no data mode: refused. The folder itself is the text model either way."""
+    qwen = open_source(str(tiny("qwen2.5-vl"))).checkpoint
+    eight = build_plan(qwen, Layout(tp=8, language_model_only=True))
+    assert eight.serve_command("OUT").endswith("--language-model-only --mm-encoder-tp-mode data")
+    assert any("builds the vision encoder even with --language-model-only" in n for n in eight.notes)
+    assert (eight.layout.mm_encoder_tp_mode, eight.layout.language_model_only) == (None, True)
+    assert not [t for f in eight.files for t in f.tensors if t.name.startswith("visual.")]
+    assert (
+        build_plan(qwen, Layout(tp=4, language_model_only=True)).serve_command("OUT").endswith("--language-model-only")
+    )
+    llama4 = build_plan(open_source(str(tiny("llama4"))).checkpoint, Layout(tp=8))  # text-only by default
+    assert llama4.serve_command("OUT").endswith("--language-model-only --mm-encoder-tp-mode data")
+    code, _, err = run("plan", str(tiny("gemma3-mm")), "--tp", "8", "--language-model-only")
+    assert code == 3 and "even with --language-model-only" in err and "no --mm-encoder-tp-mode data" in err
+
+
 def test_qwen35_text_only_by_default_tower_when_asked(tiny):
     ckpt = open_source(str(tiny("qwen3.5-moe"))).checkpoint
     text = build_plan(ckpt, Layout(tp=2))

@@ -111,7 +111,7 @@ def _build_plan(
         config_patch=ctx.config_patch,
         serve_flags=tuple(f for f in arch.serve_flags if f != "--language-model-only")
         + layout.mm_flags()
-        + tower_pins(arch, layout),
+        + tower_pins(ctx, layout),
         remote_code=code,
         layout_only=not pieces,
     )

@@ -70,12 +70,16 @@ def skipped_prefixes(arch: Architecture, layout: Layout) -> tuple[str, ...]:
     return tuple(p for p in arch.skip_prefixes if p not in towers)
 
 
-def tower_pins(arch: Architecture, layout: Layout) -> tuple[str, ...]:
+def tower_pins(ctx: Context, layout: Layout) -> tuple[str, ...]:
     """What the serve line must pin, beyond the encoder's mode, for the folder's encoder to be the one vLLM
     0.32 and 0.33 both build (checked diffing their sources):
     - `--no-mm-device-do-normalize` for towers that normalise on the device (Tower.device_normalize);
     - `VLLM_USE_V2_MODEL_RUNNER=0` with --pp: 0.33's Model Runner V2 (its default on CUDA) builds the
-      encoder on the first pipeline stage only; V1, and 0.32, on every stage, as the folder holds it."""
+      encoder on the first pipeline stage only; V1, and 0.32, on every stage, as the folder holds it;
+    - without the encoder, `--mm-encoder-tp-mode data` where its heads do not divide TP (`_unsplittable`)."""
+    arch = ctx.arch
+    if layout.language_model_only:
+        return ("--mm-encoder-tp-mode data",) if _unsplittable(ctx) else ()
     if layout.mm_encoder_tp_mode is None:
         return ()
     pins = ["--no-mm-device-do-normalize"] if any(t.device_normalize for t in arch.towers) else []
@@ -85,7 +89,29 @@ def tower_pins(arch: Architecture, layout: Layout) -> tuple[str, ...]:
 
 
 def check_towers(ctx: Context, layout: Layout) -> None:
-    """vLLM splits an encoder's heads across the TP ranks in weights mode; it fails to build otherwise."""
+    """vLLM splits an encoder's heads across the TP ranks in weights mode; it fails to build otherwise.
+
+    Under --language-model-only vLLM still constructs the encoder (on the meta device, then drops it:
+    `SupportsMultiModal._mark_tower_model`), in the mode --mm-encoder-tp-mode says (weights by default),
+    so the same division must hold; where it does not, the serve line asks for data mode, which builds
+    it whole (`tower_pins`), or the layout is refused where the model has no data mode."""
+    if layout.language_model_only:
+        for tower in _unsplittable(ctx):
+            if not tower.data_mode:
+                heads = ctx.tower(tower, ctx.tp).dims.num_heads
+                raise UnsupportedError(
+                    f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM builds the "
+                    "vision encoder even with --language-model-only (then drops it), splitting its heads across "
+                    f"the TP ranks, and fails to build; {ctx.arch.names[0]} has no --mm-encoder-tp-mode data",
+                    f"use a --tp that divides it: {divisors(heads)}",
+                )
+            ctx.note(
+                f"{tower.config}.{tower.heads}={ctx.tower(tower, ctx.tp).dims.num_heads} is not divisible by --tp "
+                f"{ctx.tp}: vLLM builds the vision encoder even with --language-model-only (then drops it) and "
+                "would fail to split its heads; the serve line adds --mm-encoder-tp-mode data, which builds it "
+                "whole (the folder is the same)"
+            )
+        return
     if layout.mm_encoder_tp_mode != "weights":
         return
     for tower in ctx.arch.towers:
@@ -133,6 +159,11 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
                         add_module(sub, m, blocks.prefix.format(layer=i), parts)
         for r in range(ctx.tp):
             per_tp[r].extend(parts[0 if whole else r])
+
+
+def _unsplittable(ctx: Context) -> list[Tower]:
+    """The encoders whose heads vLLM would have to split across the TP ranks and cannot (weights mode)."""
+    return [t for t in ctx.arch.towers if not t.heads_fallback and ctx.tower(t, ctx.tp).dims.num_heads % ctx.tp]
 
 
 def _falls_back(ctx: Context, tower: Tower) -> bool:

@@ -442,4 +442,8 @@ STATE_CASES += [
     case("qwen3-moe", 8, ep=True),
     case("mixtral", 8),
     case("qwen3-moe", 4, ep=True, pp=2),
+    # vision heads 4 at TP 8: vLLM builds the encoder even with --language-model-only and cannot split its heads;
+    # the serve line adds --mm-encoder-tp-mode data (reshard.plan.towers), which the harness then passes to vLLM
+    case("qwen2.5-vl", 8, lm_only=True),
+    case("llama4", 8),  # text-only by default
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -188,8 +189,8 @@ class Suite:
                         pp=c.layout.pp,
                         dtype=c.layout.dtype,
                         moe_backend=c.layout.moe_backend,
-                        mm_encoder_tp_mode=c.layout.mm_encoder_tp_mode,
-                        language_model_only=c.layout.language_model_only,
+                        mm_encoder_tp_mode=c.layout.mm_encoder_tp_mode or _pinned_mode(r),
+                        language_model_only=c.layout.language_model_only or _pinned_mode(r) is not None,
                         load_dir=r.out if (r is not None and r.rc == 0) else None,
                     )
                 )
@@ -212,6 +213,15 @@ class Suite:
         if isinstance(res, Exception):
             raise res
         return res
+
+
+def _pinned_mode(r: Resharded | None) -> str | None:
+    """The encoder mode the serve line pins for a folder written without its encoder (vLLM still builds
+    it: reshard.plan.towers.tower_pins): vLLM is built as that line says."""
+    if r is None or r.rc != 0:
+        return None
+    serve = json.loads((r.out / "reshard.json").read_text()).get("serve", "")
+    return "data" if "--language-model-only --mm-encoder-tp-mode data" in serve else None
 
 
 @pytest.fixture(scope="session")
