@@ -152,6 +152,14 @@ def test_language_model_only_still_builds_the_tower_in_vllm(tiny):
     assert code == 3 and "even with --language-model-only" in err and "no --mm-encoder-tp-mode data" in err
 
 
+def test_tp_above_the_experts_is_refused_as_vllm_does(tiny):
+    """vLLM's Qwen3MoeSparseMoeBlock (Qwen3-VL-MoE's text model) refuses a TP size above the number of experts."""
+    code, _, err = run("plan", str(tiny("qwen3-vl-moe")), "--tp", "8", "--language-model-only")  # 4 experts
+    assert code == 3 and "--tp 8 is greater than the number of experts 4" in err
+    code, _, err = run("plan", str(tiny("llama4")), "--tp", "8", "--ep")  # 4 experts, fused: equal shares only
+    assert code == 3 and "Llama4ForConditionalGeneration's 4 experts do not divide among --tp 8 ranks" in err
+
+
 def test_qwen35_text_only_by_default_tower_when_asked(tiny):
     ckpt = open_source(str(tiny("qwen3.5-moe"))).checkpoint
     text = build_plan(ckpt, Layout(tp=2))

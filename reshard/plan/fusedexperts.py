@@ -43,10 +43,12 @@ def fused_experts(ctx: Context, m: FusedExperts, prefix: str, per_tp: list[list[
     gate_up, down = prefix + m.gate_up, prefix + m.down
     d, tp = ctx.dims, ctx.tp
     num, inter, hidden = d.num_experts, d.moe_intermediate, d.hidden
+    if m.tp_at_most_experts and tp > num:
+        raise UnsupportedError(f"--tp {tp} is greater than the number of experts {num}; vLLM refuses this")
     if ctx.ep and num % tp:
         raise UnsupportedError(
-            f"--ep: vLLM's gpt-oss loader gives every rank {num} // {tp} experts, and {num} experts do not "
-            f"divide by --tp {tp}",
+            f"--ep: {ctx.arch.names[0]}'s {num} experts do not divide among --tp {tp} ranks, and reshard writes "
+            f"fused experts in equal shares only (vLLM's gpt-oss loader gives every rank {num} // {tp})",
             f"use a --tp that divides {num}: {divisors(num)}",
         )
     mx = ctx.quantized([gate_up.rsplit(".", 1)[0]], experts=True)

@@ -162,7 +162,14 @@ QWEN3_VL_MOE = replace(
     names=("Qwen3VLMoeForConditionalGeneration",),
     moe_mlp=(
         Replicate("mlp.experts.gate", "mlp.gate", quant=True),
-        FusedExperts("mlp.experts.routed_experts", "mlp.experts.gate_up_proj", "mlp.experts.down_proj", halves=True),
+        # vLLM's Qwen3MoeSparseMoeBlock: "Tensor parallel size ... is greater than the number of experts"
+        FusedExperts(
+            "mlp.experts.routed_experts",
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj",
+            halves=True,
+            tp_at_most_experts=True,
+        ),
     ),
     is_moe_layer=sparse_layer,
     top_on_every_stage=True,  # vLLM's Qwen3MoeModel builds embed_tokens, norm and lm_head on every stage

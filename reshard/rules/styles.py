@@ -238,9 +238,11 @@ class FusedExperts(Rule):
         gate_up / down: the checkpoint names of the two projections.
         halves: `gate_up`'s output columns are all gate then all up (Llama-4), not interleaved
             gate/up pairs (gpt-oss).
+        tp_at_most_experts: vLLM refuses a tensor-parallel size above the number of experts.
     """
 
     gate_up: str
     down: str
     _: KW_ONLY
     halves: bool = False
+    tp_at_most_experts: bool = False
