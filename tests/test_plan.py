@@ -11,6 +11,7 @@ import pytest
 from reshard.errors import SourceError, UnsupportedError
 from reshard.layout import Layout
 from reshard.plan import Fill, build_plan, flat, pp_ranges
+from reshard.sources import open_source
 from tests.fixtures.synthetic import LLAMA_3_70B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
 
 
@@ -260,3 +261,16 @@ def test_bf16_moe_auto_pins_triton_and_trtllm_rounds_up():
     assert "--moe-backend flashinfer_trtllm" in trt.serve_command("out")
     # the per-rank size is a multiple of 128 at TP 4 (384): one layout for every backend, nothing pinned
     assert build_plan(ckpt, Layout(tp=4)).layout.moe_pin is None
+
+
+@pytest.mark.parametrize(
+    "arch, pp, partition", [("qwen3-moe", 3, None), ("glm4-moe", 4, None), ("qwen3-moe", 2, (1, 3))]
+)
+def test_a_stage_without_a_moe_layer_is_refused_as_vllm_does(tiny, arch, pp, partition):
+    """Layer 0 is dense in both (mlp_only_layers [0], first_k_dense_replace 1): a stage holding only it makes
+    vLLM's Qwen3MoeForCausalLM / Glm4MoeForCausalLM raise "No ... layer found in model.layers" (seen in vLLM 0.32,
+    tests/against_vllm); the even split at --pp 2 gives every stage a MoE layer and plans."""
+    ckpt = open_source(str(tiny(arch))).checkpoint
+    with pytest.raises(UnsupportedError, match="pipeline stage 0 holds layer 0, no MoE layer"):
+        build_plan(ckpt, Layout(tp=1, pp=pp, partition=partition))
+    assert build_plan(ckpt, Layout(tp=1, pp=2)).layer_ranges == [(0, 2), (2, 4)]

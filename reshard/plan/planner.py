@@ -89,6 +89,7 @@ def _build_plan(
     layout = layout.but(mm_encoder_tp_mode=mm_mode, language_model_only=lm_only)
     check_towers(ctx, layout)
     ranges = pp_ranges(ctx.dims.num_layers, pp, list(layout.partition) if layout.partition else None)
+    check_stages(ctx, ranges)
     per_rank = {}
     for pp_rank in range(len(ranges)):
         for tp_rank, tensors in enumerate(plan_stage(ctx, ranges, pp_rank)):
@@ -180,6 +181,25 @@ def pp_ranges(num_layers: int, pp: int, partition: list[int] | None = None) -> l
 
 
 # ---- the walk ---------------------------------------------------------------------------------
+
+
+def check_stages(ctx: Context, ranges: list[tuple[int, int]]) -> None:
+    """Refuse pipeline stages vLLM fails to build: one without a MoE layer where its model class needs one
+    (Architecture.moe_on_every_stage)."""
+    arch = ctx.arch
+    if not arch.moe_on_every_stage or arch.is_moe_layer is None:
+        return
+    for p, (first, stop) in enumerate(ranges):
+        if not any(arch.is_moe_layer(ctx.config, layer) for layer in range(first, stop)):
+            raise UnsupportedError(
+                f"pipeline stage {p} holds {_layers(first, stop)}, no MoE layer: vLLM's {arch.names[0]} fails "
+                "to build a stage without one",
+                "choose a --pp-layer-partition that gives every stage a MoE layer, or another --pp",
+            )
+
+
+def _layers(first: int, stop: int) -> str:
+    return f"layer {first}" if stop - first == 1 else f"layers {first}-{stop - 1}"
 
 
 def plan_stage(ctx: Context, ranges: list[tuple[int, int]], pp_rank: int) -> list[list[OutTensor]]:

@@ -52,6 +52,7 @@ GLM4_MOE = Architecture(
         *ROUTED_AND_SHARED,
     ),
     is_moe_layer=moe_layer,
+    moe_on_every_stage=True,  # Glm4MoeForCausalLM: "No Glm4MoE layer found in model.layers."
     experts_key=("n_routed_experts",),
     spec_layers_key=("num_nextn_predict_layers",),
 )

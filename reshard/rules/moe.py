@@ -46,6 +46,7 @@ QWEN3_MOE = Architecture(
     ),
     is_moe_layer=sparse_layer,
     top_on_every_stage=True,
+    moe_on_every_stage=True,  # Qwen3MoeForCausalLM: "No Qwen3MoE layer found in the model.layers."
 )
 
 SHARED = "mlp.experts._shared_experts._layer."
@@ -96,6 +97,7 @@ MIXTRAL = Architecture(
         Experts("block_sparse_moe.experts.routed_experts", "block_sparse_moe.experts", names=("w1", "w3", "w2")),
     ),
     is_moe_layer=lambda config, layer: True,
+    moe_on_every_stage=True,  # MixtralForCausalLM: "No MixtralMoE layer found in model.layers."
     experts_key=("num_local_experts",),
     moe_intermediate_key="intermediate_size",
     top_on_every_stage=True,

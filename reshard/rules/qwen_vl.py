@@ -173,6 +173,7 @@ QWEN3_VL_MOE = replace(
     ),
     is_moe_layer=sparse_layer,
     top_on_every_stage=True,  # vLLM's Qwen3MoeModel builds embed_tokens, norm and lm_head on every stage
+    moe_on_every_stage=True,  # "No Qwen3Moe layer found in the language_model."
 )
 
 # Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, vLLM qwen3_5.py) builds the same Qwen3_VisionTransformer

@@ -200,6 +200,8 @@ class Architecture:
         towers: multimodal encoders vLLM builds beside the language model (`Tower`); none: a text
             model, or (with `--language-model-only` in serve_flags) a tower without rules, always
             left out.
+        moe_on_every_stage: vLLM's model class fails to build a pipeline stage that holds no MoE
+            layer ("No ... layer found in model.layers", its MixtureOfExperts set-up).
     """
 
     names: tuple[str, ...]
@@ -224,6 +226,7 @@ class Architecture:
     serve_flags: tuple[str, ...] = ()
     towers: tuple[Tower, ...] = ()
     tie_default: bool = False
+    moe_on_every_stage: bool = False
 
     def text(self, config: dict) -> dict:
         """The settings of the language model: config.json, or its text_config over it."""
