@@ -9,6 +9,7 @@ manifest, merge and re-shard.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -150,6 +151,18 @@ def test_language_model_only_still_builds_the_tower_in_vllm(tiny):
     assert llama4.serve_command("OUT").endswith("--language-model-only --mm-encoder-tp-mode data")
     code, _, err = run("plan", str(tiny("gemma3-mm")), "--tp", "8", "--language-model-only")
     assert code == 3 and "even with --language-model-only" in err and "no --mm-encoder-tp-mode data" in err
+
+
+def test_language_model_only_without_vision_config_plans_as_before(tiny, tmp_path):
+    """A text-only export that dropped vision_config: its encoder's heads are unknown (vLLM takes its config
+    class's defaults), so nothing is pinned and nothing refused."""
+    src = tmp_path / "novis"
+    shutil.copytree(tiny("qwen2.5-vl"), src)
+    config = json.loads((src / "config.json").read_text())
+    del config["vision_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    plan = build_plan(open_source(str(src)).checkpoint, Layout(tp=8, language_model_only=True))
+    assert plan.serve_command("OUT").endswith("--language-model-only")
 
 
 def test_tp_above_the_experts_is_refused_as_vllm_does(tiny):

@@ -75,7 +75,7 @@ def _build_plan(
         arch,
         tp=tp,
         ep=ep,
-        dtype=model_dtype(arch.text(ckpt.config), layout.dtype),
+        dtype=model_dtype(arch.text(ckpt.config), layout.dtype, ckpt.config.get("model_type")),
         moe_backend=check_backend(layout.moe_backend),
     )
     ctx.pieces = pieces
@@ -144,16 +144,32 @@ def num_experts(config: dict) -> int:
     return dims_from_config(arch.text(config), arch).num_experts
 
 
-def model_dtype(config: dict, dtype: str) -> str:
-    """The output's model dtype (safetensors code) for --dtype `dtype`."""
+# vLLM's _FLOAT16_NOT_SUPPORTED_MODELS (config/model.py, the same in 0.32 and 0.33): --dtype float16 is refused
+# for these model types ("numerical instability"), and an auto dtype that would be float16 falls back to the
+# platform's first supported dtype, bfloat16 on GPUs that have it
+NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
+
+
+def model_dtype(config: dict, dtype: str, model_type: str | None = None) -> str:
+    """The output's model dtype (safetensors code) for --dtype `dtype`; `model_type`: config.json's
+    top-level one, which vLLM checks."""
+    model_type = model_type if model_type is not None else config.get("model_type")
+    no_f16 = model_type in NO_FLOAT16
     if dtype != "auto":
         if dtype not in ("bfloat16", "float16", "float32"):
             raise UnsupportedError(f"--dtype {dtype}: use auto, bfloat16, float16 or float32")
+        if dtype == "float16" and no_f16:
+            raise UnsupportedError(
+                f"--dtype float16: vLLM refuses float16 for model type {model_type!r} (numerical instability)",
+                "use --dtype bfloat16 or float32",
+            )
         return DTYPE_NAMES[dtype]
     name = config.get("torch_dtype") or config.get("dtype") or "float32"
     name = str(name).removeprefix("torch.")
     if name == "float32":
         name = "bfloat16"  # vLLM's auto dtype on GPUs downcasts float32 checkpoints
+    if name == "float16" and no_f16:
+        name = "bfloat16"  # vLLM's auto falls back from float16 for these (NO_FLOAT16)
     if name not in ("bfloat16", "float16"):
         raise UnsupportedError(f"config.json torch_dtype {name!r} is not supported; pass --dtype")
     return DTYPE_NAMES[name]

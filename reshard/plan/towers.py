@@ -162,8 +162,18 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
 
 
 def _unsplittable(ctx: Context) -> list[Tower]:
-    """The encoders whose heads vLLM would have to split across the TP ranks and cannot (weights mode)."""
-    return [t for t in ctx.arch.towers if not t.heads_fallback and ctx.tower(t, ctx.tp).dims.num_heads % ctx.tp]
+    """The encoders whose heads vLLM would have to split across the TP ranks and cannot (weights mode). One
+    config.json does not describe is not counted: vLLM builds it from its config class's defaults, which
+    reshard does not know for every family."""
+    out = []
+    for t in ctx.arch.towers:
+        try:
+            heads = ctx.tower(t, ctx.tp).dims.num_heads
+        except SourceError:
+            continue
+        if not t.heads_fallback and heads % ctx.tp:
+            out.append(t)
+    return out
 
 
 def _falls_back(ctx: Context, tower: Tower) -> bool:
