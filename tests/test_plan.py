@@ -292,3 +292,13 @@ def test_float16_where_vllm_refuses_it(tiny, tmp_path):
         config["dtype"] = "float16"
         (src / "config.json").write_text(json.dumps(config))
         assert build_plan(open_source(str(src)).checkpoint, Layout(tp=2)).layout.dtype == want, arch
+
+
+def test_dtype_outside_the_quantization_methods_is_refused(tiny):
+    """vLLM (config/vllm.py) refuses a model dtype its quantization method does not run in
+    (get_supported_act_dtypes: Fp8Config bfloat16/float16; compressed-tensors float32 too), at start-up;
+    seen in vLLM 0.32 for fp8, modelopt and gpt-oss MXFP4 at float32 (tests/against_vllm harness, by hand)."""
+    ckpt = open_source(str(tiny("qwen3-moe-fp8"))).checkpoint
+    with pytest.raises(UnsupportedError, match="vLLM runs fp8 quantization in bfloat16 or float16 only"):
+        build_plan(ckpt, Layout(tp=1, dtype="float32"))
+    assert build_plan(ckpt, Layout(tp=1, dtype="float16")).layout.dtype == "float16"

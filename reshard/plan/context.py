@@ -50,6 +50,13 @@ class Context:
         self.quant: Quant | None = quant.for_checkpoint(ckpt.tensors) if quant else None
         if self.quant:
             self.config_patch.update(self.quant.config_patch(ckpt.config))
+            if dtype not in self.quant.act_dtypes:
+                names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+                raise UnsupportedError(
+                    f"--dtype {names.get(dtype, dtype)}: vLLM runs {self.quant.method} quantization in "
+                    f"{' or '.join(names[d] for d in self.quant.act_dtypes)} only, and refuses to start otherwise",
+                    "use --dtype auto",
+                )
         fp8 = self.quant is not None and self.quant.method == "fp8"
         # vLLM KV-cache parameter -> the checkpoint tensors vLLM loads into it
         self.kv_scales = kv_scale_sources(ckpt.tensors, fp8_config=fp8)

@@ -249,6 +249,7 @@ class Gptq(_KFirst):
     """`quant_method: gptq`, symmetric 4/8-bit, no act-order with groups (AutoGPTQ / GPTQModel)."""
 
     method = "gptq"
+    act_dtypes = ("BF16", "F16")  # AutoGPTQConfig
     strategy = "gptq"
     experts_bias = True
 
@@ -289,6 +290,7 @@ class Awq(_KFirst):
     """`quant_method: awq`, 4-bit with zero points (AutoAWQ GEMM)."""
 
     method = "awq"
+    act_dtypes = ("BF16", "F16")  # AutoAWQConfig
     strategy = "awq"
     n_pack = 8
 

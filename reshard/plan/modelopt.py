@@ -120,6 +120,7 @@ class ModelOptFp8(Quant):
     kv_algo: str | None = None
 
     method = "modelopt"
+    act_dtypes = ("BF16", "F16")  # ModelOptFp8Config
     algo: ClassVar[str]
 
     def to_json(self) -> dict:

@@ -196,6 +196,7 @@ class ModelOptNvfp4(_Nvfp4):
     """ModelOpt `quant_algo: NVFP4` (W4A4; W4A16 when no config group quantizes input activations)."""
 
     method = "modelopt_fp4"
+    act_dtypes = ("BF16", "F16")  # ModelOptNvFp4Config (and FP8 activations, not a model dtype)
     weight_param = "weight"
     global_name = "weight_scale_2"
     input_name = "input_scale"

@@ -39,6 +39,8 @@ class Quant:
     k_first: ClassVar[bool] = False  # weights stored [in, out] (GPTQ / AWQ, reshard.plan.gptq): their own walks
     k_pack: ClassVar[int] = 1  # K-first weights: values per int32 along the input dim
     n_pack: ClassVar[int] = 1  # ... and along the output dim
+    # the model dtypes vLLM runs the method in (its get_supported_act_dtypes; config/vllm.py refuses others)
+    act_dtypes: ClassVar[tuple[str, ...]] = ("BF16", "F16", "F32")  # compressed-tensors
 
     @property
     def pack(self) -> int:
@@ -112,6 +114,7 @@ class Quant:
 
 class _Fp8Config(Quant):
     method = "fp8"
+    act_dtypes = ("BF16", "F16")
     refines_moe_blocks = True  # Fp8MoEMethod refines the MoE scale grid when a TP split cuts a block
 
     def kv_buffers(
@@ -330,6 +333,7 @@ class Mxfp4(Quant):
     method and attention no KV-cache method, whatever `modules_to_not_convert` says."""
 
     method = "mxfp4"
+    act_dtypes = ("BF16",)  # Mxfp4Config, and gpt_oss_mxfp4 it becomes
     strategy = "mx-block"
     weight_dtype = "U8"
 
