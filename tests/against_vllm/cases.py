@@ -447,3 +447,15 @@ STATE_CASES += [
     case("qwen2.5-vl", 8, lm_only=True),
     case("llama4", 8),  # text-only by default
 ]
+
+# Layouts vLLM cannot build, which reshard must refuse (exit 3) instead of writing them, each with what vLLM
+# says: all were written before 2026-12-06, when a sweep of layouts against vLLM found them
+# (test_refusals_agree_with_vllm builds each in vLLM).
+REFUSED_CASES: list[tuple[Case, str]] = [
+    (case("qwen3-moe", 2, pp=3), "No Qwen3MoE layer found"),  # stage 0 holds only the dense layer 0
+    (case("glm4-moe", 1, pp=4), "No Glm4MoE layer found"),  # first_k_dense_replace 1, likewise
+    (case("qwen3-vl-moe", 8, lm_only=True), "greater than the number of experts"),  # 4 experts
+    (case("gemma3-mm", 8, lm_only=True), "is not divisible by 8"),  # SigLIP's 4 heads, built even text-only
+    (case("gemma3", 2, dtype="float16"), "does not support float16"),  # _FLOAT16_NOT_SUPPORTED_MODELS
+    (case("qwen3-moe-fp8", 1, dtype="float32"), "not supported for quantization method fp8"),
+]

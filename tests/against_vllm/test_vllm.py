@@ -36,6 +36,7 @@ from tests.against_vllm import generate, textonly, vllm_state
 from tests.against_vllm.cases import (
     DSA_CUDA_CASES,
     GEN_CASES,
+    REFUSED_CASES,
     STATE_CASES,
     Case,
     case,
@@ -373,3 +374,39 @@ def test_dsa_cuda_names_after_renaming(case: Case, suite: Suite, tmp_path: Path)
     assert changed, "the CUDA-named output had no name that vLLM's CPU class spells differently"
     problems = vllm_state.compare(exp, renamed, case.layout.tp, pp=case.layout.pp)
     assert not problems, _fmt(problems)
+
+
+@needs_reshard
+def test_refusals_agree_with_vllm(suite: Suite):
+    """reshard exits 3 on each REFUSED_CASES layout, and vLLM, asked to build the same, fails saying why."""
+    problems, groups = [], {}
+    for c, _ in REFUSED_CASES:
+        res = suite.resharded(c)
+        if res.rc != 3:
+            problems.append(f"{c.id}: reshard exit {res.rc}, not 3: {res.output.strip()[-300:]}")
+        groups.setdefault(json.dumps(suite._dump_env(c), sort_keys=True), []).append(c)
+    said = dict((c, why) for c, why in REFUSED_CASES)
+    t0 = time.perf_counter()
+    for cs in groups.values():
+        specs = [
+            dict(
+                hf_dir=suite.src(c),
+                dump_dir=suite.root / "refused" / c.id,
+                tp=c.layout.tp,
+                ep=c.layout.ep,
+                pp=c.layout.pp,
+                dtype=c.layout.dtype,
+                language_model_only=c.layout.language_model_only,
+                # text-only: the dropped encoder built whole, so that only the text model's reason shows
+                # (Gemma-3 has no data mode and builds it split anyway)
+                mm_encoder_tp_mode="data" if c.layout.language_model_only else None,
+            )
+            for c in cs
+        ]
+        for c, r in zip(cs, vllm_state.dump_expected_each(suite.src(cs[0]), specs), strict=True):
+            if not isinstance(r, Exception):
+                problems.append(f"{c.id}: vLLM built it, and reshard refuses it")
+            elif said[c] not in str(r):
+                problems.append(f"{c.id}: vLLM failed, but not saying {said[c]!r}: {str(r)[-600:]}")
+    suite.timings.append((f"vLLM builds {len(REFUSED_CASES)} refused layouts", time.perf_counter() - t0))
+    assert not problems, "\n".join(problems)
