@@ -10,7 +10,7 @@ import copy
 
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
-from reshard.format import TensorInfo
+from reshard.format import DTYPE_CODES, TensorInfo
 from reshard.plan.geometry import Dims, divisors
 from reshard.plan.kvscales import KV_PARAMS, kv_scale_sources
 from reshard.plan.quant import Quant
@@ -51,10 +51,10 @@ class Context:
         if self.quant:
             self.config_patch.update(self.quant.config_patch(ckpt.config))
             if dtype not in self.quant.act_dtypes:
-                names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
                 raise UnsupportedError(
-                    f"--dtype {names.get(dtype, dtype)}: vLLM runs {self.quant.method} quantization in "
-                    f"{' or '.join(names[d] for d in self.quant.act_dtypes)} only, and refuses to start otherwise",
+                    f"--dtype {DTYPE_CODES[dtype]}: vLLM runs {self.quant.method} quantization in "
+                    f"{' or '.join(DTYPE_CODES[d] for d in self.quant.act_dtypes)} only, and refuses to start "
+                    "otherwise",
                     "use --dtype auto",
                 )
         fp8 = self.quant is not None and self.quant.method == "fp8"

@@ -96,9 +96,8 @@ def check_towers(ctx: Context, layout: Layout) -> None:
     so the same division must hold; where it does not, the serve line asks for data mode, which builds
     it whole (`tower_pins`), or the layout is refused where the model has no data mode."""
     if layout.language_model_only:
-        for tower in _unsplittable(ctx):
+        for tower, heads in _unsplittable(ctx):
             if not tower.data_mode:
-                heads = ctx.tower(tower, ctx.tp).dims.num_heads
                 raise UnsupportedError(
                     f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM builds the "
                     "vision encoder even with --language-model-only (then drops it), splitting its heads across "
@@ -106,8 +105,7 @@ def check_towers(ctx: Context, layout: Layout) -> None:
                     f"use a --tp that divides it: {divisors(heads)}",
                 )
             ctx.note(
-                f"{tower.config}.{tower.heads}={ctx.tower(tower, ctx.tp).dims.num_heads} is not divisible by --tp "
-                f"{ctx.tp}: vLLM builds the vision encoder even with --language-model-only (then drops it) and "
+                f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM builds the vision encoder even with --language-model-only (then drops it) and "
                 "would fail to split its heads; the serve line adds --mm-encoder-tp-mode data, which builds it "
                 "whole (the folder is the same)"
             )
@@ -161,10 +159,10 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
             per_tp[r].extend(parts[0 if whole else r])
 
 
-def _unsplittable(ctx: Context) -> list[Tower]:
-    """The encoders whose heads vLLM would have to split across the TP ranks and cannot (weights mode). One
-    config.json does not describe is not counted: vLLM builds it from its config class's defaults, which
-    reshard does not know for every family."""
+def _unsplittable(ctx: Context) -> list[tuple[Tower, int]]:
+    """The encoders (and their head counts) whose heads vLLM would have to split across the TP ranks and
+    cannot (weights mode). One config.json does not describe is not counted: vLLM builds it from its
+    config class's defaults, which reshard does not know for every family."""
     out = []
     for t in ctx.arch.towers:
         try:
@@ -172,7 +170,7 @@ def _unsplittable(ctx: Context) -> list[Tower]:
         except SourceError:
             continue
         if not t.heads_fallback and heads % ctx.tp:
-            out.append(t)
+            out.append((t, heads))
     return out
 
 
