@@ -178,23 +178,9 @@ class Suite:
                 pending.insert(0, case)
             env = self._dump_env(case)
             batch = [c for c in pending if self._dump_env(c) == env][:DUMP_BATCH]
-            specs = []
-            for c in batch:
-                r = self.resharded(c) if HAVE_RESHARD else None
-                specs.append(
-                    dict(
-                        hf_dir=self.src(c),
-                        dump_dir=self.root / "expected" / c.id,
-                        tp=c.layout.tp,
-                        ep=c.layout.ep,
-                        pp=c.layout.pp,
-                        dtype=c.layout.dtype,
-                        moe_backend=c.layout.moe_backend,
-                        mm_encoder_tp_mode=c.layout.mm_encoder_tp_mode or _pinned_mode(r),
-                        language_model_only=c.layout.language_model_only or _pinned_mode(r) is not None,
-                        load_dir=r.out if (r is not None and r.rc == 0) else None,
-                    )
-                )
+            specs = [
+                self.spec(c, self.root / "expected" / c.id, self.resharded(c) if HAVE_RESHARD else None) for c in batch
+            ]
             t0 = time.perf_counter()
             try:
                 results = vllm_state.dump_expected_each(self.src(case), specs)
@@ -214,6 +200,26 @@ class Suite:
         if isinstance(res, Exception):
             raise res
         return res
+
+    def spec(self, c: Case, dump_dir: Path, r: Resharded | None = None, **engine) -> dict:
+        """vLLM's arguments for `c`'s layout (vllm_state.dump_expected_each), as the serve line of reshard's
+        output `r` says (it may pin an encoder mode), loading `r` back when it was written; `engine` overrides."""
+        lay, pinned = c.layout, _pinned_mode(r)
+        return (
+            dict(
+                hf_dir=self.src(c),
+                dump_dir=dump_dir,
+                tp=lay.tp,
+                ep=lay.ep,
+                pp=lay.pp,
+                dtype=lay.dtype,
+                moe_backend=lay.moe_backend,
+                mm_encoder_tp_mode=lay.mm_encoder_tp_mode or pinned,
+                language_model_only=lay.language_model_only or pinned is not None,
+                load_dir=r.out if (r is not None and r.rc == 0) else None,
+            )
+            | engine
+        )
 
 
 def _pinned_mode(r: Resharded | None) -> str | None:
@@ -388,19 +394,12 @@ def test_refusals_agree_with_vllm(suite: Suite):
     said = dict((c, why) for c, why in REFUSED_CASES)
     t0 = time.perf_counter()
     for cs in groups.values():
+        # text-only: the dropped encoder built whole, so that only the text model's reason shows (Gemma-3 has
+        # no data mode and builds it split anyway)
         specs = [
-            dict(
-                hf_dir=suite.src(c),
-                dump_dir=suite.root / "refused" / c.id,
-                tp=c.layout.tp,
-                ep=c.layout.ep,
-                pp=c.layout.pp,
-                dtype=c.layout.dtype,
-                language_model_only=c.layout.language_model_only,
-                # text-only: the dropped encoder built whole, so that only the text model's reason shows
-                # (Gemma-3 has no data mode and builds it split anyway)
-                mm_encoder_tp_mode="data" if c.layout.language_model_only else None,
-            )
+            suite.spec(c, suite.root / "refused" / c.id, mm_encoder_tp_mode="data")
+            if c.layout.language_model_only
+            else suite.spec(c, suite.root / "refused" / c.id)
             for c in cs
         ]
         for c, r in zip(cs, vllm_state.dump_expected_each(suite.src(cs[0]), specs), strict=True):
