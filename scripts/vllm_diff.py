@@ -28,6 +28,22 @@ MODELS = [
     "gemma2",
     "gemma3",
     "phi3",
+    # families added later, whose constructors also decide what reshard refuses (stages without a MoE layer,
+    # TP above the experts, encoders built under --language-model-only)
+    "glm4_moe",
+    "minimax_m2",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen2_5_vl",
+    "gemma3_mm",
+    "siglip",
+    "llama4",
+    "mllama4",
+    "gpt_oss",
+    "kimi_k25",
+    "interfaces",
 ]
 FILES = [
     "model_executor/model_loader/sharded_state_loader.py",
@@ -57,6 +73,11 @@ FILES = [
     "model_executor/models/registry.py",
     "distributed/utils.py",
     "config/model.py",
+    "config/vllm.py",  # the model dtype against the quantization's get_supported_act_dtypes
+    "model_executor/layers/quantization/modelopt.py",
+    "model_executor/layers/quantization/mxfp4.py",
+    "model_executor/layers/quantization/auto_gptq.py",
+    "model_executor/layers/quantization/auto_awq.py",
     "transformers_utils/model_arch_config_convertor.py",
     *[f"model_executor/models/{m}.py" for m in MODELS],
 ]
