@@ -38,7 +38,7 @@ from reshard.rules import Experts
 from reshard.rules.spec import WeightsMapper
 from reshard.schedule import schedule
 from reshard.sources import open_source
-from tests.fixtures.releases import RELEASES, cut, write_header_only
+from tests.fixtures.releases import CUT_LAYERS, RELEASES, cut, write_header_only
 from tests.fixtures.synthetic import QWEN3_30B_A3B, QWEN3_235B_A22B_FP8, synthetic_checkpoint
 
 
@@ -240,7 +240,7 @@ def test_tiny_checkpoints_plan_the_same_pieces(monkeypatch, tiny, arch, layout):
 @pytest.mark.parametrize("layout", [Layout(tp=8), Layout(tp=8, ep=True)], ids=str)
 @pytest.mark.parametrize("release", ["kimi-k2", "kimi-k2-thinking", "minimax-m2", "glm-4.6"])
 def test_release_headers_plan_the_same_pieces(monkeypatch, tmp_path, release, layout):
-    folder = write_header_only(tmp_path / release, cut(RELEASES[release], 2))
+    folder = write_header_only(tmp_path / release, cut(RELEASES[release], CUT_LAYERS[release]))  # a MoE layer too
     fast, slow = both(monkeypatch, lambda: open_source(str(folder)).checkpoint, layout)
     assert fast == slow
 
@@ -345,7 +345,7 @@ def test_layout_only_plans_are_the_plans_without_pieces(name, layout):
 
 @pytest.mark.parametrize("release", ["kimi-k2", "kimi-k2-thinking"])
 def test_layout_only_release_plans_are_the_plans_without_pieces(tmp_path, release):
-    folder = write_header_only(tmp_path / release, cut(RELEASES[release], 2))
+    folder = write_header_only(tmp_path / release, cut(RELEASES[release], CUT_LAYERS[release]))  # a MoE layer too
     ckpt = open_source(str(folder)).checkpoint
     for layout in (Layout(tp=8), Layout(tp=8, ep=True)):
         assert stripped(build_plan(ckpt, layout, pieces=False)) == stripped(build_plan(ckpt, layout))
