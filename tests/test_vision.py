@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from reshard.errors import UnsupportedError
 from reshard.layout import Layout
 from reshard.manifest import read_manifest
 from reshard.merge import merge
@@ -151,6 +152,23 @@ def test_language_model_only_still_builds_the_tower_in_vllm(tiny):
     assert llama4.serve_command("OUT").endswith("--language-model-only --mm-encoder-tp-mode data")
     code, _, err = run("plan", str(tiny("gemma3-mm")), "--tp", "8", "--language-model-only")
     assert code == 3 and "even with --language-model-only" in err and "no --mm-encoder-tp-mode data" in err
+
+
+def test_an_encoder_size_tp_does_not_divide(tiny):
+    """Heads are not the only split: a vision MLP width TP does not divide (Qwen2.5-VL-72B's 3420 at TP 8; 34 at
+    TP 4 here) makes vLLM fail to build the encoder in weights mode, with the tower or without it: refused
+    saying data mode would do, and pinned to data mode under --language-model-only (seen in vLLM)."""
+    ckpt = open_source(str(tiny("qwen2.5-vl-i34"))).checkpoint
+    with pytest.raises(
+        UnsupportedError, match=r"= 34 is not divisible by --tp 4 \(vLLM's --mm-encoder-tp-mode weights"
+    ) as e:
+        build_plan(ckpt, Layout(tp=4))
+    assert "use --mm-encoder-tp-mode data" in str(e.value)
+    text = build_plan(ckpt, Layout(tp=4, language_model_only=True))
+    assert text.serve_command("OUT").endswith("--language-model-only --mm-encoder-tp-mode data")
+    assert any("= 34 is not divisible by --tp 4: vLLM builds the vision encoder" in n for n in text.notes)
+    assert build_plan(ckpt, Layout(tp=2, language_model_only=True)).serve_command("OUT").endswith("-only")
+    assert build_plan(ckpt, Layout(tp=4, mm_encoder_tp_mode="data")).layout.mm_encoder_tp_mode == "data"
 
 
 def test_language_model_only_without_vision_config_plans_as_before(tiny, tmp_path):

@@ -96,18 +96,18 @@ def check_towers(ctx: Context, layout: Layout) -> None:
     so the same division must hold; where it does not, the serve line asks for data mode, which builds
     it whole (`tower_pins`), or the layout is refused where the model has no data mode."""
     if layout.language_model_only:
-        for tower, heads in _unsplittable(ctx):
+        for tower, why, hint in _unsplittable(ctx):
             if not tower.data_mode:
                 raise UnsupportedError(
-                    f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM builds the "
-                    "vision encoder even with --language-model-only (then drops it), splitting its heads across "
-                    f"the TP ranks, and fails to build; {ctx.arch.names[0]} has no --mm-encoder-tp-mode data",
-                    f"use a --tp that divides it: {divisors(heads)}",
+                    f"{why}: vLLM builds the vision encoder even with --language-model-only (then drops it), "
+                    f"split across the TP ranks, and fails to build; {ctx.arch.names[0]} has no "
+                    "--mm-encoder-tp-mode data",
+                    hint,
                 )
             ctx.note(
-                f"{tower.config}.{tower.heads}={heads} is not divisible by --tp {ctx.tp}: vLLM builds the vision encoder even with --language-model-only (then drops it) and "
-                "would fail to split its heads; the serve line adds --mm-encoder-tp-mode data, which builds it "
-                "whole (the folder is the same)"
+                f"{why}: vLLM builds the vision encoder even with --language-model-only (then drops it) and "
+                "would fail to split it; the serve line adds --mm-encoder-tp-mode data, which builds it whole "
+                "(the folder is the same)"
             )
         return
     if layout.mm_encoder_tp_mode != "weights":
@@ -141,36 +141,62 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
                 "pass --language-model-only, or save from a checkpoint with the tower",
             )
         whole = (data and not tower.split_in_data_mode) or _falls_back(ctx, tower)
-        sub = ctx.tower(tower, 1 if whole else ctx.tp)
-        if sub.quant is not None and sub.quant.method in tower.unquantized_with:
-            sub.quant = None  # vLLM builds the encoder without the quant config
-        parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
-        for m in tower.top:
-            if m.present(sub.config):
-                _check_unquantized(sub, m, "")
-                add_module(sub, m, "", parts)
-        for blocks in tower.blocks:
-            for i in range(blocks.number(sub.config)):
-                for m in blocks.rules:
-                    if m.present(sub.config):
-                        _check_unquantized(sub, m, blocks.prefix.format(layer=i))
-                        add_module(sub, m, blocks.prefix.format(layer=i), parts)
+        try:
+            parts = _tower_parts(ctx.tower(tower, 1 if whole else ctx.tp), tower)
+        except UnsupportedError as e:
+            if whole or data or not tower.data_mode:
+                raise
+            raise UnsupportedError(
+                f"{e.message} (vLLM's --mm-encoder-tp-mode weights split)",
+                "use --mm-encoder-tp-mode data (the encoder whole on every rank), --language-model-only, "
+                f"or {(e.hint or 'another --tp').removeprefix('use ')}",
+            ) from e
         for r in range(ctx.tp):
             per_tp[r].extend(parts[0 if whole else r])
 
 
-def _unsplittable(ctx: Context) -> list[tuple[Tower, int]]:
-    """The encoders (and their head counts) whose heads vLLM would have to split across the TP ranks and
-    cannot (weights mode). One config.json does not describe is not counted: vLLM builds it from its
-    config class's defaults, which reshard does not know for every family."""
+def _tower_parts(sub: Context, tower: Tower) -> list[list[OutTensor]]:
+    """Each of `sub.tp` ranks' tensors of the encoder (refused where the split does not divide)."""
+    if sub.quant is not None and sub.quant.method in tower.unquantized_with:
+        sub.quant = None  # vLLM builds the encoder without the quant config
+    parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
+    for m in tower.top:
+        if m.present(sub.config):
+            _check_unquantized(sub, m, "")
+            add_module(sub, m, "", parts)
+    for blocks in tower.blocks:
+        for i in range(blocks.number(sub.config)):
+            for m in blocks.rules:
+                if m.present(sub.config):
+                    _check_unquantized(sub, m, blocks.prefix.format(layer=i))
+                    add_module(sub, m, blocks.prefix.format(layer=i), parts)
+    return parts
+
+
+def _unsplittable(ctx: Context) -> list[tuple[Tower, str, str]]:
+    """The encoders vLLM would split across the TP ranks in weights mode and cannot, each with why and what to
+    do: its heads, or a size a split does not divide (planned aside from the checkpoint's encoder tensors,
+    then dropped). What config.json and the checkpoint do not describe is not counted: vLLM builds it from
+    its config class's defaults, which reshard does not know for every family."""
     out = []
     for t in ctx.arch.towers:
         try:
-            heads = ctx.tower(t, ctx.tp).dims.num_heads
+            aside = ctx.tower(t, ctx.tp)
         except SourceError:
             continue
-        if not t.heads_fallback and heads % ctx.tp:
-            out.append((t, heads))
+        heads = aside.dims.num_heads
+        if heads % ctx.tp:
+            if not t.heads_fallback:  # otherwise vLLM builds it whole
+                why = f"{t.config}.{t.heads}={heads} is not divisible by --tp {ctx.tp}"
+                out.append((t, why, f"use a --tp that divides it: {divisors(heads)}"))
+            continue
+        aside.used, aside.notes = set(), []  # nothing of this plan is kept
+        try:
+            _tower_parts(aside, t)
+        except UnsupportedError as e:
+            out.append((t, e.message, e.hint or "use another --tp"))
+        except SourceError:
+            continue
     return out
 
 

@@ -446,6 +446,7 @@ STATE_CASES += [
     # the serve line adds --mm-encoder-tp-mode data (reshard.plan.towers), which the harness then passes to vLLM
     case("qwen2.5-vl", 8, lm_only=True),
     case("llama4", 8),  # text-only by default
+    case("qwen2.5-vl-i34", 4, lm_only=True),  # the vision MLP width 34: data mode pinned for another reason
 ]
 
 # Layouts vLLM cannot build, which reshard must refuse (exit 3) instead of writing them, each with what vLLM
