@@ -155,7 +155,7 @@ def test_language_model_only_still_builds_the_tower_in_vllm(tiny):
 
 
 def test_an_encoder_size_tp_does_not_divide(tiny):
-    """Heads are not the only split: a vision MLP width TP does not divide (Qwen2.5-VL-72B's 3420 at TP 8; 34 at
+    """Heads are not the only split: a vision MLP width TP does not divide (Qwen2.5-VL's 3420 at TP 8; 34 at
     TP 4 here) makes vLLM fail to build the encoder in weights mode, with the tower or without it: refused
     saying data mode would do, and pinned to data mode under --language-model-only (seen in vLLM)."""
     ckpt = open_source(str(tiny("qwen2.5-vl-i34"))).checkpoint
