@@ -190,7 +190,9 @@ def _unsplittable(ctx: Context) -> list[tuple[Tower, str, str]]:
                 why = f"{t.config}.{t.heads}={heads} is not divisible by --tp {ctx.tp}"
                 out.append((t, why, f"use a --tp that divides it: {divisors(heads)}"))
             continue
-        aside.used, aside.notes = set(), []  # nothing of this plan is kept
+        # nothing of this plan is kept; planned unquantized, so that only the split is judged (a quantized tower
+        # is refused only when it is written: --language-model-only leaves it out)
+        aside.used, aside.notes, aside.quant = set(), [], None
         try:
             _tower_parts(aside, t)
         except UnsupportedError as e:
