@@ -10,6 +10,8 @@ planned with the encoder's own sizes (`Context.tower`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from reshard.errors import SourceError, UnsupportedError
 from reshard.layout import Layout
 from reshard.plan.context import Context
@@ -141,9 +143,12 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
                 "pass --language-model-only, or save from a checkpoint with the tower",
             )
         whole = (data and not tower.split_in_data_mode) or _falls_back(ctx, tower)
+        sub = _encoder(ctx, tower, 1 if whole else ctx.tp)
+        for m, prefix in _modules(sub, tower):
+            _check_unquantized(sub, m, prefix)
         try:
-            parts = _tower_parts(ctx.tower(tower, 1 if whole else ctx.tp), tower)
-        except UnsupportedError as e:
+            parts = _tower_parts(sub, tower)
+        except UnsupportedError as e:  # a size the split does not divide
             if whole or data or not tower.data_mode:
                 raise
             raise UnsupportedError(
@@ -155,21 +160,31 @@ def plan_towers(ctx: Context, layout: Layout, per_tp: list[list[OutTensor]]) -> 
             per_tp[r].extend(parts[0 if whole else r])
 
 
-def _tower_parts(sub: Context, tower: Tower) -> list[list[OutTensor]]:
-    """Each of `sub.tp` ranks' tensors of the encoder (refused where the split does not divide)."""
+def _encoder(ctx: Context, tower: Tower, tp: int) -> Context:
+    """The context the encoder is planned in: its sizes, `tp` ranks, and the quant config vLLM builds it with."""
+    sub = ctx.tower(tower, tp)
     if sub.quant is not None and sub.quant.method in tower.unquantized_with:
         sub.quant = None  # vLLM builds the encoder without the quant config
-    parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
+    return sub
+
+
+def _modules(sub: Context, tower: Tower) -> Iterator[tuple[Rule, str]]:
+    """The encoder's modules present in its config, each with its prefix."""
     for m in tower.top:
         if m.present(sub.config):
-            _check_unquantized(sub, m, "")
-            add_module(sub, m, "", parts)
+            yield m, ""
     for blocks in tower.blocks:
         for i in range(blocks.number(sub.config)):
             for m in blocks.rules:
                 if m.present(sub.config):
-                    _check_unquantized(sub, m, blocks.prefix.format(layer=i))
-                    add_module(sub, m, blocks.prefix.format(layer=i), parts)
+                    yield m, blocks.prefix.format(layer=i)
+
+
+def _tower_parts(sub: Context, tower: Tower) -> list[list[OutTensor]]:
+    """Each of `sub.tp` ranks' tensors of the encoder (refused where the split does not divide)."""
+    parts: list[list[OutTensor]] = [[] for _ in range(sub.tp)]
+    for m, prefix in _modules(sub, tower):
+        add_module(sub, m, prefix, parts)
     return parts
 
 
@@ -191,7 +206,7 @@ def _unsplittable(ctx: Context) -> list[tuple[Tower, str, str]]:
                 out.append((t, why, f"use a --tp that divides it: {divisors(heads)}"))
             continue
         # nothing of this plan is kept; planned unquantized, so that only the split is judged (a quantized tower
-        # is refused only when it is written: --language-model-only leaves it out)
+        # is refused only when it is written, `plan_towers`: --language-model-only leaves it out)
         aside.used, aside.notes, aside.quant = set(), [], None
         try:
             _tower_parts(aside, t)
