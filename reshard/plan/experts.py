@@ -15,7 +15,7 @@ from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan import backends, nvfp4
 from reshard.plan.context import Context
-from reshard.plan.geometry import MoeSplit, divisors
+from reshard.plan.geometry import MoeSplit, divisors, refuse_tp_above_experts
 from reshard.plan.model import OutTensor, padded_cols_each, padded_rows_each
 from reshard.plan.quant import Quant
 from reshard.rules import Experts
@@ -110,8 +110,8 @@ def _split(ctx: Context, m: Experts, prefix: str) -> MoeSplit:
         ep=ctx.ep,
         dtype=ctx.dtype,
     )
-    if m.tp_at_most_experts and tp > split.num:
-        raise UnsupportedError(f"--tp {tp} is greater than the number of experts {split.num}; vLLM refuses this")
+    if m.tp_at_most_experts:
+        refuse_tp_above_experts(tp, split.num)
     if ctx.ep and split.num < tp:
         raise UnsupportedError(f"--ep with --tp {tp} needs at least {tp} experts, the model has {split.num}")
     if split.inter % split.moe_tp:

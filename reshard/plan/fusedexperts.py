@@ -29,7 +29,7 @@ from reshard.errors import SourceError, UnsupportedError
 from reshard.format import TensorInfo
 from reshard.plan import backends
 from reshard.plan.context import Context
-from reshard.plan.geometry import cdiv, divisors, ep_experts
+from reshard.plan.geometry import cdiv, divisors, ep_experts, refuse_tp_above_experts
 from reshard.plan.model import Fill, OutTensor, Piece, Slice
 from reshard.rules import FusedExperts
 
@@ -43,8 +43,8 @@ def fused_experts(ctx: Context, m: FusedExperts, prefix: str, per_tp: list[list[
     gate_up, down = prefix + m.gate_up, prefix + m.down
     d, tp = ctx.dims, ctx.tp
     num, inter, hidden = d.num_experts, d.moe_intermediate, d.hidden
-    if m.tp_at_most_experts and tp > num:
-        raise UnsupportedError(f"--tp {tp} is greater than the number of experts {num}; vLLM refuses this")
+    if m.tp_at_most_experts:
+        refuse_tp_above_experts(tp, num)
     if ctx.ep and num % tp:
         raise UnsupportedError(
             f"--ep: {ctx.arch.names[0]}'s {num} experts do not divide among --tp {tp} ranks, and reshard writes "

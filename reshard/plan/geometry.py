@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from reshard.errors import UnsupportedError
 from reshard.format import TensorInfo
 
 
@@ -33,6 +34,12 @@ class Sources(Protocol):
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def refuse_tp_above_experts(tp: int, num: int) -> None:
+    """For MoE blocks vLLM builds only with at most as many TP ranks as experts (a rule's tp_at_most_experts)."""
+    if tp > num:
+        raise UnsupportedError(f"--tp {tp} is greater than the number of experts {num}; vLLM refuses this")
 
 
 def divisors(n: int) -> str:

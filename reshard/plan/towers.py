@@ -78,7 +78,8 @@ def tower_pins(ctx: Context, layout: Layout) -> tuple[str, ...]:
     - `--no-mm-device-do-normalize` for towers that normalise on the device (Tower.device_normalize);
     - `VLLM_USE_V2_MODEL_RUNNER=0` with --pp: 0.33's Model Runner V2 (its default on CUDA) builds the
       encoder on the first pipeline stage only; V1, and 0.32, on every stage, as the folder holds it;
-    - without the encoder, `--mm-encoder-tp-mode data` where its heads do not divide TP (`_unsplittable`)."""
+    - without the encoder, `--mm-encoder-tp-mode data` where vLLM could not split it (`_unsplittable`: its
+      heads, or a width TP does not divide)."""
     arch = ctx.arch
     if layout.language_model_only:
         return ("--mm-encoder-tp-mode data",) if _unsplittable(ctx) else ()
@@ -91,7 +92,7 @@ def tower_pins(ctx: Context, layout: Layout) -> tuple[str, ...]:
 
 
 def check_towers(ctx: Context, layout: Layout) -> None:
-    """vLLM splits an encoder's heads across the TP ranks in weights mode; it fails to build otherwise.
+    """vLLM splits an encoder across the TP ranks in weights mode; it fails to build where its heads do not divide.
 
     Under --language-model-only vLLM still constructs the encoder (on the meta device, then drops it:
     `SupportsMultiModal._mark_tower_model`), in the mode --mm-encoder-tp-mode says (weights by default),
