@@ -1,6 +1,6 @@
 """A reshard output in a bucket read back as SOURCE (SeaweedFS): `save s3://OUT s3://NEW`, `save s3://OUT
 LOCAL`, `merge s3://OUT HF_DIR`: the same bytes as from the local output, checked before and while it
-is read, errors as one line with exit 4."""
+is read, errors as one line: exit 7 for an output there that fails its checks, 4 for none there."""
 
 from __future__ import annotations
 
@@ -78,14 +78,15 @@ def test_merge_from_the_bucket_equals_merge_from_the_folder(s3env, tiny, tmp_pat
 
 
 def test_a_flipped_byte_read_in_order_fails_the_merge(s3env, tiny, tmp_path):
-    """Without store checksums in the manifest, the hash while streaming catches it (exit 4, nothing written)."""
+    """Without store checksums in the manifest, the hash while streaming catches it (exit 7, as a local
+    output failing its checksum; nothing written)."""
     out = bucket_output(s3env, tiny("llama"), tp=1)
     m = out.manifest()
     del m["store_sha256"]
     out.replace("reshard.json", json.dumps(m).encode())
     out.flip(RANK0)
     code, _, err = run("merge", out.url, str(tmp_path / "hf"))
-    assert code == 4
+    assert code == 7
     _one_error_line(err, RANK0, "checksum")
     assert not (tmp_path / "hf").exists()
 
@@ -93,7 +94,7 @@ def test_a_flipped_byte_read_in_order_fails_the_merge(s3env, tiny, tmp_path):
 def test_an_object_replaced_since_the_save_is_refused_before_reading(saved, tmp_path):
     saved.flip(RANK0)
     code, _, err = run("save", saved.url, str(tmp_path / "tp4"), "--tp", "4")
-    assert code == 4
+    assert code == 7
     _one_error_line(err, RANK0, "replaced after it was written")
     assert not (tmp_path / "tp4").exists()
 
@@ -102,12 +103,29 @@ def test_a_missing_or_truncated_object_is_refused(saved, tmp_path):
     data = saved.read(RANK0)
     saved.replace(RANK0, data[:-10])
     code, _, err = run("merge", saved.url, str(tmp_path / "hf"))
-    assert code == 4
+    assert code == 7
     _one_error_line(err, RANK0, f"{len(data) - 10} bytes")
     saved.delete(RANK0)
     code, _, err = run("merge", saved.url, str(tmp_path / "hf"))
-    assert code == 4
+    assert code == 7
     _one_error_line(err, RANK0, "missing")
+
+
+@pytest.mark.parametrize("edit", ["not json", "tp out of bounds", "config.json altered"])
+def test_a_malformed_manifest_or_altered_side_file_is_exit_7_as_for_a_folder(saved, tmp_path, edit):
+    """The exit-code table: an output used as SOURCE that verify would call malformed or altered is
+    exit 7, from a bucket as from a folder (exit 4 is for no output there at all)."""
+    if edit == "not json":
+        saved.replace("reshard.json", b"{not json")
+    elif edit == "tp out of bounds":
+        m = saved.manifest()
+        m["layout"]["tp"] = 99999
+        saved.replace("reshard.json", json.dumps(m).encode())
+    else:
+        saved.replace("config.json", saved.read("config.json") + b" ")
+    code, _, err = run("merge", saved.url, str(tmp_path / "hf"))
+    assert code == 7, err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_not_an_output_and_no_bucket_exit_4(s3env, tmp_path):

@@ -9,12 +9,15 @@ each checked against the manifest's digest.
 What is checked, without reading the rank files twice:
 - before anything is read: every file the manifest lists is there with its size, and (where the
   manifest recorded them) each object's SHA256 as the store reports it is the one reshard uploaded:
-  an object replaced since fails here (exit 4);
+  an object replaced since fails here (exit 7, as a local output that fails its checks);
 - while reading: the bytes of each rank file are hashed as they arrive when they arrive in order (a
   few out-of-order reads are held back, bounded); a file read whole that way is checked against the
   manifest's digest when the save has read everything (`finish`, before anything is published): a
-  mismatch is exit 4. A file not read whole in order (a re-shard reads by tensor, not by file) is
+  mismatch is exit 7. A file not read whole in order (a re-shard reads by tensor, not by file) is
   said to be unchecked byte for byte, on stderr.
+
+A prefix with no manifest, a missing bucket and a store that cannot be read are exit 4 (not found,
+or unreadable); an output there that is malformed, incomplete or altered is exit 7.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import threading
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader, Source
-from reshard.errors import ReshardError, SourceError, UnsupportedError
+from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.folderview import view_manifest
 from reshard.format import ITEMSIZE
 from reshard.hashing import NONE, hash_bytes, new_hasher
@@ -68,7 +71,7 @@ class BucketOutputSource(Source):
         return reader
 
     def finish(self) -> None:
-        """Every rank file read whole in order is checked against its digest (exit 4 otherwise);
+        """Every rank file read whole in order is checked against its digest (exit 7 otherwise);
         the rest are told as unchecked."""
         if not self.checksums:
             return
@@ -79,7 +82,7 @@ class BucketOutputSource(Source):
             for name, stream in reader.streams.items():
                 if stream.whole:
                     if stream.digest() != stream.want:
-                        raise SourceError(
+                        raise CorruptError(
                             f"{self.view.where(name)} fails its {self.manifest.checksum} checksum as read from the "
                             "bucket: the object changed after it was written",
                             _HINT,
@@ -200,9 +203,9 @@ class BucketOutputReader(OutputReader):
         try:
             data = self.view.read_range(file, offset, nbytes)
         except FileNotFoundError:
-            raise SourceError(f"{self.view.where(file)} is gone (deleted while it was read)", _HINT) from None
+            raise CorruptError(f"{self.view.where(file)} is gone (deleted while it was read)", _HINT) from None
         if len(data) != nbytes:
-            raise SourceError(f"{self.view.where(file)}: truncated (changed while it was read)", _HINT)
+            raise CorruptError(f"{self.view.where(file)}: truncated (changed while it was read)", _HINT)
         return data
 
     def _feed(self, stream: _Stream, offset: int, data: bytes) -> None:
@@ -232,12 +235,13 @@ def _unread(view: BucketView, names: list[str], ckpt: Checkpoint, regions: Regio
 
 
 def _manifest(view: BucketView) -> Manifest:
+    """The prefix's manifest: none there is exit 4 (no output at that address), a malformed one 7."""
     try:
         return view_manifest(view)
-    except ReshardError as e:
-        if isinstance(e, SourceError):
-            raise
-        raise SourceError(f"{e.message}", e.hint or _HINT) from None
+    except CorruptError as e:
+        if not view.exists(MANIFEST):
+            raise SourceError(e.message, "check the address: a bucket SOURCE is an output of `reshard save`") from None
+        raise CorruptError(e.message, e.hint or _HINT) from None
 
 
 def _check_objects(view: BucketView, manifest: Manifest, *, store: bool) -> None:
@@ -262,7 +266,7 @@ def _check_objects(view: BucketView, manifest: Manifest, *, store: bool) -> None
             problems += [f"{n} was replaced after it was written" for n in names if sums.get(n) not in (None, have[n])]
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise SourceError(f"{view.url} cannot be used as SOURCE: {problems[0]}{more}", _HINT)
+        raise CorruptError(f"{view.url} cannot be used as SOURCE: {problems[0]}{more}", _HINT)
 
 
 def _fetch_side_files(view: BucketView, manifest: Manifest, root: Path) -> None:
@@ -271,9 +275,9 @@ def _fetch_side_files(view: BucketView, manifest: Manifest, root: Path) -> None:
         try:
             data = view.read_small(side.name, MAX_SIDE)
         except FileNotFoundError:
-            raise SourceError(f"{view.where(side.name)} is missing", _HINT) from None
+            raise CorruptError(f"{view.where(side.name)} is missing", _HINT) from None
         if len(data) != side.size or (side.digest is not None and hash_bytes(data, manifest.checksum) != side.digest):
-            raise SourceError(f"{view.where(side.name)} fails its checksum: it changed after it was written", _HINT)
+            raise CorruptError(f"{view.where(side.name)} fails its checksum: it changed after it was written", _HINT)
         dst = root / side.name
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(data)
