@@ -147,3 +147,24 @@ def test_throttled_range_reads_are_retried(s3server, saved, local_tp4, tmp_path,
     assert code == 0, err
     assert s3proxy.slowdown == 0 and [s for m, p, q, s in s3proxy.log if s == 503] == [503] * 3
     assert rank_bytes(dst) == rank_bytes(local_tp4)
+
+
+def test_a_small_object_whose_body_breaks_off_is_read_again(saved, tmp_path, s3proxy, monkeypatch):
+    """The manifest and config.json are read whole in one GET: a body cut short (botocore hands a short
+    read over as it is) is asked for again, not parsed as a malformed manifest or an altered config;
+    cut on every try, it is the store's failure (exit 4, a source that cannot be read), not a damaged
+    output's (7)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3proxy.endpoint)
+    small = ("/reshard.json", "/config.json")
+    s3proxy.only = lambda method, path, query: method == "GET" and path.endswith(small)
+    s3proxy.cut_response = 2
+    code, _, err = run("merge", saved.url, str(tmp_path / "hf"))
+    assert code == 0, err
+    assert s3proxy.cut_response == 0
+    code, out, err = run("verify", saved.url)
+    assert code == 0 and "warning" not in out, out + err
+    monkeypatch.setenv("RESHARD_S3_RETRIES", "1")
+    s3proxy.cut_response = 2
+    code, _, err = run("merge", saved.url, str(tmp_path / "hf2"))
+    assert code == 4, err
+    _one_error_line(err, "reshard.json", "broke off")

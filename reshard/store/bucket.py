@@ -67,24 +67,43 @@ class Bucket:
 
     def get(self, key: str, *, limit: int, start: int = 0, length: int | None = None) -> bytes | None:
         """An object's bytes (or `length` of them from `start`), None if absent; more than `limit`
-        bytes raise the folder's error."""
+        bytes raise the folder's error. A body that breaks off before its Content-Length (botocore
+        hands a short read over as it is) is asked for again, RESHARD_S3_RETRIES times: a cut
+        manifest must not read as a malformed one."""
+        import botocore.exceptions as bx
+
+        from reshard import settings
+
         kwargs: dict[str, Any] = {}
         if start or length is not None:
             end = "" if length is None else str(start + length - 1)
             kwargs["Range"] = f"bytes={start}-{end}"
-        try:
-            r = self.client.get_object(Bucket=self.url.bucket, Key=key, **kwargs)
-            size = int(r.get("ContentLength", 0))
-            if size > limit:
-                r["Body"].close()
-                raise self.error(f"{key}: {size} bytes, more than the {limit} expected")
-            return r["Body"].read(limit + 1)[: limit + 1]
-        except ReshardError:
-            raise
-        except Exception as e:
-            if is_missing(e):
-                return None
-            raise self.fail(e, f"reading {key}") from e
+        retries = settings.S3_RETRIES.get()
+        for attempt in range(retries + 1):
+            try:
+                r = self.client.get_object(Bucket=self.url.bucket, Key=key, **kwargs)
+                size = r.get("ContentLength")
+                if size is None:  # no length to check against (a chunked answer): read what comes
+                    return _read_all(r["Body"], limit)
+                if size > limit:
+                    r["Body"].close()
+                    raise self.error(f"{key}: {size} bytes, more than the {limit} expected")
+                try:
+                    data = _read_all(r["Body"], size)
+                except (bx.ReadTimeoutError, bx.ResponseStreamingError, bx.IncompleteReadError, OSError):
+                    data = None
+                if data is not None and len(data) == size:
+                    return data
+                if attempt == retries:
+                    cut = bx.ConnectionClosedError(endpoint_url=self.client.meta.endpoint_url)
+                    raise self.fail(cut, f"reading {key}, whose body broke off each time")
+            except ReshardError:
+                raise
+            except Exception as e:
+                if is_missing(e):
+                    return None
+                raise self.fail(e, f"reading {key}") from e
+        raise AssertionError("unreachable")
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         """A small object in one request, with its SHA256 for the store to check; `create_only`:
@@ -150,3 +169,15 @@ class Bucket:
                 return None
             raise self.fail(e, f"listing the parts of {key}") from e
         return out
+
+
+def _read_all(body: Any, size: int) -> bytes:
+    """A response body read to its end (at most `size` + 1 bytes, to see a longer one), closed."""
+    parts, got = [], 0
+    try:
+        while got <= size and (chunk := body.read(size + 1 - got)):
+            parts.append(chunk)
+            got += len(chunk)
+    finally:
+        body.close()
+    return b"".join(parts)
