@@ -83,6 +83,14 @@ class Layout:
         """vLLM's global rank of (pp_rank, tp_rank): pp_rank * tp + tp_rank (`save --ranks` numbers)."""
         return pp_rank * self.tp + tp_rank
 
+    def serve_env(self) -> tuple[str, ...]:
+        """The environment `vllm serve` needs for this layout: a layer partition other than vLLM's
+        default split (VLLM_PP_LAYER_PARTITION; without it vLLM splits as `default_partition`)."""
+        part = self.partition
+        if self.pp > 1 and part is not None and part != default_partition(sum(part), self.pp):
+            return (f"VLLM_PP_LAYER_PARTITION={','.join(map(str, part))}",)
+        return ()
+
     def mm_flags(self) -> tuple[str, ...]:
         """The `vllm serve` options the encoder's layout needs (pinned even where vLLM's default)."""
         if self.language_model_only:
@@ -103,3 +111,12 @@ class Layout:
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} ep={'on' if self.ep else 'off'}"
+
+
+def default_partition(num_layers: int, pp: int) -> tuple[int, ...]:
+    """vLLM's split of `num_layers` over `pp` stages without VLLM_PP_LAYER_PARTITION (get_pp_indices,
+    distributed/utils.py): even, the extra layers to the stages before the last, backwards."""
+    sizes = [num_layers // pp] * pp
+    for i in range(num_layers % pp):
+        sizes[-2 - i] += 1
+    return tuple(sizes)

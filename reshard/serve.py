@@ -62,7 +62,8 @@ def serve_command(
     to a local folder and names the bucket as the plugin's `weights`."""
     if out_dir.startswith(STORE_SCHEME):
         return _store_command(out_dir, layout, load_format, extra, trust_remote_code)
-    env = [e for e in extra if _ENV.match(e)]  # e.g. VLLM_USE_V2_MODEL_RUNNER=0: before the command
+    # e.g. VLLM_USE_V2_MODEL_RUNNER=0, VLLM_PP_LAYER_PARTITION=1,3: before the command
+    env = [*layout.serve_env(), *(e for e in extra if _ENV.match(e))]
     extra = tuple(e for e in extra if e not in env)
     parts = [
         *env,

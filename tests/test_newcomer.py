@@ -62,6 +62,31 @@ def test_pp_layer_partition_usage_is_2_and_a_misfit_is_3(tiny):
     assert code == 3 and "sums to 2, the model has" in err, err
 
 
+def test_a_partition_other_than_vllms_default_is_in_the_serve_line(tiny, tmp_path):
+    """vLLM splits the layers evenly unless VLLM_PP_LAYER_PARTITION says otherwise: the printed and
+    recorded serve lines set it where --pp-layer-partition is not vLLM's own split, and only there.
+    (Checked in vLLM CPU 0.32: the state it builds with the variable set is the folder's, byte for
+    byte, for qwen3 at 1,3 and qwen3-moe TP 2 at 3,1.)"""
+    import json
+
+    from reshard.layout import default_partition
+
+    assert default_partition(4, 2) == (2, 2) and default_partition(7, 3) == (2, 3, 2)
+    assert default_partition(9, 4) == (2, 2, 3, 2) and default_partition(5, 4) == (1, 1, 2, 1)
+    src = str(tiny("qwen3"))  # 4 layers
+    for part, env in (("1,3", "VLLM_PP_LAYER_PARTITION=1,3 "), ("2,2", "")):
+        out = tmp_path / part.replace(",", "-")
+        code, stdout, err = run("save", src, str(out), "--pp", "2", "--pp-layer-partition", part)
+        assert code == 0, err
+        manifest = json.loads((out / "reshard.json").read_text())
+        for key in ("serve", "serve_reshard"):
+            line = manifest[key]
+            assert line.startswith(f"{env}vllm serve "), line
+            assert line in stdout
+        code, stdout, _ = run("plan", src, "--pp", "2", "--pp-layer-partition", part)
+        assert code == 0 and f"{env}vllm serve " in stdout and ("VLLM_PP" in stdout) == bool(env)
+
+
 # A run in an install without torch: `import torch` fails as it would there.
 NO_TORCH = "import sys; sys.modules['torch'] = None; sys.argv[0] = 'reshard'; from reshard.__main__ import run; run()"
 

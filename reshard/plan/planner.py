@@ -10,7 +10,7 @@ from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
 from reshard.format import DTYPE_CODES, DTYPE_NAMES
-from reshard.layout import Layout
+from reshard.layout import Layout, default_partition
 from reshard.names import DEFAULT_MAX_PART
 from reshard.plan.backends import check_backend
 from reshard.plan.context import Context, dims_from_config
@@ -186,9 +186,7 @@ def pp_ranges(num_layers: int, pp: int, partition: list[int] | None = None) -> l
     else:
         if pp > num_layers:
             raise UnsupportedError(f"--pp {pp} is larger than the number of layers ({num_layers})")
-        sizes = [num_layers // pp] * pp
-        for i in range(num_layers % pp):
-            sizes[-2 - i] += 1  # extra layers go to the stages before the last, backwards
+        sizes = list(default_partition(num_layers, pp))
     out, start = [], 0
     for n in sizes:
         out.append((start, start + n))
