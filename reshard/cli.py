@@ -114,8 +114,26 @@ _register()
 _HELP = frozenset(("-h", "--help", "--version"))
 
 
+class _Interrupted(BaseException):
+    """Ctrl-C or SIGTERM during a command. Not a KeyboardInterrupt: click would catch that and write
+    a blank line to stderr first (to close a terminal's `^C` echo), and an error is one line; that
+    blank line is written here, on a terminal only."""
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    raise _Interrupted
+
+
 def main(argv: list[str] | None = None) -> None:
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
+    signal.signal(signal.SIGTERM, _on_signal)  # SIGTERM ends a run as Ctrl-C does
+    before = signal.signal(signal.SIGINT, _on_signal)
+    try:
+        _main(argv)
+    finally:  # as it was (a caller's own Ctrl-C: tests run commands in their process)
+        signal.signal(signal.SIGINT, before)
+
+
+def _main(argv: list[str] | None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     as_json = "--json" in args
     debug = False
@@ -128,7 +146,10 @@ def main(argv: list[str] | None = None) -> None:
         rc = cli.main(args=args, prog_name="reshard", standalone_mode=False)
     except _StdoutClosed:
         _end_quietly()
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt, _Interrupted):
+        with contextlib.suppress(Exception):
+            if sys.stderr.isatty():
+                print(file=sys.stderr)  # off the line a terminal's `^C` echo left
         _interrupted(as_json)
     except click.exceptions.NoArgsIsHelpError as e:  # bare `reshard`: the help laid out, on stderr; exit 2
         print(e.format_message(), file=sys.stderr, flush=True)

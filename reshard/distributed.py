@@ -9,11 +9,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 
-from reshard.errors import UnsupportedError
+from reshard.errors import SettingError, UnsupportedError
 from reshard.hashing import hash_bytes
 from reshard.layout import Layout
+
+# what torchrun sets for each process, and env:// rendezvous reads; WORLD_SIZE over 1 needs them all
+TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_HINT = (
+    "run it as `torchrun --nproc-per-node N -m reshard save ...`, which sets WORLD_SIZE, RANK, MASTER_ADDR "
+    "and MASTER_PORT, or unset WORLD_SIZE for one process"
+)
 
 
 class Group:
@@ -23,14 +32,17 @@ class Group:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timedelta(hours=12))
+            _interruptible(lambda: dist.init_process_group("gloo", timeout=timedelta(hours=12)))
         self.dist = dist
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
 
     @staticmethod
     def from_env() -> Group | None:
-        return Group() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+        """The torchrun group this process belongs to, or None (WORLD_SIZE unset or 1). A WORLD_SIZE
+        that is not a whole number, or over 1 without the rest of torchrun's variables, is a usage
+        error (exit 2), not an internal one."""
+        return Group() if world_from_env() > 1 else None
 
     def broadcast(self, obj: object) -> object:
         box = [obj]
@@ -48,6 +60,54 @@ class Group:
         out: list = [None] * self.size
         self.dist.all_gather_object(out, obj)
         return out
+
+
+def world_from_env() -> int:
+    """WORLD_SIZE (1 when unset), checked: a whole number >= 1, and over 1 only with RANK (below it),
+    MASTER_ADDR and MASTER_PORT (a port) set, as torchrun sets them."""
+    env = {k: os.environ.get(k, "").strip() for k in TORCHRUN_ENV}
+    if not env["WORLD_SIZE"]:
+        return 1
+    try:
+        world = int(env["WORLD_SIZE"])
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise SettingError(f"WORLD_SIZE={env['WORLD_SIZE']!r} is not a whole number >= 1", _TORCHRUN_HINT)
+    if world == 1:
+        return 1
+    missing = [k for k in TORCHRUN_ENV[1:] if not env[k]]
+    if missing:
+        names = ", ".join(missing[:-1]) + (" and " if len(missing) > 1 else "") + missing[-1]
+        raise SettingError(
+            f"WORLD_SIZE={world} is set but {names} {'is' if len(missing) == 1 else 'are'} not", _TORCHRUN_HINT
+        )
+    rank, port = env["RANK"], env["MASTER_PORT"]
+    if not rank.isdigit() or int(rank) >= world:
+        raise SettingError(f"RANK={rank!r} is not a whole number below WORLD_SIZE={world}", _TORCHRUN_HINT)
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise SettingError(f"MASTER_PORT={port!r} is not a port number", _TORCHRUN_HINT)
+    return world
+
+
+def _interruptible(fn: Callable[[], None]) -> None:
+    """Run `fn` (the rendezvous: it waits, in C++, for every process of the launch to come) on a
+    thread, the main thread waiting in short steps: Ctrl-C and SIGTERM reach their handlers (exit 130)
+    while processes are still missing, where a main thread blocked in the rendezvous ignored them."""
+    box: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            box.append(e)
+
+    t = threading.Thread(target=target, name="reshard-rendezvous", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.2)
+    if box:
+        raise box[0]
 
 
 def parse_ranks(spec: str | None, world: int) -> list[int] | None:

@@ -223,3 +223,50 @@ def test_help_explains_commands():
     assert code == 0 and "sharded_state" in out and "Exit codes" in out
     code, out, _ = run("save", "--help")
     assert code == 0 and "--max-part-size" in out and "--ep" in out
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_run_is_one_error_line(tmp_path, sig):
+    """A real Ctrl-C or SIGTERM while a save waits (here: a torchrun rendezvous no other process
+    joins, which waited in C++ and ignored both): exit 130, and stderr is that one line, with no
+    blank line before it (click's, for a terminal's `^C` echo) when stderr is not a terminal."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {**os.environ, **env, "RESHARD_DISABLE_PROGRESS": "1"}
+    src = tmp_path / "src"
+    src.mkdir()
+    args = [sys.executable, "-m", "reshard", "save", str(src), str(tmp_path / "out"), "--tp", "2"]
+    p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # torch imported, waiting for rank 1
+    p.send_signal(getattr(signal, sig))
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert err == "reshard: error: interrupted; nothing was published and a previous output is unchanged\n", err
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number"),
+        ({"WORLD_SIZE": "2"}, "RANK, MASTER_ADDR and MASTER_PORT are not"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK='2'"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "x"}, "MASTER_PORT='x'"),
+    ],
+)
+def test_torchrun_variables_set_by_hand_are_a_usage_error(tiny, tmp_path, env, says):
+    """WORLD_SIZE over 1 means a torchrun launch: without the rest of what torchrun sets, or with a
+    value that cannot be, it is exit 2 saying how to run it (it was exit 1, or a wait for ever)."""
+    p = cli_subprocess(["save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2"], env)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("\n") == 1 and says in p.stderr and "torchrun --nproc-per-node" in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()
+    assert (
+        cli_subprocess(["save", str(tiny("llama")), str(tmp_path / "one"), "--tp", "2"], {"WORLD_SIZE": "1"}).returncode
+        == 0
+    )
