@@ -85,9 +85,10 @@ def _build_plan(
             "drop --ep: a dense model's layout is the same without it",
         )
     check_attention(ctx)
+    asked_mode = layout.mm_encoder_tp_mode  # with --language-model-only, how vLLM builds the encoder it drops
     mm_mode, lm_only = resolve_mm(arch_name, arch, layout)  # issue 27: the encoder's layout
     layout = layout.but(mm_encoder_tp_mode=mm_mode, language_model_only=lm_only)
-    check_towers(ctx, layout)
+    check_towers(ctx, layout, asked_mode)
     ranges = pp_ranges(ctx.dims.num_layers, pp, list(layout.partition) if layout.partition else None)
     check_stages(ctx, ranges)
     per_rank = {}
@@ -112,7 +113,7 @@ def _build_plan(
         config_patch=ctx.config_patch,
         serve_flags=tuple(f for f in arch.serve_flags if f != "--language-model-only")
         + layout.mm_flags()
-        + tower_pins(ctx, layout),
+        + tower_pins(ctx, layout, asked_mode),
         remote_code=code,
         layout_only=not pieces,
     )

@@ -43,12 +43,11 @@ def resolve_mm(arch_name: str, arch: Architecture, layout: Layout) -> tuple[str 
                 "drop --mm-encoder-tp-mode (the folder is written as with --language-model-only)",
             )
         return None, True
-    if lm_only:
-        if asked:
+    if lm_only:  # no encoder in the folder; a mode asked is the one vLLM builds (and drops) it in
+        if asked == "data" and not all(t.data_mode for t in arch.towers):
             raise UnsupportedError(
-                f"--mm-encoder-tp-mode {asked} with --language-model-only: a folder without its encoder has no "
-                "encoder layout",
-                "pass one of them",
+                f"--mm-encoder-tp-mode data: vLLM's {arch_name} does not support it and falls back to weights",
+                "drop --mm-encoder-tp-mode (the folder holds no encoder with --language-model-only)",
             )
         return None, True
     mode = asked or (None if arch.text_only else "weights")
@@ -72,16 +71,18 @@ def skipped_prefixes(arch: Architecture, layout: Layout) -> tuple[str, ...]:
     return tuple(p for p in arch.skip_prefixes if p not in towers)
 
 
-def tower_pins(ctx: Context, layout: Layout) -> tuple[str, ...]:
+def tower_pins(ctx: Context, layout: Layout, asked: str | None = None) -> tuple[str, ...]:
     """What the serve line must pin, beyond the encoder's mode, for the folder's encoder to be the one vLLM
     0.32 and 0.33 both build (checked diffing their sources):
     - `--no-mm-device-do-normalize` for towers that normalise on the device (Tower.device_normalize);
     - `VLLM_USE_V2_MODEL_RUNNER=0` with --pp: 0.33's Model Runner V2 (its default on CUDA) builds the
       encoder on the first pipeline stage only; V1, and 0.32, on every stage, as the folder holds it;
-    - without the encoder, `--mm-encoder-tp-mode data` where vLLM could not split it (`_unsplittable`: its
-      heads, or a width TP does not divide)."""
+    - without the encoder, the --mm-encoder-tp-mode `asked` for, else data where vLLM could not split it
+      (`_unsplittable`: its heads, or a width TP does not divide)."""
     arch = ctx.arch
     if layout.language_model_only:
+        if asked:
+            return (f"--mm-encoder-tp-mode {asked}",)
         return ("--mm-encoder-tp-mode data",) if _unsplittable(ctx) else ()
     if layout.mm_encoder_tp_mode is None:
         return ()
@@ -91,15 +92,24 @@ def tower_pins(ctx: Context, layout: Layout) -> tuple[str, ...]:
     return tuple(pins)
 
 
-def check_towers(ctx: Context, layout: Layout) -> None:
+def check_towers(ctx: Context, layout: Layout, asked: str | None = None) -> None:
     """vLLM splits an encoder across the TP ranks in weights mode; it fails to build where its heads do not divide.
 
     Under --language-model-only vLLM still constructs the encoder (on the meta device, then drops it:
     `SupportsMultiModal._mark_tower_model`), in the mode --mm-encoder-tp-mode says (weights by default),
     so the same division must hold; where it does not, the serve line asks for data mode, which builds
-    it whole (`tower_pins`), or the layout is refused where the model has no data mode."""
+    it whole (`tower_pins`), or the layout is refused where the model has no data mode or weights mode
+    was `asked` for."""
     if layout.language_model_only:
+        if asked == "data":
+            return  # built whole: nothing to divide
         for tower, why, hint in _unsplittable(ctx):
+            if asked == "weights":
+                raise UnsupportedError(
+                    f"{why}: vLLM builds the vision encoder even with --language-model-only (then drops it), "
+                    "in the --mm-encoder-tp-mode weights asked for, and fails to split it",
+                    "use --mm-encoder-tp-mode data, or drop it: the serve line then asks for data mode",
+                )
             if not tower.data_mode:
                 raise UnsupportedError(
                     f"{why}: vLLM builds the vision encoder even with --language-model-only (then drops it), "
