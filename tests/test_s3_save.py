@@ -420,6 +420,26 @@ def test_forbidden_start_of_a_rank_files_upload(saved, s3proxy, monkeypatch, s3s
     assert open_uploads(client, bucket) == []
 
 
+def test_a_failure_during_the_commit_says_the_next_run_finishes_it(saved, s3proxy, monkeypatch, s3server):
+    """Completions refused (403) once the commit began: the old manifest is withdrawn and the journal
+    kept, and the one error line says so and what to do; the same command again finishes publishing
+    that output first, then stops saying whose it is (not a bare "not empty")."""
+    src, client, bucket = saved
+    completes = lambda method, path, query: method == "POST" and query.startswith("uploadId=")  # noqa: E731
+    _through(s3proxy, monkeypatch, s3server, forbidden=1, only=completes)
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4", "--overwrite")
+    line = one_line(err)
+    assert code == 5 and "denied (completing" in line and "publishing stopped half-way" in line, err
+    assert "rerun `reshard save` to s3://" in line and "finishes publishing this run's output" in line
+    left = prefix_state(client, bucket, "out/")
+    assert left.manifest is None and "commit.json" in left.work  # never a manifest without its files
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4")
+    assert code == 5 and "finished publishing the output of interrupted run" in err, err
+    assert "whose publishing this run has just finished" in err.strip().splitlines()[-1]
+    state = prefix_state(client, bucket, "out/")
+    assert state.verifies and state.manifest["layout"]["tp"] == 4 and state.uploads == [] and state.work == []
+
+
 def test_a_store_that_confirms_no_part_checksum_is_refused(saved, s3proxy, monkeypatch, s3server):
     """Part bodies are not signed (the checksum header is): a store that does not say it checked the
     checksum could have kept other bytes, so nothing is published."""
@@ -524,7 +544,8 @@ def test_a_run_killed_during_the_commit_is_finished_by_the_next(saved, s3server,
     r = reshard(["save", str(src), url(bucket, "out/"), "--tp", "2"], env)
     told, refused = r.stderr.strip().splitlines()  # what it finished, then why it stopped
     assert "finished publishing the output of interrupted run" in told, r.stderr
-    assert r.returncode == 5 and "is not empty" in one_line(refused), r.stderr
+    assert r.returncode == 5 and "whose publishing this run has just finished" in one_line(refused), r.stderr
+    assert "`reshard verify` it; pass --overwrite to replace it" in refused
     state = prefix_state(client, bucket, "out/")
     assert state.verifies and state.manifest["layout"]["tp"] == 4 and "model-rank-3-part-0.safetensors" in state.names
     assert state.uploads == [] and state.work == [] and open_uploads(client, bucket) == []

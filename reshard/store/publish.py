@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from fnmatch import fnmatch
 
-from reshard.errors import OutputError, UnsupportedError
+from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.manifest import Manifest, parse_manifest
 from reshard.names import BUCKET_JOURNAL, BUCKET_LOCK, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
 from reshard.publish import claim_checked, signals_held
@@ -207,6 +207,12 @@ class BucketPublisher:
                     "move or delete it, or write to another prefix",
                 )
         if prior.keys and not overwrite:
+            if self.recovered and prior.manifest is not None:  # this rerun's first act: that output is whole now
+                raise OutputError(
+                    f"{self.url} holds the output of run {prior.manifest.run_id}, whose publishing this run "
+                    "has just finished",
+                    "`reshard verify` it; pass --overwrite to replace it",
+                )
             raise OutputError(
                 f"{self.url} is not empty ({len(prior.keys)} objects"
                 + (", a reshard output)" if prior.manifest else ")"),
@@ -239,11 +245,19 @@ class BucketPublisher:
         with signals_held():
             self.bucket.put(self.journal_key, json.dumps(journal).encode())
             self.journaled = True
-            if journal["drop_manifest"]:
-                self.bucket.delete([self.url.key(MANIFEST)])
-            uploads.complete_all(files, create_only=lambda up: up.key not in prior.keys)
-            self.bucket.delete(remove)
-            uploads.complete(manifest, create_only=True)
+            try:
+                if journal["drop_manifest"]:
+                    self.bucket.delete([self.url.key(MANIFEST)])
+                uploads.complete_all(files, create_only=lambda up: up.key not in prior.keys)
+                self.bucket.delete(remove)
+                uploads.complete(manifest, create_only=True)
+            except ReshardError as e:  # the journal stays: say who finishes the commit
+                raise type(e)(
+                    f"{e.message}; publishing stopped half-way (the previous output, if any, is already "
+                    "withdrawn), and its journal is kept",
+                    f"{e.hint + '; then ' if e.hint else ''}rerun `reshard save` to {self.url}: it first "
+                    "finishes publishing this run's output from the uploads left open",
+                ) from e
             claim_checked(f"{self.url} holds this run's new output, complete", lambda: self._holds(run))
             self.bucket.delete([self.journal_key])
 
