@@ -110,6 +110,32 @@ def test_corrupt_cached_blob_online_is_fetched_again_checked_and_used(server, ch
     assert p.returncode == 0 and p.stderr == "", p.stderr  # offline now finds it good
 
 
+@pytest.mark.parametrize("change", ["cut", "grown"])
+def test_a_cached_blob_of_another_size_online_is_fetched_again(server, checkpoint, tmp_path, change):
+    """A complete cached blob cut short by 2 bytes (a copy that stopped) or grown by 2: its size is not
+    the commit's, so it is fetched again before its header is read (it was exit 4, "truncated", while
+    a flipped byte was mended)."""
+    src, ref = checkpoint
+    home = tmp_path / "hf"
+    p = reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2")
+    assert p.returncode == 0, p.stderr
+    blob = blobs(home)[0]
+    name = next(n for n, h in sha256s(src).items() if h == blob.name)
+    size = blob.stat().st_size
+    blob.chmod(0o644)
+    if change == "cut":
+        os.truncate(blob, size - 2)
+    else:
+        with open(blob, "ab") as f:
+            f.write(b"\0\0")
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("\n") == 1 and f"the cached copy of {REPO}/{name}@" in p.stderr, p.stderr
+    assert f"of {size + (2 if change == 'grown' else -2)} bytes, not the commit's {size}" in p.stderr
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+    assert blob.read_bytes() == (src / name).read_bytes()
+
+
 def test_corrupt_cached_blob_online_with_a_hub_serving_other_bytes_too_is_exit_4(server, corrupt_cache, tmp_path):
     home, blob, name, bad = corrupt_cache
     server.swap_after, server.swap_keeps_etag = server.cdn_answers, True  # every answer from now on wrong

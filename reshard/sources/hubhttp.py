@@ -201,6 +201,10 @@ class HubRepo:
         self.lfs: dict[str, str] = {
             s.rfilename: str(s.lfs.sha256).lower() for s in info.siblings or [] if s.lfs and s.lfs.sha256
         }
+        # and its size in bytes (a cached copy of another size is damaged before any hash says so)
+        self.lfs_size: dict[str, int] = {
+            s.rfilename: int(s.lfs.size) for s in info.siblings or [] if s.lfs and isinstance(s.lfs.size, int)
+        }
 
     def resolve_url(self, name: str) -> str:
         return f"{self.endpoint}/{self.repo_id}/resolve/{self.commit}/{quote(name)}"
