@@ -65,7 +65,12 @@ class Group:
 def world_from_env() -> int:
     """WORLD_SIZE (1 when unset), checked: a whole number >= 1, and over 1 only with RANK (below it),
     MASTER_ADDR and MASTER_PORT (a port) set, as torchrun sets them."""
-    env = {k: os.environ.get(k, "").strip() for k in TORCHRUN_ENV}
+    env = {  # by name: every environment read is one a reader can find (tests/test_structure.py)
+        "WORLD_SIZE": os.environ.get("WORLD_SIZE", "").strip(),
+        "RANK": os.environ.get("RANK", "").strip(),
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "").strip(),
+        "MASTER_PORT": os.environ.get("MASTER_PORT", "").strip(),
+    }
     if not env["WORLD_SIZE"]:
         return 1
     try:
