@@ -95,3 +95,37 @@ def _store_command(url: str, layout: Layout, load_format: str, extra: tuple[str,
     line = serve_command(local, layout, load_format=PLUGIN_LOAD_FORMAT, extra=extra, trust_remote_code=trust)
     pull = f"aws s3 cp --recursive --exclude '*.safetensors' {shlex.quote(url)} {shlex.quote(local)}"
     return f"{pull} && {env}{line} --model-loader-extra-config {shlex.quote(weights)}"
+
+
+_SERVE = "vllm serve "
+_LOAD_FORMAT = " --load-format "
+
+
+def serve_in(line: str, folder: str) -> str:
+    """A local folder's serve `line` (environment settings before it included) naming `folder`
+    instead of the one it was written for: the folder a piece was saved to, once assembled, or the
+    path `verify` was given (a folder moved since its save). Bucket lines name their bucket: as is."""
+    at = line.find(_SERVE)
+    end = line.find(_LOAD_FORMAT, at + len(_SERVE)) if at >= 0 else -1
+    if at < 0 or end < 0 or STORE_SCHEME in line or (at and not _ENV.match(line)):
+        return line
+    return f"{line[: at + len(_SERVE)]}{shlex.quote(folder)}{line[end:]}"
+
+
+_SHELL = set(";&|`$<>\\\n\r")  # what no serve line reshard writes holds, but for the bucket lines' one `&&`
+
+
+def plain_line(line: object) -> bool:
+    """Could `line` be a serve line reshard wrote: text starting with `vllm serve` (after environment
+    settings) or a bucket's `aws s3 cp ... && ...`, with nothing else a shell would act on (a folder
+    from elsewhere may hold `vllm serve x; rm -rf ~`: verify does not repeat such a line)."""
+    if not isinstance(line, str) or len(line) > 16384:
+        return False
+    body = line.split(" && ", 1)[1] if line.startswith("aws s3 cp ") and line.count(" && ") == 1 else line
+    head = line.split(" && ", 1)[0] if body is not line else ""
+    if _SHELL & set(body) or _SHELL & set(head):
+        return False
+    words = body.split(" ")
+    while words and _ENV.match(words[0]):
+        words.pop(0)
+    return words[:2] == ["vllm", "serve"]

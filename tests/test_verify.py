@@ -276,7 +276,8 @@ def test_lax_says_which_loader_takes_the_folder(clean, out):
     the serve line for it (the manifest's serve_reshard plus the setting), and that stock
     sharded_state refuses the folder."""
     rewrite(out, RANK1, lambda t: t.pop(NORM), relist=True)
-    serve = json.loads((out / "reshard.json").read_text())["serve_reshard"]
+    serve = json.loads((out / "reshard.json").read_text())["serve_reshard"]  # names the folder copied
+    serve = serve.replace(f"vllm serve {clean[1]} ", f"vllm serve {out} ")  # verify names the one it checks
     line = f"""{serve} --model-loader-extra-config '{{"strict": false}}'"""
     code, rep = run(out, "--lax")
     assert code == 0 and rep["ok"] and "error" not in rep
@@ -555,3 +556,36 @@ def test_every_copied_file_has_a_checksum(out):
     sums = {e["name"]: e["blake3"] for e in manifest["copied_files"]}
     assert set(sums) == set(manifest["copied"]) and "config.json" in sums
     assert sums["config.json"] == blake3.blake3((out / "config.json").read_bytes()).hexdigest()
+
+
+def test_the_serve_line_names_the_folder_as_given_and_checksum_none_checks_sizes(tiny, tmp_path):
+    """A folder moved since its save: the line verify reports serves it where it is now (the manifest
+    names the path it was saved to); a --checksum none folder's report says sizes were checked, not
+    checksums."""
+    out = tmp_path / "saved"
+    save(str(tiny("qwen3")), out, tp=2, pp=2, pp_partition=[1, 3], checksum="none")
+    moved = tmp_path / "moved here"
+    out.rename(moved)
+    code, report = run(moved)
+    assert code == 0, report
+    line = report["loads_with"]["serve"]
+    assert line.startswith(f"VLLM_PP_LAYER_PARTITION=1,3 vllm serve '{moved}' --load-format sharded_state"), line
+    assert "sizes" in report["checked"] and "checksums" not in report["checked"], report["checked"]
+
+
+def test_a_serve_line_reshard_would_not_write_is_not_repeated(tiny, tmp_path):
+    """Hostile folders: a manifest whose serve line holds what a shell acts on is not repeated to the
+    user as the line to run (loads_with.serve is null); reshard's own lines are."""
+    out = tmp_path / "out"
+    save(str(tiny("qwen3")), out, tp=2)
+    code, report = run(out)
+    assert code == 0 and report["loads_with"]["serve"].startswith(f"vllm serve {out} --load-format sharded_state")
+    m = json.loads((out / "reshard.json").read_text())
+    for bad in (f"vllm serve {out}; rm -rf ~ --load-format sharded_state", ["vllm", "serve"], "echo pwned"):
+        m["serve"] = bad
+        (out / "reshard.json").write_text(json.dumps(m))
+        code, report = run(out)
+        if code == 0:
+            assert report["loads_with"]["serve"] is None, (bad, report["loads_with"])
+        else:
+            assert code == 7, (bad, report)  # a value of the wrong type is a malformed manifest

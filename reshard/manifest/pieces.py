@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import shlex
 import stat
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import read_header
 from reshard.manifest import FileRecord, Manifest, ManifestProblem, parse, piece_paths, read_json, write_manifest
 from reshard.names import PIECE_MANIFEST_GLOB
+from reshard.serve import serve_in
 
 
 def read_pieces(out_dir: Path) -> list[Manifest]:
@@ -86,8 +86,8 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
         total_bytes=sum(f.size for f in files),
         ranks=None,
         all_files=None,
-        serve=_serve_in(first.serve, out_dir),
-        serve_reshard=_serve_in(first.serve_reshard, out_dir) if first.serve_reshard else first.serve_reshard,
+        serve=serve_in(first.serve, str(out_dir)),
+        serve_reshard=serve_in(first.serve_reshard, str(out_dir)) if first.serve_reshard else first.serve_reshard,
     )
     write_manifest(out_dir, whole)
     for p, _ in pieces:
@@ -153,15 +153,3 @@ def _differs(path: Path, size: int, run_id: str | None) -> str | None:
         if meta.get("reshard_run") != run_id:
             return f"belongs to another run ({meta.get('reshard_run')}, not {run_id})"
     return None
-
-
-def _serve_in(line: str, out_dir: Path) -> str:
-    """A piece's serve line (naming the folder that piece was saved to) for the assembled folder."""
-    head, sep, rest = line.partition(_LOAD_FORMAT)
-    if not head.startswith(_SERVE) or not sep:
-        return line
-    return f"{_SERVE}{shlex.quote(str(out_dir))}{sep}{rest}"
-
-
-_SERVE = "vllm serve "
-_LOAD_FORMAT = " --load-format "

@@ -30,7 +30,7 @@ from reshard import vllm_versions
 from reshard.folderview import FolderView, LocalView
 from reshard.hashing import NONE
 from reshard.manifest import Manifest
-from reshard.serve import PLUGIN_LOAD_FORMAT
+from reshard.serve import PLUGIN_LOAD_FORMAT, plain_line, serve_in
 from reshard.sources import open_source
 from reshard.store import is_bucket_url, parse_bucket_url
 from reshard.store.view import BucketView
@@ -114,13 +114,13 @@ def verify(
         files = [f for f in folder.files if f.ok]
         compare(report, folder, plan, source, files, progress, hash_too=hash_too and folder.checksum != NONE)
     if hash_too:
-        report.checked.append("checksums")
+        report.checked.append("checksums" if folder.checksum != NONE else "sizes")  # --checksum none: sizes only
         damaged = integrity.check_sums(report, folder, progress, against)
         integrity.check_side_files(report, folder)
         if damaged and not deep:
             locate(report, folder, damaged, plan, source, against, progress)
     _fill_stats(report.stats)
-    _loads_with(report, folder.manifest)
+    _loads_with(report, folder.manifest, str(out_dir))
     return report
 
 
@@ -131,15 +131,16 @@ def open_view(out_dir: Path | str) -> FolderView:
     return LocalView(Path(out_dir))
 
 
-def _loads_with(report: Report, manifest: Manifest | None) -> None:
+def _loads_with(report: Report, manifest: Manifest | None, where: str) -> None:
     """How a passing folder loads. Missing keys excused by --lax: stock sharded_state refuses it (a
     warning says so), `--load-format reshard` with {"strict": false} loads it (the manifest's serve
-    line for that loader, plus that setting); otherwise sharded_state loads it as is."""
+    line for that loader, plus that setting); otherwise sharded_state loads it as is. The lines name
+    the folder as verify was given it (`where`), not as it was saved (it may have moved)."""
     if not report.ok:
         return
     missing = [f for f in report.warnings if f.kind == "missing-key"]
     if not missing:
-        serve = manifest.serve if manifest is not None and manifest.serve else None
+        serve = serve_in(manifest.serve, where) if manifest is not None and plain_line(manifest.serve) else None
         report.loads_with = {"load_format": "sharded_state", "strict": True, "model_loader_extra_config": None}
         report.loads_with["serve"] = serve
         return
@@ -147,6 +148,7 @@ def _loads_with(report: Report, manifest: Manifest | None) -> None:
     line = manifest.serve_reshard or manifest.serve.replace(
         "--load-format sharded_state", f"--load-format {PLUGIN_LOAD_FORMAT}"
     )
+    line = serve_in(line, where) if plain_line(line) else None
     serve = f"{line} --model-loader-extra-config '{json.dumps(LAX_EXTRA_CONFIG)}'" if line else None
     report.loads_with = {
         "load_format": PLUGIN_LOAD_FORMAT,
