@@ -196,3 +196,23 @@ def test_expert_substitution_is_refused(tiny, tmp_path):
     edit_json(src / "config.json", lambda c: {**c, "approximate_experts": True})
     code, _, err = run("plan", str(src), "--tp", "2")
     assert code == 3 and "expert substitution" in err
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (("num_key_value_heads", 4), "config.json's num_attention_heads / num_key_value_heads do not match"),
+        (("head_dim", 16), "config.json says head_dim 16"),
+    ],
+)
+def test_a_config_whose_heads_the_weights_do_not_have_is_refused(tiny, tmp_path, edit, says):
+    """k's rows per head must be q's, and that the config's head_dim (or hidden_size / heads): else vLLM
+    builds other q/k/v shapes than the folder would hold (it was written, and verify passed it)."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny("qwen3"), src)
+    config = json.loads((src / "config.json").read_text())
+    config[edit[0]] = edit[1]
+    (src / "config.json").write_text(json.dumps(config))
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
