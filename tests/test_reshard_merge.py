@@ -91,6 +91,29 @@ def test_output_with_a_damaged_file_is_refused_as_source(tiny, tmp_path):
         merge(tmp_path / "out", tmp_path / "hf")
 
 
+@pytest.mark.parametrize("damage", ["config edited", "tokenizer removed", "config removed", "stray rank file"])
+def test_an_output_verify_would_fail_is_refused_as_source(tiny, tmp_path, damage):
+    """What the checkpoint is read with (config.json, the tokenizer copied on) must be what was saved,
+    and no rank file the manifest does not list may lie beside the ranks' (vLLM would load it): as
+    `verify` says, exit 7, for re-shard and merge alike (an edited config.json was carried on)."""
+    out = tmp_path / "out"
+    save(str(tiny("qwen3")), out, tp=2, max_part_size=MAX)
+    if damage == "config edited":
+        (out / "config.json").write_text((out / "config.json").read_text().replace("1e-06", "0.5"))
+    elif damage == "tokenizer removed":
+        (out / "tokenizer.json").unlink()
+    elif damage == "config removed":
+        (out / "config.json").unlink()
+    else:
+        (out / "model-rank-0-part-1.safetensors").write_bytes((out / "model-rank-0-part-0.safetensors").read_bytes())
+    word = "not in the manifest" if damage == "stray rank file" else "copied from the source"
+    with pytest.raises(CorruptError, match=word):
+        save(str(out), tmp_path / "again", tp=1, max_part_size=MAX)
+    with pytest.raises(CorruptError, match=word):
+        merge(out, tmp_path / "hf")
+    assert not (tmp_path / "again").exists() and not (tmp_path / "hf").exists()
+
+
 def test_merge_of_a_float16_output_is_refused_unless_lossy_is_allowed(tiny, tmp_path):
     from reshard.errors import UnsupportedError
 

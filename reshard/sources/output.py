@@ -12,6 +12,7 @@ The output is read through a `FolderView`: a local folder here, a bucket folder 
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,8 @@ from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.folderview import FolderView, LocalView, view_manifest
 from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
-from reshard.manifest import FileRecord, Manifest
+from reshard.manifest import FileRecord, Manifest, SideRecord
+from reshard.names import parse_rank_file, vllm_globs
 from reshard.plan import Cols, Piece, Slice, Stack, build_plan
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import Group, OutputReader, Region, Regions
@@ -213,7 +215,9 @@ def check_complete(path: str, manifest: Manifest, planned: list[str] | None) -> 
 
 
 def check_files(path: Path, manifest: Manifest) -> None:
-    """Refuse an output as SOURCE unless every file is present, whole and unaltered."""
+    """Refuse an output as SOURCE unless every file is present, whole and unaltered (rank files and
+    copied files, which the checkpoint is read with), and no rank file the manifest does not list
+    lies beside them: what `verify` would fail (exit 7)."""
 
     algorithm = manifest.checksum
 
@@ -237,8 +241,34 @@ def check_files(path: Path, manifest: Manifest) -> None:
             os.close(fd)
         return None if digest == entry.digest else f"{entry.name} fails its {algorithm} checksum"
 
+    def check_side(side: SideRecord) -> str | None:  # config.json, the tokenizer: read as the checkpoint's
+        try:
+            fd = open_regular(path / side.name, follow=False)
+        except OSError as e:
+            return f"{side.name} (copied from the source): {e.strerror}"
+        try:
+            if os.fstat(fd).st_size != side.size:
+                return f"{side.name} (copied from the source) has changed since the save"
+            if algorithm != NONE and side.digest is not None and hash_fd(fd, algorithm, limit=side.size) != side.digest:
+                return f"{side.name} (copied from the source) has changed since the save"
+        except OSError as e:
+            return f"{side.name}: {e.strerror}"
+        finally:
+            os.close(fd)
+        return None
+
+    listed = {f.name for f in manifest.files}
+    lay = manifest.layout
+    globs = vllm_globs(tp=lay.tp, pp=lay.pp)
+    stray = [  # what vLLM would load with the ranks' files, and verify fails
+        f"{n} is not in the manifest (a rank file of another run?)"
+        for n in sorted(os.listdir(path))
+        if n not in listed and (parse_rank_file(n) or any(fnmatch.fnmatchcase(n, g) for g in globs))
+    ]
     with ThreadPoolExecutor(max_workers=4) as pool:
         problems = [p for p in pool.map(check, manifest.files) if p]
+        problems += [p for p in pool.map(check_side, manifest.copied_files) if p]
+    problems += stray
     if problems:
         raise CorruptError(
             f"{path} cannot be used as SOURCE: {problems[0]}"
