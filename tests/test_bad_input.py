@@ -201,12 +201,12 @@ def test_expert_substitution_is_refused(tiny, tmp_path):
 @pytest.mark.parametrize(
     "edit, says",
     [
-        (("num_key_value_heads", 4), "config.json's num_attention_heads / num_key_value_heads do not match"),
-        (("head_dim", 16), "config.json says head_dim 16"),
+        (("num_key_value_heads", 4), "the weights give 16 rows per KV head (4 of them), config.json says head_dim 32"),
+        (("head_dim", 16), "the weights give 32 rows per KV head (2 of them), config.json says head_dim 16"),
     ],
 )
 def test_a_config_whose_heads_the_weights_do_not_have_is_refused(tiny, tmp_path, edit, says):
-    """k's rows per head must be q's, and that the config's head_dim (or hidden_size / heads): else vLLM
+    """k's rows per KV head must be the config's head_dim (or hidden_size / heads): else vLLM
     builds other q/k/v shapes than the folder would hold (it was written, and verify passed it)."""
     src = tmp_path / "src"
     shutil.copytree(tiny("qwen3"), src)

@@ -129,10 +129,11 @@ def test_refusals(sources, tmp_path):
     ckpt = open_source(str(sources["bf16"])).checkpoint
     with pytest.raises(UnsupportedError, match="fails to build"):
         build_plan(ckpt, Layout(tp=8))  # 4 KV heads: vLLM's gpt-oss cannot split them 8 ways
-    ckpt.config["num_key_value_heads"] = 2
+    head_dim = ckpt.config["head_dim"]
+    ckpt.config.update(num_key_value_heads=2, head_dim=2 * head_dim)  # k's rows read as 2 heads twice as wide
     with pytest.raises(UnsupportedError, match="num_key_value_heads=2"):
         build_plan(ckpt, Layout(tp=4))
-    ckpt.config["num_key_value_heads"] = 4
+    ckpt.config.update(num_key_value_heads=4, head_dim=head_dim)
     ckpt.config["num_local_experts"] = 3
     with pytest.raises(UnsupportedError, match=r"do not divide|divide by"):
         build_plan(ckpt, Layout(tp=2, ep=True))

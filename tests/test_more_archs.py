@@ -461,6 +461,7 @@ def _phi3_fp8_headers(*, block: bool, static: bool = False) -> Checkpoint:
         "hidden_size": h,
         "num_attention_heads": nh,
         "num_key_value_heads": nkv,
+        "head_dim": hd,  # not hidden_size / heads: vLLM builds q/k/v with this
         "num_hidden_layers": 1,
         "vocab_size": v,
         "torch_dtype": "bfloat16",
@@ -494,7 +495,7 @@ def test_phi3_block_fp8_fused_scales():
 def test_phi3_block_fp8_slot_off_the_block_grid_refused():
     ckpt = _phi3_fp8_headers(block=True)
     # 96-dim heads: k starts at row 384 (a block boundary), v at 576 (not one)
-    ckpt.config = {**ckpt.config, "hidden_size": 256}
+    ckpt.config = {**ckpt.config, "hidden_size": 256, "head_dim": 96}
     qkv = ckpt.tensors["model.layers.0.self_attn.qkv_proj.weight"]
     ckpt.tensors[qkv.name] = TensorInfo(qkv.name, qkv.dtype, (768, 256), qkv.file, qkv.offset, qkv.nbytes)
     s = ckpt.tensors["model.layers.0.self_attn.qkv_proj.weight_scale_inv"]

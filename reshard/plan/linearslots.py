@@ -165,7 +165,7 @@ def qkv_rows(ctx: Context, target: str, outs: list[int], r: int) -> list[tuple[i
     # head sizes from the weights: vLLM's Qwen2 ignores config.head_dim, others use it
     if q % d.num_heads or k % d.num_kv_heads or v % d.num_kv_heads:
         raise SourceError(f"{target}: q/k/v rows {q}/{k}/{v} do not split into {d.num_heads}/{d.num_kv_heads} heads")
-    check_head_size(ctx, target, q // d.num_heads, k // d.num_kv_heads)
+    check_head_size(ctx, target, k // d.num_kv_heads)
     qn = q // tp
     if tp >= d.num_kv_heads:
         kv_per_rank, shard = 1, r // (tp // d.num_kv_heads)
@@ -179,23 +179,21 @@ def qkv_rows(ctx: Context, target: str, outs: list[int], r: int) -> list[tuple[i
     ]
 
 
-def check_head_size(ctx: Context, target: str, q_head: int, k_head: int) -> None:
-    """The head size the weights give (rows per head) against config.json: q's and k's must agree (a
-    num_key_value_heads that is not the weights' gives k another), and be config.json's head_dim or
-    hidden_size / num_attention_heads (what vLLM builds the layer with; Qwen2's ignores head_dim).
-    Otherwise vLLM builds other shapes than the folder holds: exit 4 before anything is written."""
+def check_head_size(ctx: Context, target: str, k_head: int) -> None:
+    """The head size the weights give (k's rows per KV head) against config.json: it must be its
+    head_dim or hidden_size / num_attention_heads (what vLLM builds the layer with; Qwen2's ignores
+    head_dim). A num_key_value_heads or head_dim the weights do not have would otherwise be written
+    and served with other shapes than vLLM builds: exit 4 before anything is written. (q is not
+    checked: gated attention, Qwen3-Next's, holds twice the rows per head there.)"""
     d = ctx.dims
-    if q_head != k_head:
-        raise SourceError(
-            f"{target}: the weights give q {q_head} rows per head ({d.num_heads} heads) and k {k_head} "
-            f"({d.num_kv_heads} KV heads): config.json's num_attention_heads / num_key_value_heads do not match them",
-            "the config.json does not belong to these weights, or was edited",
-        )
     head_dim = config_int(ctx, "head_dim")
     sizes = {head_dim, d.hidden // d.num_heads if d.hidden % d.num_heads == 0 else None} - {None}
-    if sizes and q_head not in sizes:
-        said = f"head_dim {head_dim}" if head_dim else f"hidden_size / num_attention_heads = {d.hidden // d.num_heads}"
+    if sizes and k_head not in sizes:
+        said = " or ".join(
+            [f"head_dim {head_dim}"] * bool(head_dim)
+            + [f"hidden_size / num_attention_heads = {d.hidden // d.num_heads}"] * (d.hidden % d.num_heads == 0)
+        )
         raise SourceError(
-            f"{target}: the weights give heads of {q_head} rows, config.json says {said}",
+            f"{target}: the weights give {k_head} rows per KV head ({d.num_kv_heads} of them), config.json says {said}",
             "the config.json does not belong to these weights, or was edited",
         )
