@@ -136,7 +136,8 @@ def test_merge_refuses_a_copied_file_linked_outside(out, secret, tmp_path):
     os.symlink(secret, out / "generation_config.json")
     hf = tmp_path / "hf"
     code, err = cli("merge", str(out), str(hf))
-    assert code == 4 and "generation_config.json" in err and "outside the source" in err, err
+    # an output's copied file that is a symlink: the output fails its checks (as verify says, exit 7)
+    assert code == 7 and "generation_config.json" in err and "symlink" in err, err
     assert nothing_holds(hf, "TOP-SECRET")
 
 
@@ -202,6 +203,15 @@ def test_fifo_manifest_is_malformed_not_waited_on(out):
     os.mkfifo(out / "reshard.json")
     code, err = cli("verify", str(out))
     assert code == 7 and "reshard.json" in err, err
+
+
+@pytest.mark.parametrize("how", ["link-outside", "dev-zero"])
+def test_a_manifest_that_is_a_symlink_is_not_followed(out, tmp_path, how):
+    """The manifest must lie in the folder too: a link to a good manifest elsewhere (or to a device)
+    is not read (verify passed a folder whose reshard.json led out of it)."""
+    _replace(out / "reshard.json", how, tmp_path)
+    code, err = cli("verify", str(out))
+    assert code == 7 and "reshard.json" in err and "symlink" in err, err
 
 
 def test_fifo_config_in_the_source_is_refused(src, tmp_path):

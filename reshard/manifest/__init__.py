@@ -146,10 +146,11 @@ def _create_new(path: Path) -> int:
 MAX_MANIFEST = 1 << 30  # bytes: a manifest of a million tensors is a few hundred MB
 
 
-def read_json(path: Path) -> object:
-    """A manifest's JSON: a regular file (a FIFO is refused, not waited on) of at most MAX_MANIFEST
-    bytes. Raises OSError (FileNotFoundError when absent) or ValueError saying what is wrong."""
-    with os.fdopen(open_regular(path), "rb") as f:
+def read_json(path: Path, *, follow: bool = True) -> object:
+    """A JSON file (a manifest, config.json): a regular file (a FIFO is refused, not waited on; with
+    `follow` False a symlink too: a manifest must lie in its folder) of at most MAX_MANIFEST bytes.
+    Raises OSError (FileNotFoundError when absent) or ValueError saying what is wrong."""
+    with os.fdopen(open_regular(path, follow=follow), "rb") as f:
         raw = f.read(MAX_MANIFEST + 1)
     if len(raw) > MAX_MANIFEST:
         raise ValueError(f"larger than {MAX_MANIFEST} bytes")
@@ -157,13 +158,15 @@ def read_json(path: Path) -> object:
         return json.loads(raw)
     except RecursionError:
         raise ValueError("nested too deep") from None
+    except MemoryError:  # millions of tiny values: what they take in memory is many times their bytes
+        raise ValueError(f"{len(raw)} bytes of JSON that do not fit in memory") from None
 
 
 def read_manifest(out_dir: Path, name: str = MANIFEST) -> Manifest:
     """The folder's manifest, validated. Raises CorruptError saying what to do."""
     path = out_dir / name
     try:
-        obj = read_json(path)
+        obj = read_json(path, follow=False)
     except FileNotFoundError:
         raise CorruptError(
             f"{out_dir}: no {MANIFEST}: not a complete reshard output",

@@ -23,7 +23,7 @@ def _read_pieces(out_dir: Path) -> list[tuple[Path, Manifest]]:
     pieces = []
     for p in piece_paths(out_dir):
         try:
-            piece = parse(read_json(p))
+            piece = parse(read_json(p, follow=False))
         except (OSError, ValueError) as e:  # ManifestProblem is a ValueError
             why = str(e) if isinstance(e, ManifestProblem) else f"unreadable: {e}"
             raise CorruptError(
