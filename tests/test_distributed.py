@@ -57,6 +57,36 @@ def test_pieces_of_another_job_are_refused(tiny, tmp_path):
         save(str(tiny("llama")), out, tp=2, dtype="float16", max_part_size=DEFAULT_MAX_PART, ranks="1")
 
 
+def test_assemble_refuses_pieces_of_two_jobs_and_a_file_no_piece_lists(tiny, tmp_path):
+    """Pieces copied together from two jobs: their manifests disagree (exit 7, naming both, saying
+    what to do); a rank file no piece lists (a stale part): exit 5 naming it, nothing written. Each
+    was assembled, or exit 5 without a hint, and verify then failed the folder."""
+    import shutil
+
+    from tests.fixtures.cli import run
+
+    a, b, mixed = tmp_path / "a", tmp_path / "b", tmp_path / "mixed"
+    save(str(tiny("qwen3")), a, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="0")
+    save(str(tiny("qwen3")), b, tp=2, dtype="float16", max_part_size=DEFAULT_MAX_PART, ranks="1")
+    shutil.copytree(a, mixed)
+    for f in b.iterdir():
+        shutil.copy(f, mixed / f.name)
+    code, _, err = run("assemble", str(mixed))
+    assert code == 7 and "pieces of two different jobs" in err and "remove the other job's" in err, err
+    full = tmp_path / "full"
+    shutil.copytree(a, full)
+    save(str(tiny("qwen3")), tmp_path / "b2", tp=2, max_part_size=DEFAULT_MAX_PART, ranks="1")
+    for f in (tmp_path / "b2").iterdir():  # the same job's other piece: files and piece manifest
+        shutil.copy(f, full / f.name)
+    stale = full / "model-rank-1-part-1.safetensors"
+    shutil.copy(full / "model-rank-1-part-0.safetensors", stale)
+    code, _, err = run("assemble", str(full))
+    assert code == 5 and stale.name in err and "remove it" in err, err
+    assert not (full / "reshard.json").exists()
+    stale.unlink()
+    assert run("assemble", str(full))[0] == 0 and run("verify", str(full))[0] == 0
+
+
 def test_torchrun_two_processes_write_the_same_bytes(tiny, tmp_path):
     src = tiny("qwen3-moe")
     pieces = tmp_path / "pieces"

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import os
 import stat
 from pathlib import Path
 
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import read_header
 from reshard.manifest import FileRecord, Manifest, ManifestProblem, parse, piece_paths, read_json, write_manifest
-from reshard.names import PIECE_MANIFEST_GLOB
+from reshard.names import PIECE_MANIFEST_GLOB, parse_rank_file, vllm_globs
 from reshard.serve import serve_in
 
 
@@ -59,14 +61,21 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
     if not pieces:
         if quiet:
             return None
-        raise SourceError(f"{out_dir}: no {PIECE_MANIFEST_GLOB} piece manifests to assemble")
+        raise SourceError(
+            f"{out_dir}: no {PIECE_MANIFEST_GLOB} piece manifests to assemble",
+            "copy the folders `reshard save --ranks` wrote (files and piece manifests) into this one first",
+        )
     first = pieces[0][1]
-    for _, p in pieces[1:]:
+    for path, p in pieces[1:]:
         if p.run_id != first.run_id:
-            raise OutputError(f"{out_dir}: pieces of two different jobs (run ids {first.run_id}, {p.run_id})")
+            raise CorruptError(
+                f"{out_dir}: pieces of two different jobs (run ids {first.run_id} in {pieces[0][0].name}, "
+                f"{p.run_id} in {path.name})",
+                "remove the other job's piece manifest and the files it lists, or rerun its ranks with this job's arguments",
+            )
         if p.checksum != first.checksum:
-            raise OutputError(
-                f"{out_dir}: pieces saved with different --checksum ({first.checksum}, {p.checksum})",
+            raise CorruptError(
+                f"{out_dir}: pieces saved with different --checksum ({first.checksum}, {p.checksum} in {path.name})",
                 "rerun the pieces with one --checksum",
             )
     try:
@@ -75,6 +84,7 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
         if missing:
             raise _missing(out_dir, missing)
         _check_present(out_dir, first, entries)
+        _check_unlisted(out_dir, first)
     except (OutputError, Incomplete):
         if quiet:
             return None
@@ -93,6 +103,19 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
     for p, _ in pieces:
         p.unlink()
     return whole
+
+
+def _check_unlisted(out_dir: Path, first: Manifest) -> None:
+    """No rank file the job does not list lies in the folder: vLLM would load it with its rank, and
+    verify fails it (a stale part, another job's file)."""
+    listed = set(first.all_files or ())
+    globs = vllm_globs(tp=first.layout.tp, pp=first.layout.pp)
+    for name in sorted(os.listdir(out_dir)):
+        if name not in listed and (parse_rank_file(name) or any(fnmatch.fnmatchcase(name, g) for g in globs)):
+            raise OutputError(
+                f"{out_dir / name} is not a file of this job (no piece manifest lists it): vLLM would load it",
+                "remove it, then assemble again",
+            )
 
 
 def _entries(out_dir: Path, pieces: list[tuple[Path, Manifest]]) -> dict[str, tuple[Path, FileRecord]]:
