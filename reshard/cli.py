@@ -23,10 +23,18 @@ class _StdoutClosed(Exception):
 STDOUT_CLOSED = 141  # as a shell reports a process that SIGPIPE ended: 128 + 13
 
 
+class _Interrupted(BaseException):
+    """Ctrl-C or SIGTERM during a command. Not a KeyboardInterrupt: click would catch that and write
+    a blank line to stderr first (to close a terminal's `^C` echo), and an error is one line; that
+    blank line is written here, on a terminal only."""
+
+
 class _Root(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:  # not through click's catch, which writes a blank line first
+            raise _Interrupted from None
         except OSError as e:  # click would turn a broken pipe into a silent exit 1
             if e.errno != errno.EPIPE:
                 raise
@@ -114,12 +122,6 @@ _register()
 _HELP = frozenset(("-h", "--help", "--version"))
 
 
-class _Interrupted(BaseException):
-    """Ctrl-C or SIGTERM during a command. Not a KeyboardInterrupt: click would catch that and write
-    a blank line to stderr first (to close a terminal's `^C` echo), and an error is one line; that
-    blank line is written here, on a terminal only."""
-
-
 def _on_signal(signum: int, frame: object) -> None:
     raise _Interrupted
 
@@ -150,7 +152,7 @@ def _main(argv: list[str] | None) -> None:
         with contextlib.suppress(Exception):
             if sys.stderr.isatty():
                 print(file=sys.stderr)  # off the line a terminal's `^C` echo left
-        _interrupted(as_json)
+        _interrupted(as_json, args[0] if args else "")
     except click.exceptions.NoArgsIsHelpError as e:  # bare `reshard`: the help laid out, on stderr; exit 2
         print(e.format_message(), file=sys.stderr, flush=True)
         sys.exit(int(ExitCode.USAGE))
@@ -175,11 +177,18 @@ def _main(argv: list[str] | None) -> None:
     sys.exit(rc if isinstance(rc, int) else 0)
 
 
-def _interrupted(as_json: bool) -> None:
+_READ_ONLY = frozenset(("verify", "plan"))  # commands that write nothing
+
+
+def _interrupted(as_json: bool, command: str) -> None:
     """Exit 130 saying what is on disk: the interrupt may have come once this run had published
     (checked again now: the folder holds the files this run put there)."""
     from reshard.publish import published
 
+    if command in _READ_ONLY:
+        _fail(
+            f"interrupted; {command} writes nothing, so nothing changed", ExitCode.INTERRUPTED, as_json, "interrupted"
+        )
     done = published()
     if done:
         msg = f"interrupted after publishing: {'; '.join(done)} (`reshard verify` it)"

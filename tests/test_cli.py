@@ -270,3 +270,18 @@ def test_torchrun_variables_set_by_hand_are_a_usage_error(tiny, tmp_path, env, s
         cli_subprocess(["save", str(tiny("llama")), str(tmp_path / "one"), "--tp", "2"], {"WORLD_SIZE": "1"}).returncode
         == 0
     )
+
+
+def test_an_interrupted_verify_says_nothing_changed(tiny, tmp_path, monkeypatch):
+    """verify and plan write nothing: an interrupt says so, not that nothing was published."""
+    import reshard.verify as verify_mod
+
+    out = tmp_path / "out"
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify_mod.integrity, "check_sums", interrupted)
+    code, _, err = run("verify", str(out))
+    assert code == 130 and err == "reshard: error: interrupted; verify writes nothing, so nothing changed\n", err
