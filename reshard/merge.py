@@ -123,7 +123,9 @@ def merge(
         )
     config_patch = _spec_layers_patch(ckpt)
     restored = {t.name for t in restored_tensors(ckpt)}
-    with staged(hf_dir, uuid.uuid4().hex, source=root, overwrite=overwrite, need=plan.total_bytes) as folder:
+    with staged(
+        hf_dir, uuid.uuid4().hex, source=root, overwrite=overwrite, need=plan.total_bytes, label="HF_DIR"
+    ) as folder:
         progress = on_plan(plan) if on_plan else None
         # Hub shards record no checksum: hashing them would only cost CPU
         options = WriteOptions(checksum=NONE, max_memory=max_memory, rss_base=rss_base)

@@ -25,20 +25,24 @@ from reshard.errors import OutputError
 from reshard.names import LOCK, sibling
 
 
-def check_out_dir(out_dir: Path, source_root: Path | None, overwrite: bool) -> None:
-    """Refuse an OUT_DIR inside the source (or around it), a file, or a non-empty folder unasked."""
+def check_out_dir(out_dir: Path, source_root: Path | None, overwrite: bool, label: str = "OUT_DIR") -> None:
+    """Refuse an OUT_DIR inside the source (or around it), a file, or a non-empty folder unasked;
+    `label`: what the command calls it (merge writes HF_DIR)."""
     out = out_dir.resolve()
     if source_root is not None:
         src = source_root.resolve()
         if out == src or src in out.parents:
-            raise OutputError(f"OUT_DIR {out_dir} is inside the source folder {source_root}", "write elsewhere")
+            raise OutputError(f"{label} {out_dir} is inside the source folder {source_root}", "write elsewhere")
         if out in src.parents:
-            raise OutputError(f"the source folder {source_root} is inside OUT_DIR {out_dir}", "write elsewhere")
+            raise OutputError(f"the source folder {source_root} is inside {label} {out_dir}", "write elsewhere")
     _check_parents(out_dir)
     if out.exists() and not out.is_dir():
-        raise OutputError(f"OUT_DIR {out_dir} exists and is not a folder")
+        raise OutputError(
+            f"{label} {out_dir} exists and is not a folder", f"remove the file, or choose another {label}"
+        )
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"OUT_DIR {out_dir} is not empty", "pass --overwrite to replace its reshard files")
+        what = "its reshard files" if label == "OUT_DIR" else "the weights there"
+        raise OutputError(f"{label} {out_dir} is not empty", f"pass --overwrite to replace {what}")
 
 
 def is_mount(out_dir: Path) -> bool:

@@ -86,7 +86,9 @@ def copy_files(src: Path, names: Iterable[str], dst: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged(out_dir: Path, tag: str, *, source: Path | None, overwrite: bool, need: int) -> Iterator[Path]:
+def staged(
+    out_dir: Path, tag: str, *, source: Path | None, overwrite: bool, need: int, label: str = "OUT_DIR"
+) -> Iterator[Path]:
     """The one sequence that gets a new folder into OUT_DIR, for save, merge and assemble: lock
     OUT_DIR, repair what an interrupted run left, check it (`check_out_dir`: not inside `source`,
     empty unless `overwrite`) and its free space (`need` bytes), make the staging folder beside it,
@@ -95,7 +97,7 @@ def staged(out_dir: Path, tag: str, *, source: Path | None, overwrite: bool, nee
     point: the staging folder is made inside it (and `swap_in` moves the files in)."""
     with lock(out_dir):
         recover(out_dir)  # first: a folder an interrupted swap took away is put back
-        check_out_dir(out_dir, source, overwrite)
+        check_out_dir(out_dir, source, overwrite, label)
         inside = is_mount(out_dir)  # staged inside it: beside it is another filesystem
         base = out_dir.resolve() if inside else out_dir.resolve().parent
         make_dir(base)

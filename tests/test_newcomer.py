@@ -145,3 +145,9 @@ def test_shell_completion_as_the_readme_says():
     assert p.returncode == 0 and p.stdout.split() == ["plain,save"], p.stdout
     p = cli(env={"_RESHARD_COMPLETE": "bash_complete", "COMP_WORDS": "reshard save --trust", "COMP_CWORD": "2"})
     assert p.stdout.split() == ["plain,--trust-remote-code"], p.stdout
+    # "paths as files": every command's SOURCE / OUT_DIR / HF_DIR is completed by the shell as a file
+    for words in ("reshard save x", "reshard save src x", "reshard plan x", "reshard verify x", "reshard merge x",
+                  "reshard merge out x", "reshard assemble x"):  # fmt: skip
+        env = {"_RESHARD_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - 1)}
+        p = cli(env=env)
+        assert p.stdout.split()[0].split(",")[0] in ("file", "dir"), (words, p.stdout)

@@ -144,3 +144,18 @@ def test_merge_of_deepseek_says_once_what_it_skipped_and_fixes_the_config(tiny, 
     notes = [line for line in out.splitlines() if line.startswith("note:")]
     assert len(notes) == 2, notes  # one for the skipped MTP tensors, one for the config
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_merge_errors_name_hf_dir(tiny, tmp_path):
+    """merge writes HF_DIR (its OUT_DIR is the source): its refusals say HF_DIR."""
+    from tests.fixtures.cli import run
+
+    out = tmp_path / "out"
+    save(str(tiny("llama")), out, tp=2, max_part_size=MAX)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "x").write_text("x")
+    code, _, err = run("merge", str(out), str(hf))
+    assert code == 5 and f"HF_DIR {hf} is not empty" in err and "replace the weights there" in err, err
+    code, _, err = run("merge", str(out), str(out / "inside"))
+    assert code == 5 and "HF_DIR" in err and "is inside the source folder" in err, err

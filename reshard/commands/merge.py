@@ -12,7 +12,7 @@ from reshard.console import byte_progress, emit_json, human_bytes, stdout
 
 
 @click.command("merge")
-@click.argument("out_dir")  # a folder, or s3://bucket/prefix/
+@click.argument("out_dir", type=click.Path())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
 @click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--max-shard-size",

@@ -12,7 +12,7 @@ from reshard.vllm_versions import serve_note
 
 
 @click.command("plan")
-@click.argument("source")
+@click.argument("source", type=click.Path())  # a folder, a repo id or s3://...: completed as a path
 @layout_options
 @revision_option
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor of every rank.")

@@ -26,15 +26,17 @@ from reshard.vllm_versions import serve_note
 
 
 @click.command("save")
-@click.argument("source")
-@click.argument("out_dir")  # a folder (a file: refused, exit 5) or s3://bucket/prefix/
+@click.argument("source", type=click.Path())  # a folder, a repo id or s3://...: completed as a path
+@click.argument("out_dir", type=click.Path())  # a folder (a file: refused, exit 5) or s3://bucket/prefix/
 @layout_options
 @click.option(
     "--max-part-size",
     type=ByteSize(),
     default=DEFAULT_MAX_PART,
     show_default="5GiB",
-    help="Split each rank's tensors into files of at most this size.",
+    help="Split each rank's tensors into files holding at most this many bytes of tensor data (each "
+    "file adds its header, a few KB; vLLM's save_sharded_state counts the same way). A tensor larger "
+    "than this gets a file of its own.",
 )
 @click.option(
     "--max-memory",

@@ -21,7 +21,7 @@ PER_KIND = 6  # of one kind
 
 
 @click.command("verify")
-@click.argument("out_dir")  # a folder, or s3://bucket/prefix/
+@click.argument("out_dir", type=click.Path())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
 @click.option(
     "--strict/--lax",
     default=True,
