@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
-from reshard.errors import SettingError, UnsupportedError
+from reshard.errors import SettingError, UsageError
 from reshard.hashing import hash_bytes
 from reshard.layout import Layout
 
@@ -124,12 +124,17 @@ def parse_ranks(spec: str | None, world: int) -> list[int] | None:
         for part in spec.split(","):
             a, _, b = part.strip().partition("-")
             lo, hi = int(a), int(b) if b else int(a)
+            if hi < lo:
+                raise UsageError(f"--ranks {spec!r}: the range {part.strip()} runs backwards", f"write it {hi}-{lo}")
             ranks.update(range(lo, hi + 1))
     except ValueError:
-        raise UnsupportedError(f"--ranks {spec!r}: expected a list like 0-3 or 0,2,5-7") from None
+        raise UsageError(f"--ranks {spec!r}: expected a list like 0-3 or 0,2,5-7") from None
     bad = sorted(r for r in ranks if not 0 <= r < world)
     if bad or not ranks:
-        raise UnsupportedError(f"--ranks {spec!r}: ranks must lie in 0..{world - 1} (tp x pp = {world})")
+        raise UsageError(
+            f"--ranks {spec!r}: rank {bad[0] if bad else '?'} is not an engine rank of this layout",
+            f"ranks lie in 0..{world - 1}: tp x pp = {world}",
+        )
     return sorted(ranks)
 
 

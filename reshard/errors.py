@@ -31,10 +31,14 @@ class ReshardError(Exception):
         return self.message if not self.hint else f"{self.message} ({self.hint})"
 
 
-class SettingError(ReshardError):
-    """A RESHARD_* environment variable holds a value it does not accept: a usage error."""
+class UsageError(ReshardError):
+    """A value the command line (or the environment) cannot mean, known before any file is read."""
 
     exit_code = ExitCode.USAGE
+
+
+class SettingError(UsageError):
+    """A RESHARD_* environment variable holds a value it does not accept: a usage error."""
 
 
 class UnsupportedError(ReshardError):

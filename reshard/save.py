@@ -113,8 +113,10 @@ def save(
                 overwrite = options.overwrite or (dest.local is not None and target.joins(dest.local, run_id))
                 tag, need = target.tag(run_id), sum(f.data_bytes for f in files)
                 run = Run(tag, src.checkpoint.root, overwrite, need, plan, options.max_part_size)
+                if dest.local is not None:  # before "not empty": --overwrite would not help a piece there
+                    target.check(dest.local)
                 staging = dest.stage(held, run)
-                if dest.local is not None:
+                if dest.local is not None:  # again, with the lock held
                     target.check(dest.local)
                 if options.write.device != "cpu":
                     _check_device(options.write.device)
@@ -339,7 +341,7 @@ class Piece(Target):
         if (out_dir / MANIFEST).exists():
             raise OutputError(
                 f"OUT_DIR {out_dir} holds a complete output ({MANIFEST}); a --ranks piece never replaces one",
-                "write the pieces into an empty folder (or another OUT_DIR), then `reshard assemble` it",
+                "write the pieces into an empty folder, then `reshard assemble` it (--overwrite does not change this)",
             )
 
     def publish(self, plan: Plan, manifest: Manifest, staging: Staging, dest: Destination) -> PieceSaved:

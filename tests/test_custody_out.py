@@ -52,9 +52,11 @@ def pieces(tiny, tmp_path) -> Path:
 
 def test_a_piece_over_a_complete_output_is_refused_and_the_output_kept(tiny, complete):
     before = snapshot(complete)
-    code, _, err = run("save", str(tiny("llama")), str(complete), "--tp", "2", "--ranks", "0", "--overwrite")
-    assert code == 5, err
-    assert "complete output" in err and "reshard assemble" in err and len(err.splitlines()) == 1
+    for overwrite in (["--overwrite"], []):  # without it too: the same refusal, not "pass --overwrite"
+        code, _, err = run("save", str(tiny("llama")), str(complete), "--tp", "2", "--ranks", "0", *overwrite)
+        assert code == 5, err
+        assert "complete output" in err and "reshard assemble" in err and len(err.splitlines()) == 1
+        assert "pass --overwrite" not in err
     assert snapshot(complete) == before
     assert run("verify", str(complete))[0] == 0
     assert beside(complete) == []
