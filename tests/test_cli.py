@@ -39,6 +39,7 @@ def test_plan_json_lists_ranks(tiny):
     code, out, _ = run("plan", str(tiny("qwen3")), "--tp", "4", "--json")
     assert code == 0
     plan = json.loads(out)
+    assert plan["ok"] is True  # as on failure, and as every command's --json
     assert len(plan["ranks"]) == 4 and all(r["keys"] == plan["ranks"][0]["keys"] for r in plan["ranks"])
     assert "--tensor-parallel-size 4" in plan["serve"]
 

@@ -84,7 +84,11 @@ def test_assemble_refuses_pieces_of_two_jobs_and_a_file_no_piece_lists(tiny, tmp
     assert code == 5 and stale.name in err and "remove it" in err, err
     assert not (full / "reshard.json").exists()
     stale.unlink()
-    assert run("assemble", str(full))[0] == 0 and run("verify", str(full))[0] == 0
+    code, out, err = run("assemble", str(full), "--json")
+    assert code == 0 and run("verify", str(full))[0] == 0, err
+    got = json.loads(out)  # what save --json says of a whole output
+    assert got["ok"] and got["out_dir"] == str(full) and got["files"] == 2
+    assert got["run_id"] == json.loads((full / "reshard.json").read_text())["run_id"]
 
 
 def test_torchrun_two_processes_write_the_same_bytes(tiny, tmp_path):

@@ -33,7 +33,11 @@ def assemble_cmd(out_dir, as_json):
         emit_json(
             {
                 "ok": True,
+                "out_dir": str(out_dir),
+                "manifest": str(out_dir / MANIFEST),
+                "run_id": manifest.run_id,
                 "files": len(manifest.files),
+                "bytes": manifest.total_bytes,
                 "serve": manifest.serve,
                 "serve_reshard": manifest.serve_reshard,
                 "vllm_versions": spec,

@@ -41,7 +41,7 @@ def plan_cmd(source, layout, revision, show_tensors, out_dir, trust_remote_code,
         if not show_tensors:
             for r in summary["ranks"]:
                 r.pop("tensors")
-        emit_json(summary)
+        emit_json({"ok": True, **summary})  # as every command's --json, success and failure alike
         return
     from rich.table import Table
 
