@@ -161,3 +161,18 @@ def test_ranks_a_command_line_cannot_mean_are_usage_errors(tiny, tmp_path):
         code, _, err = run("save", src, str(tmp_path / "out"), "--tp", "2", "--ranks", spec)
         assert code == 2 and says in err and err.count("\n") == 1, (spec, err)
     assert not (tmp_path / "out").exists()
+
+
+def test_options_of_a_repo_id_given_for_a_folder_are_usage_errors(tiny, tmp_path):
+    """--stream and --revision are a Hub repo id's: given with a local folder (or verify's --revision
+    without --against) they would do nothing, and say so (exit 2) rather than being ignored."""
+    src = str(tiny("llama"))
+    for extra, says in (
+        (["--stream"], "--stream applies to Hub repo ids"),
+        (["--revision", "main"], "--revision applies"),
+    ):
+        code, _, err = run("save", src, str(tmp_path / "out"), "--tp", "2", *extra)
+        assert code == 2 and says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+    code, _, err = run("verify", str(tmp_path), "--revision", "main")
+    assert code == 2 and "--against" in err, err

@@ -104,6 +104,8 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
 
     if deep and not against and not is_bucket_url(out_dir):
         raise click.UsageError("--deep needs --against SOURCE (on a folder; on s3:// it hashes every object)")
+    if revision and not against:
+        raise click.UsageError("--revision is the revision of --against SOURCE (a Hub repo id): give that too")
     if not is_bucket_url(out_dir):
         out_dir = Path(out_dir)
         if out_dir.exists() and not out_dir.is_dir():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.checkpoint import Source
-from reshard.errors import SourceError
+from reshard.errors import SourceError, UsageError
 from reshard.names import MANIFEST
 from reshard.sources.bucket_output import BucketOutputSource
 from reshard.sources.hub import is_repo_id, open_hub
@@ -43,17 +43,21 @@ def open_source(
             against before they are read (`save --source-sha256`).
     """
     if is_bucket_url(spec):
-        if revision or sha256_file is not None:
-            flag = "--revision" if revision else "--source-sha256"
-            raise SourceError(f"{flag} does not apply to {spec}, a reshard output in a bucket")
+        if revision or sha256_file is not None or stream:
+            flag = "--revision" if revision else "--stream" if stream else "--source-sha256"
+            raise UsageError(f"{flag} does not apply to {spec}, a reshard output in a bucket", f"drop {flag}")
         return BucketOutputSource(parse_bucket_url(spec))
     path = Path(spec)
     if path.is_dir():
-        if revision:
-            raise SourceError(f"--revision applies to Hub repo ids, but {spec} is a local folder")
+        if revision or stream:  # options of a repo id: asked of a folder, they would do nothing
+            flag = "--revision" if revision else "--stream"
+            raise UsageError(f"{flag} applies to Hub repo ids, but {spec} is a local folder", f"drop {flag}")
         if (path / MANIFEST).is_file():
             if sha256_file is not None:
-                raise SourceError(f"--source-sha256 applies to checkpoint folders; {spec} is a reshard output")
+                raise UsageError(
+                    f"--source-sha256 applies to checkpoint folders; {spec} is a reshard output",
+                    "drop it: an output is checked against its own manifest",
+                )
             return OutputSource(path)
         return LocalSource(path, {"path": str(path.resolve())}, sha256_file=sha256_file)
     if path.exists():
@@ -64,7 +68,7 @@ def open_source(
             "give a checkpoint folder or a repo id like Qwen/Qwen3-8B",
         )
     if sha256_file is not None:
-        raise SourceError(
+        raise UsageError(
             f"--source-sha256 applies to local folders; {spec} is a Hub repo id",
             "drop it: a Hub repo's files are checked against the LFS sha256 the Hub commits to",
         )
