@@ -321,6 +321,17 @@ def test_a_lock_of_another_host_is_refused_naming_it(tiny, s3):
     assert objects(client, bucket, "out/") == {} and open_uploads(client, bucket) == []
 
 
+def test_something_else_at_the_lock_path_is_named_as_such(tiny, s3):
+    """The exit-code table's "something other than reshard's lock at the lock path": told as that,
+    not as another run (host ?, pid 0)."""
+    client, bucket = s3
+    client.put_object(Bucket=bucket, Key="out.reshard/lock.json", Body=b"garbage{")
+    code, _, err = run("save", str(tiny("llama")), url(bucket, "out/"), "--tp", "2")
+    line = one_line(err)
+    assert code == 5 and "is not a reshard lock" in line and "delete it if no reshard run" in line, err
+    assert "pid 0" not in line
+
+
 def test_a_dead_lock_of_this_host_is_taken_over(tiny, s3):
     client, bucket = s3
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -155,7 +155,8 @@ def with_retries(call: Callable[[], T], what: str, *, progress: Callable[[], int
         if failures > retries:
             raise Unreachable(
                 f"{what}: the download failed {failures} times in a row ({type(err).__name__}: {msg})",
-                "check the network or HF_ENDPOINT and run again (a cached save resumes where it stopped)",
+                "check the network or HF_ENDPOINT and run again: a save without --stream resumes where it stopped, "
+                "from what it kept in the HF cache",
             ) from err
         wait = min(30.0, settings.HUB_BACKOFF.get() * 2 ** (failures - 1))
         # one write per line: print() writes the text and its newline apart, and connections retry at once

@@ -112,7 +112,11 @@ class HubSource(Source):
         (n,) = struct.unpack("<Q", head)
         where = f"{self.repo.repo_id}/{name}@{self.repo.commit[:12]}"
         if n > remote.size - 8 or n > MAX_HEADER:
-            raise SourceError(f"{where}: corrupt safetensors header (length {n}, file {remote.size} bytes)")
+            raise SourceError(
+                f"{where}: corrupt safetensors header (length {n}, file {remote.size} bytes)",
+                "the Hub (or a proxy or CDN before it) served other bytes than the file's: run again later, "
+                "or check HF_ENDPOINT",
+            )
         raw = bytearray(n)
         self.repo.fetch(name, 8, memoryview(raw))
         found, _, size = parse_header(bytes(raw), remote.size, where, name)

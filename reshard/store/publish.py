@@ -139,6 +139,13 @@ class BucketPublisher:
                 return
             except Conflict:
                 pass
+        if not pid:  # not what reshard writes there
+            raise OutputError(
+                f"s3://{self.url.bucket}/{self.lock_key} is not a reshard lock, yet it is where {self.url}'s lock "
+                "goes (it is not taken over while it was written in the last "
+                f"{LOCK_STALE // 60} minutes)",
+                f"delete it if no reshard run is writing {self.url}, or wait",
+            )
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "an unknown time"
         raise OutputError(
             f"another reshard run (host {host}, pid {pid}, since {when}) is writing {self.url}",
