@@ -123,7 +123,7 @@ def test_help_works_whatever_the_environment_holds(monkeypatch):
 
 def test_every_setting_is_documented_in_the_readme():
     text = " ".join((ROOT / "README.md").read_text().split())
-    bullet = text[text.index("- Environment:") : text.index("Nothing else in the environment changes behaviour.")]
+    bullet = text[text.index("- Environment:") : text.index("`NO_COLOR` (no colours) change behaviour.")]
     for s in settings.ALL:
         assert f"`{s.name}" in bullet, s.name
 
