@@ -14,7 +14,10 @@ from reshard.serve import PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
 
-@click.command("assemble")
+@click.command(
+    "assemble",
+    epilog="Exit codes: 0 ok, 2 usage, 4 no piece manifest, 5 files missing or a file no piece lists, 7 pieces damaged or of two jobs, 130 interrupted (`reshard --help`).",
+)
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @json_option
 def assemble_cmd(out_dir, as_json):

@@ -11,7 +11,10 @@ from reshard.commands.options import ByteSize, json_option
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
 
 
-@click.command("merge")
+@click.command(
+    "merge",
+    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported (a lossy merge without --allow-lossy), 4 bad source, 5 HF_DIR refused, 7 OUT_DIR corrupt or incomplete, 130 interrupted (`reshard --help`).",
+)
 @click.argument("out_dir", type=click.Path())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
 @click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(

@@ -11,7 +11,10 @@ from reshard.serve import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
 
-@click.command("plan")
+@click.command(
+    "plan",
+    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported model or layout, 4 bad source, 130 interrupted (`reshard --help`).",
+)
 @click.argument("source", type=click.Path())  # a folder, a repo id or s3://...: completed as a path
 @layout_options
 @revision_option

@@ -25,7 +25,10 @@ from reshard.serve import PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
 
-@click.command("save")
+@click.command(
+    "save",
+    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported model or layout, 4 bad source, 5 output refused (not empty, disk full, locked, store errors), 7 an output used as SOURCE is corrupt or incomplete, 130 interrupted (`reshard --help`).",
+)
 @click.argument("source", type=click.Path())  # a folder, a repo id or s3://...: completed as a path
 @click.argument("out_dir", type=click.Path())  # a folder (a file: refused, exit 5) or s3://bucket/prefix/
 @layout_options
