@@ -105,7 +105,12 @@ def merge(
     else:
         out_dir = Path(out_dir)
         if not (out_dir / MANIFEST).is_file():
-            raise SourceError(f"{out_dir} has no {MANIFEST}: not a complete reshard output")
+            raise SourceError(
+                f"{out_dir} has no {MANIFEST}: not a complete reshard output",
+                "merge reads what `reshard save` wrote; a Hugging Face checkpoint is merged already"
+                if (out_dir / "config.json").is_file()
+                else "give the folder `reshard save` wrote",
+            )
         source = OutputSource(out_dir)
     ckpt = source.checkpoint
     root = ckpt.root

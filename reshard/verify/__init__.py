@@ -78,7 +78,7 @@ def verify(
         raise ValueError("deep needs against")
     report = Report(view.local or view.display, source=against)
     if view.local is not None and not view.local.is_dir():
-        report.add("missing", f"{view.local}: no such folder", code=CORRUPT)
+        report.add("missing", f"{view.local}: no such folder (check the path)", code=CORRUPT)
         return report
     folder = structure.read_folder(report, view, tp=tp, pp=pp, ep=ep, against=against)
     if isinstance(view, BucketView):
