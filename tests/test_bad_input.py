@@ -216,3 +216,19 @@ def test_a_config_whose_heads_the_weights_do_not_have_is_refused(tiny, tmp_path,
     code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
     assert code == 4 and says in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_and_assemble_paths_answer_as_save_does(tiny, tmp_path):
+    """A folder to read that is not there is a source not found (exit 4), for merge's OUT_DIR and
+    assemble's as for save's SOURCE; a file where merge would write HF_DIR is refused (exit 5), as
+    save's OUT_DIR. (They were click's usage errors, exit 2.)"""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for args in (["merge", str(tmp_path / "nope"), str(tmp_path / "hf")], ["assemble", str(tmp_path / "nope")],
+                 ["merge", str(a_file), str(tmp_path / "hf")], ["assemble", str(a_file)]):  # fmt: skip
+        code, _, err = run(*args)
+        assert code == 4 and "OUT_DIR" in err and err.count("\n") == 1, (args, err)
+    out = tmp_path / "out"
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+    code, _, err = run("merge", str(out), str(a_file))
+    assert code == 5 and "HF_DIR" in err and "not a folder" in err, err

@@ -18,16 +18,20 @@ from reshard.vllm_versions import serve_note
     "assemble",
     epilog="Exit codes: 0 ok, 2 usage, 4 no piece manifest, 5 files missing or a file no piece lists, 7 pieces damaged or of two jobs, 130 interrupted (`reshard --help`).",
 )
-@click.argument("out_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))  # missing: exit 4 (assemble), as a SOURCE
 @json_option
 def assemble_cmd(out_dir, as_json):
     """Write reshard.json for a folder filled by `save --ranks` pieces, once every file is in.
 
     Pieces copied together from several machines are checked to belong to one job (same run id).
     """
+    from reshard.errors import SourceError
     from reshard.manifest.pieces import assemble
     from reshard.outdir import lock
 
+    if not out_dir.is_dir():  # what it assembles from: not found is exit 4, as a SOURCE
+        what = "is not a folder" if out_dir.exists() else "no such folder"
+        raise SourceError(f"OUT_DIR {out_dir}: {what}", "give the folder the `save --ranks` pieces were copied into")
     with lock(out_dir):  # not while a `save --ranks` piece is moving its files in
         manifest = assemble(out_dir)
     assert manifest is not None

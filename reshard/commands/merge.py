@@ -9,6 +9,7 @@ import click
 
 from reshard.commands.options import ByteSize, json_option
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.errors import SourceError
 
 
 @click.command(
@@ -16,7 +17,7 @@ from reshard.console import byte_progress, emit_json, human_bytes, stdout
     epilog="Exit codes: 0 ok, 2 usage, 3 unsupported (a lossy merge without --allow-lossy), 4 bad source, 5 HF_DIR refused, 7 OUT_DIR corrupt or incomplete, 130 interrupted (`reshard --help`).",
 )
 @click.argument("out_dir", type=click.Path())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
-@click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("hf_dir", type=click.Path(path_type=Path))  # a file there: refused (exit 5), as save's OUT_DIR
 @click.option(
     "--max-shard-size",
     type=ByteSize(),
@@ -49,8 +50,9 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
 
     if not is_bucket_url(out_dir):
         out_dir = Path(out_dir)
-        if not out_dir.is_dir():
-            raise click.BadParameter(f"Directory '{out_dir}' does not exist.", param_hint="'OUT_DIR'")
+        if not out_dir.is_dir():  # its source: not found is exit 4, as save's and plan's SOURCE
+            what = "is not a folder" if out_dir.exists() else "no such folder"
+            raise SourceError(f"OUT_DIR {out_dir}: {what}", "give the folder `reshard save` wrote")
 
     with ExitStack() as stack:
 
