@@ -114,6 +114,24 @@ def test_an_output_verify_would_fail_is_refused_as_source(tiny, tmp_path, damage
     assert not (tmp_path / "again").exists() and not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-moe-fp8"])
+def test_an_output_split_into_many_parts_merges_and_reshards(tiny, tmp_path, arch):
+    """--max-part-size is not recorded: which file holds which tensor is read from the manifest, not
+    planned again with the default part size (merge, re-shard and plan from such an output said
+    "tensor ... is missing (the output is damaged)" though verify passed it)."""
+    src = tiny(arch, shards=2)
+    out = tmp_path / "out"
+    save(str(src), out, tp=2, max_part_size=10_000)
+    assert len(list(out.glob("model-rank-0-part-*.safetensors"))) > 3
+    merge(out, tmp_path / "hf")
+    assert_same(load_dir(tmp_path / "hf", "model*.safetensors"), load_dir(src, "model*.safetensors"))
+    save(str(out), tmp_path / "tp4", tp=4, max_part_size=MAX)
+    save(str(src), tmp_path / "direct", tp=4, max_part_size=MAX)
+    for r in range(4):  # rank by rank: the same names on every rank
+        name = f"model-rank-{r}-part-0.safetensors"
+        assert_same(load_dir(tmp_path / "tp4", name), load_dir(tmp_path / "direct", name))
+
+
 def test_merge_of_a_float16_output_is_refused_unless_lossy_is_allowed(tiny, tmp_path):
     from reshard.errors import UnsupportedError
 

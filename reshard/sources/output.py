@@ -16,6 +16,7 @@ import fnmatch
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader, Source
@@ -25,11 +26,24 @@ from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest, SideRecord
 from reshard.names import parse_rank_file, vllm_globs
-from reshard.plan import Cols, Piece, Slice, Stack, build_plan
+from reshard.plan import Cols, OutTensor, Piece, Slice, Stack, build_plan
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import Group, OutputReader, Region, Regions
 
 VIRTUAL = "<reshard-output>"
+_WHOLE = 1 << 62  # a part size no rank reaches: one planned file per rank
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """One of the output's files, as its manifest lists it: its tensors as planned, in file order."""
+
+    name: str
+    tensors: list[OutTensor]
+
+
+def rank_label_of(rank: tuple[int, int]) -> str:
+    return f"pp rank {rank[0]}, tp rank {rank[1]}"
 
 
 class OutputSource(Source):
@@ -70,13 +84,31 @@ def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> 
     original = {
         n: TensorInfo(n, d, s, VIRTUAL, 0, math.prod(s) * ITEMSIZE[d]) for n, (d, s) in manifest.source_tensors.items()
     }
-    old = build_plan(Checkpoint(None, config, original, [VIRTUAL], manifest.source), manifest.layout)
-    check_complete(path, manifest, [f.name for f in old.files])
+    # every rank's tensors, planned again; which file of the rank holds each is the manifest's to say
+    # (the --max-part-size the output was saved with is not recorded, and split them as it did)
+    old = build_plan(
+        Checkpoint(None, config, original, [VIRTUAL], manifest.source), manifest.layout, max_part_size=_WHOLE
+    )
+    check_complete(path, manifest, None)
+    planned = {(f.pp_rank, f.tp_rank): {t.name: t for t in f.tensors} for f in old.files}
+    held: dict[tuple[int, int], list[str]] = {}
+    for mf in manifest.files:
+        held.setdefault(mf.rank, []).extend(r.name for r in mf.tensors)
+    for rank, tensors_of_rank in planned.items():
+        names = held.get(rank, [])
+        if sorted(names) != sorted(tensors_of_rank):
+            odd = sorted(set(names) ^ set(tensors_of_rank)) or ["a tensor listed twice"]
+            raise CorruptError(
+                f"{path} is not a complete reshard output: the files of {rank_label_of(rank)} do not hold the "
+                f"tensors its layout gives that rank ({odd[0]})",
+                "run `reshard verify` on it, or reshard the original checkpoint",
+            )
     plain: dict[str, list[Region]] = {}
     dtypes: dict[str, str] = {}
     stacks: dict[tuple[str, ...], list] = {}  # a Stack's sources -> [dtype, its parts]
-    for f in old.files:
-        header, _, _ = view.header(f.name)
+    for mf in manifest.files:
+        header, _, _ = view.header(mf.name)
+        f = _Listed(mf.name, [planned[mf.rank][r.name] for r in mf.tensors])
         for t in f.tensors:
             if t.name not in header:
                 raise CorruptError(f"{view.where(f.name)}: tensor {t.name} is missing", "the output is damaged")
