@@ -27,6 +27,7 @@ from reshard.publish import copy_files, side_files, staged, swap_in, write_confi
 from reshard.rules import get_architecture
 from reshard.sources import OutputSource
 from reshard.sources.bucket_output import BucketOutputSource
+from reshard.sources.output import lossy_tensors
 from reshard.store import is_bucket_url, parse_bucket_url
 
 DEFAULT_SHARD = 5 * 1024**3
@@ -66,20 +67,6 @@ def restored_tensors(ckpt: Checkpoint) -> list[OutTensor]:
 
 
 # (original dtype, stored dtype) pairs that round-trip exactly: the stored one holds every value
-_EXACT = {("BF16", "F32"), ("F16", "F32")}
-
-
-def lossy_tensors(ckpt: Checkpoint) -> list[dict]:
-    """Tensors the output holds in a dtype that cannot give back the original values (e.g. a
-    bf16 checkpoint saved with --dtype float16, or a float32 one saved as bfloat16)."""
-    assert ckpt.manifest is not None and ckpt.manifest.source_tensors is not None
-    source = ckpt.manifest.source_tensors
-    lossy = [n for n, t in ckpt.tensors.items() if t.dtype != source[n][0] and (source[n][0], t.dtype) not in _EXACT]
-    return [
-        {"name": n, "original": source[n][0], "stored": ckpt.tensors[n].dtype} for n in sorted(lossy, key=natural_key)
-    ]
-
-
 def merge(
     out_dir: Path | str,
     hf_dir: Path,

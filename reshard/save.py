@@ -39,6 +39,7 @@ from reshard.plan import OutFile, Plan, build_plan
 from reshard.publish import copy_files, move_into, side_files, write_config
 from reshard.sources import open_source
 from reshard.sources.local import quant_config_from_file
+from reshard.sources.output import check_lossless_reshard
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def save(
         if options.ranks is not None:
             refuse_on_bucket(dest, "--ranks")
         src = open_source(source, options.revision, stream=options.stream, sha256_file=options.sha256)
+        check_lossless_reshard(src.checkpoint, layout.dtype)
         plan = build_plan(
             src.checkpoint, layout, max_part_size=options.max_part_size, trust_remote_code=options.trust_remote_code
         )

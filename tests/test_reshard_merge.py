@@ -132,6 +132,29 @@ def test_an_output_split_into_many_parts_merges_and_reshards(tiny, tmp_path, arc
         assert_same(load_dir(tmp_path / "tp4", name), load_dir(tmp_path / "direct", name))
 
 
+def test_resharding_a_lossy_output_into_another_dtype_is_refused(tiny, tmp_path):
+    """A bf16 checkpoint saved as float16, re-sharded as bfloat16 (or float32): not the values of
+    re-sharding the original, which merge already refuses as lossy; it was written without a word.
+    Its own dtype (auto) re-shards as the original saved in float16 does; a float32 output of a
+    bf16 original holds its values exactly and re-shards into bfloat16 as the original."""
+    from reshard.errors import UnsupportedError
+
+    src = tiny("llama")
+    save(str(src), tmp_path / "f16", tp=2, dtype="float16", max_part_size=MAX)
+    for dtype in ("bfloat16", "float32"):
+        with pytest.raises(UnsupportedError, match="lost precision against the original"):
+            save(str(tmp_path / "f16"), tmp_path / dtype, tp=4, dtype=dtype, max_part_size=MAX)
+    save(str(tmp_path / "f16"), tmp_path / "auto", tp=4, max_part_size=MAX)
+    save(str(src), tmp_path / "direct-f16", tp=4, dtype="float16", max_part_size=MAX)
+    save(str(src), tmp_path / "f32", tp=2, dtype="float32", max_part_size=MAX)
+    save(str(tmp_path / "f32"), tmp_path / "back", tp=4, dtype="bfloat16", max_part_size=MAX)
+    save(str(src), tmp_path / "direct", tp=4, max_part_size=MAX)
+    for r in range(4):
+        name = f"model-rank-{r}-part-0.safetensors"
+        assert_same(load_dir(tmp_path / "auto", name), load_dir(tmp_path / "direct-f16", name))
+        assert_same(load_dir(tmp_path / "back", name), load_dir(tmp_path / "direct", name))
+
+
 def test_merge_of_a_float16_output_is_refused_unless_lossy_is_allowed(tiny, tmp_path):
     from reshard.errors import UnsupportedError
 

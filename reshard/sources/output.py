@@ -26,7 +26,7 @@ from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest, SideRecord
 from reshard.names import parse_rank_file, vllm_globs
-from reshard.plan import Cols, OutTensor, Piece, Slice, Stack, build_plan
+from reshard.plan import Cols, OutTensor, Piece, Slice, Stack, build_plan, natural_key
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import Group, OutputReader, Region, Regions
 
@@ -306,4 +306,35 @@ def check_files(path: Path, manifest: Manifest) -> None:
             f"{path} cannot be used as SOURCE: {problems[0]}"
             + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""),
             "run `reshard verify` on it, or reshard the original checkpoint",
+        )
+
+
+_EXACT = {("BF16", "F32"), ("F16", "F32")}
+
+
+def lossy_tensors(ckpt: Checkpoint) -> list[dict]:
+    """Tensors the output holds in a dtype that cannot give back the original values (e.g. a
+    bf16 checkpoint saved with --dtype float16, or a float32 one saved as bfloat16)."""
+    assert ckpt.manifest is not None and ckpt.manifest.source_tensors is not None
+    source = ckpt.manifest.source_tensors
+    lossy = [n for n, t in ckpt.tensors.items() if t.dtype != source[n][0] and (source[n][0], t.dtype) not in _EXACT]
+    return [
+        {"name": n, "original": source[n][0], "stored": ckpt.tensors[n].dtype} for n in sorted(lossy, key=natural_key)
+    ]
+
+
+def check_lossless_reshard(ckpt: Checkpoint, dtype: str) -> None:
+    """Re-sharding an output into another dtype than it holds gives the bytes of re-sharding the
+    original only where the output holds the original's values: one saved narrower (bf16 as
+    --dtype float16) cast again would be refused as lossy by `merge`, so it is refused here too."""
+    if ckpt.manifest is None or ckpt.manifest.source_tensors is None or dtype in ("auto", ckpt.manifest.layout.dtype):
+        return
+    lossy = lossy_tensors(ckpt)
+    if lossy:
+        first = lossy[0]
+        raise UnsupportedError(
+            f"this output holds {len(lossy)} tensor(s) in a dtype that lost precision against the original (e.g. "
+            f"{first['name']}: {first['original']} saved as {first['stored']}): re-sharding it as --dtype {dtype} "
+            "cannot give the values of re-sharding the original",
+            "re-shard the original checkpoint, or keep --dtype auto: the output's own dtype",
         )
