@@ -8,7 +8,9 @@ lists such a file goes through here.
 
 from __future__ import annotations
 
+import fnmatch
 import re
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +102,15 @@ def vllm_globs(*, tp: int, pp: int) -> list[str]:
     any file they match is loaded by that rank, whatever reshard thinks of it."""
     pattern = file_pattern(pp)
     return [pattern.format(rank=t, tp_rank=t, pp_rank=p, part="*") for p in range(pp) for t in range(tp)]
+
+
+def unlisted_rank_files(names: Iterable[str], listed: Collection[str], *, tp: int, pp: int) -> list[str]:
+    """Of a folder's `names`, the rank files it does not list: named as reshard names them, or
+    matched by vLLM's globs (which would load them with their rank), in name order."""
+    globs = vllm_globs(tp=tp, pp=pp)
+    return sorted(
+        n for n in names if n not in listed and (parse_rank_file(n) or any(fnmatch.fnmatchcase(n, g) for g in globs))
+    )
 
 
 def is_rank_file_name(name: str) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 import stat
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import read_header
 from reshard.manifest import FileRecord, Manifest, ManifestProblem, parse, piece_paths, read_json, write_manifest
-from reshard.names import PIECE_MANIFEST_GLOB, parse_rank_file, vllm_globs
+from reshard.names import PIECE_MANIFEST_GLOB, unlisted_rank_files
 from reshard.serve import serve_in
 
 
@@ -108,14 +107,13 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
 def _check_unlisted(out_dir: Path, first: Manifest) -> None:
     """No rank file the job does not list lies in the folder: vLLM would load it with its rank, and
     verify fails it (a stale part, another job's file)."""
-    listed = set(first.all_files or ())
-    globs = vllm_globs(tp=first.layout.tp, pp=first.layout.pp)
-    for name in sorted(os.listdir(out_dir)):
-        if name not in listed and (parse_rank_file(name) or any(fnmatch.fnmatchcase(name, g) for g in globs)):
-            raise OutputError(
-                f"{out_dir / name} is not a file of this job (no piece manifest lists it): vLLM would load it",
-                "remove it, then assemble again",
-            )
+    lay = first.layout
+    unlisted = unlisted_rank_files(os.listdir(out_dir), set(first.all_files or ()), tp=lay.tp, pp=lay.pp)
+    if unlisted:
+        raise OutputError(
+            f"{out_dir / unlisted[0]} is not a file of this job (no piece manifest lists it): vLLM would load it",
+            "remove it, then assemble again",
+        )
 
 
 def _entries(out_dir: Path, pieces: list[tuple[Path, Manifest]]) -> dict[str, tuple[Path, FileRecord]]:

@@ -51,7 +51,7 @@ class BucketOutputSource(Source):
         self.url = url
         self.view = BucketView(url, SourceError)
         self.manifest = manifest = _manifest(self.view)
-        check_complete(str(url), manifest, None)
+        check_complete(str(url), manifest)
         self.checksums = checksums and manifest.checksum != NONE
         _check_objects(self.view, manifest, store=checksums)
         self.root = Path(tempfile.mkdtemp(prefix="reshard-source-side-"))

@@ -12,11 +12,9 @@ The output is read through a `FolderView`: a local folder here, a bucket folder 
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint, Reader, Source
@@ -25,25 +23,13 @@ from reshard.folderview import FolderView, LocalView, view_manifest
 from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest, SideRecord
-from reshard.names import parse_rank_file, vllm_globs
-from reshard.plan import Cols, OutTensor, Piece, Slice, Stack, build_plan, natural_key
+from reshard.names import unlisted_rank_files
+from reshard.plan import Cols, Piece, Slice, Stack, build_plan, natural_key
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import Group, OutputReader, Region, Regions
 
 VIRTUAL = "<reshard-output>"
 _WHOLE = 1 << 62  # a part size no rank reaches: one planned file per rank
-
-
-@dataclass(frozen=True)
-class _Listed:
-    """One of the output's files, as its manifest lists it: its tensors as planned, in file order."""
-
-    name: str
-    tensors: list[OutTensor]
-
-
-def rank_label_of(rank: tuple[int, int]) -> str:
-    return f"pp rank {rank[0]}, tp rank {rank[1]}"
 
 
 class OutputSource(Source):
@@ -54,7 +40,7 @@ class OutputSource(Source):
         self.path = path
         view = LocalView(path)
         manifest = view_manifest(view)
-        check_complete(str(path), manifest, None)
+        check_complete(str(path), manifest)
         if checksums:
             check_files(path, manifest)
         ref = {"path": str(path.resolve())}
@@ -89,7 +75,7 @@ def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> 
     old = build_plan(
         Checkpoint(None, config, original, [VIRTUAL], manifest.source), manifest.layout, max_part_size=_WHOLE
     )
-    check_complete(path, manifest, None)
+    check_complete(path, manifest)
     planned = {(f.pp_rank, f.tp_rank): {t.name: t for t in f.tensors} for f in old.files}
     held: dict[tuple[int, int], list[str]] = {}
     for mf in manifest.files:
@@ -99,17 +85,16 @@ def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> 
         if sorted(names) != sorted(tensors_of_rank):
             odd = sorted(set(names) ^ set(tensors_of_rank)) or ["a tensor listed twice"]
             raise CorruptError(
-                f"{path} is not a complete reshard output: the files of {rank_label_of(rank)} do not hold the "
+                f"{path} is not a complete reshard output: the files of pp rank {rank[0]}, tp rank {rank[1]} do not hold the "
                 f"tensors its layout gives that rank ({odd[0]})",
                 "run `reshard verify` on it, or reshard the original checkpoint",
             )
     plain: dict[str, list[Region]] = {}
     dtypes: dict[str, str] = {}
     stacks: dict[tuple[str, ...], list] = {}  # a Stack's sources -> [dtype, its parts]
-    for mf in manifest.files:
-        header, _, _ = view.header(mf.name)
-        f = _Listed(mf.name, [planned[mf.rank][r.name] for r in mf.tensors])
-        for t in f.tensors:
+    for f in manifest.files:
+        header, _, _ = view.header(f.name)
+        for t in (planned[f.rank][r.name] for r in f.tensors):
             if t.name not in header:
                 raise CorruptError(f"{view.where(f.name)}: tensor {t.name} is missing", "the output is damaged")
             pos = header[t.name].offset
@@ -222,21 +207,16 @@ def _tile(name: str, shape: tuple[int, ...], regs: list[Region], sizes: dict) ->
     return unique
 
 
-def check_complete(path: str, manifest: Manifest, planned: list[str] | None) -> None:
-    """Refuse what `verify` calls incomplete: a piece's manifest, a rank of the layout without files,
-    or (once planned again) a planned file the manifest does not list."""
+def check_complete(path: str, manifest: Manifest) -> None:
+    """Refuse what `verify` calls incomplete: a piece's manifest, or a rank of the layout without files."""
     lay = manifest.layout
     have = {f.rank for f in manifest.files}
     missing = [(p, t) for p in range(lay.pp) for t in range(lay.tp) if (p, t) not in have]
-    listed = {f.name for f in manifest.files}
-    unlisted = [n for n in planned or () if n not in listed]
     why = (
         "its manifest is a --ranks piece's"
         if manifest.ranks is not None
         else f"its manifest lists no file for pp rank {missing[0][0]}, tp rank {missing[0][1]}"
         if missing
-        else f"its manifest does not list {unlisted[0]}"
-        if unlisted
         else None
     )
     if why:
@@ -291,11 +271,9 @@ def check_files(path: Path, manifest: Manifest) -> None:
 
     listed = {f.name for f in manifest.files}
     lay = manifest.layout
-    globs = vllm_globs(tp=lay.tp, pp=lay.pp)
     stray = [  # what vLLM would load with the ranks' files, and verify fails
         f"{n} is not in the manifest (a rank file of another run?)"
-        for n in sorted(os.listdir(path))
-        if n not in listed and (parse_rank_file(n) or any(fnmatch.fnmatchcase(n, g) for g in globs))
+        for n in unlisted_rank_files(os.listdir(path), listed, tp=lay.tp, pp=lay.pp)
     ]
     with ThreadPoolExecutor(max_workers=4) as pool:
         problems = [p for p in pool.map(check, manifest.files) if p]

@@ -12,7 +12,6 @@ staging folders) is checked on the local one, what only a bucket can have in `ve
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from reshard.names import (
     TMP_PREFIX,
     parse_rank_file,
     siblings,
-    vllm_globs,
+    unlisted_rank_files,
 )
 from reshard.plan import natural_key
 from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, rank_label
@@ -272,15 +271,13 @@ def _check_against_manifest(report: Report, folder: Folder) -> None:
         msg = f"the manifest lists files for {rank_label(r, lay.pp)}, outside {lay}"
         report.add("manifest", msg, code=CORRUPT, file=MANIFEST)
     listed = {f.name for f in folder.files}
-    globs = vllm_globs(tp=lay.tp, pp=lay.pp)
-    for name in sorted((n for n in view.names() if "/" not in n), key=natural_key):
-        loaded = any(fnmatch.fnmatchcase(name, g) for g in globs)
-        if (loaded or parse_rank_file(name)) and name not in listed:
-            msg = (
-                f"{name} is not in the manifest (left by another run?): vLLM would load "
-                f"it with its rank; remove it or {RERUN}"
-            )
-            report.add("stray", msg, code=CORRUPT, file=name)
+    names = unlisted_rank_files((n for n in view.names() if "/" not in n), listed, tp=lay.tp, pp=lay.pp)
+    for name in sorted(names, key=natural_key):
+        msg = (
+            f"{name} is not in the manifest (left by another run?): vLLM would load "
+            f"it with its rank; remove it or {RERUN}"
+        )
+        report.add("stray", msg, code=CORRUPT, file=name)
     assert folder.manifest is not None
     for name in folder.manifest.copied:
         if not view.exists(name):
