@@ -79,7 +79,7 @@ def _online(repo, *, headers_only: bool, stream: bool):
         for f in files:  # cut short or grown: fetched again before its header is read (and refused)
             size = (root / f).stat().st_size
             if f in repo.lfs and repo.lfs_size.get(f, size) != size:
-                refetch(repo, root, f, f"of {size} bytes, not the commit's {repo.lfs_size[f]}", repo.lfs[f])
+                refetch(repo, root, f, "", repo.lfs[f], why=f"{size} bytes, the commit's {repo.lfs_size[f]}")
         return LocalSource(root, ref, expected, fix=lambda name, got, want: refetch(repo, root, name, got, want))
     return HubSource(repo, root, files, stream=stream)
 
@@ -120,9 +120,9 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
 _CHUNK = 16 * 1024 * 1024  # bytes per request when fetching a cached file again
 
 
-def refetch(repo, root: Path, name: str, got: str, want: str) -> None:
-    """Online, `name` of the complete cached snapshot `root` hashed to `got` (or, "of N bytes, not
-    the commit's M", is of another size), not the commit's `want`:
+def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = None) -> None:
+    """Online, `name` of the complete cached snapshot `root` hashed to `got`, not the commit's `want`
+    (`why`: what else is wrong with it, said instead, e.g. its size):
     fetch it again (RESHARD_HUB_CONNECTIONS ranges at once) into a file of its own beside its blob,
     hashing as it arrives, and rename that over the blob once it hashes to `want` (fsynced first).
     One line on stderr says so. Exit 4 if the Hub's bytes do not hash to `want` either (the cached
@@ -172,7 +172,7 @@ def refetch(repo, root: Path, name: str, got: str, want: str) -> None:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
-    why = got if got.startswith("of ") else f"sha256 {got[:12]}…, the commit's is {want[:12]}…"
+    why = why or f"sha256 {got[:12]}…, the commit's is {want[:12]}…"
     line = f"reshard: the cached copy of {where} was corrupt ({why}); fetched it again from the Hub and checked it\n"
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(line)
