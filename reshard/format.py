@@ -269,7 +269,9 @@ def _entry(path: str, name: str, entry: object, start: int, size: int, file_name
     if dtype not in ITEMSIZE:
         raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
     nbytes = math.prod(shape) * ITEMSIZE[dtype]
-    if end - begin != nbytes or begin < 0:
+    if begin < 0:
+        raise SourceError(f"{path}: tensor {name!r} starts at a negative offset {begin}", _REDOWNLOAD)
+    if end - begin != nbytes:
         raise SourceError(
             f"{path}: tensor {name!r} spans {end - begin} bytes but its shape needs {nbytes}",
             _REDOWNLOAD,

@@ -157,6 +157,8 @@ def _lock_error(out_dir: Path, path: Path, e: OSError) -> OutputError:
             f"the lock path {path} is a symbolic link, not reshard's lock (it is not followed)",
             "remove it, then rerun",
         )
+    if e.errno == errno.EISDIR:
+        return OutputError(f"the lock path {path} is a folder, not reshard's lock", "remove it, then rerun")
     if e.errno in (errno.EMFILE, errno.ENFILE):
         return too_many_files()
     return OutputError(f"cannot write beside {out_dir}: {e.strerror or e}", "choose another OUT_DIR")

@@ -89,6 +89,23 @@ def test_malformed_header(tiny, tmp_path, case):
     assert "model.safetensors" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("what", ["absent", "a folder", "a FIFO"])
+def test_a_shard_the_index_names_that_is_not_a_file(tiny, tmp_path, what):
+    import os
+
+    src = corrupt(tiny, tmp_path, shards=2)
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    shard.unlink()
+    if what == "a folder":
+        shard.mkdir()
+    elif what == "a FIFO":
+        os.mkfifo(shard)  # never opened, so never waited on
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and err.count("\n") == 1, err
+    says = "are missing" if what == "absent" else f"not a regular file ({what})"
+    assert shard.name in err and says in err, err
+
+
 def test_out_dir_under_a_regular_file(tiny, tmp_path):
     (tmp_path / "file").write_text("x")
     code, _, err = run("save", str(tiny("llama")), str(tmp_path / "file" / "out"), "--tp", "2")

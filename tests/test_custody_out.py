@@ -259,11 +259,15 @@ def test_a_symlink_at_the_lock_path_is_not_followed(tiny, tmp_path):
     assert not out.exists()
 
 
-def test_a_lock_path_that_is_not_a_regular_file_is_refused(tiny, tmp_path):
+@pytest.mark.parametrize("what", ["a FIFO", "a folder"])
+def test_a_lock_path_that_is_not_a_regular_file_is_refused(tiny, tmp_path, what):
     out = tmp_path / "out"
-    os.mkfifo(tmp_path / ".out.reshard.lock")
+    planted = tmp_path / ".out.reshard.lock"
+    os.mkfifo(planted) if what == "a FIFO" else planted.mkdir()
     code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "2")
-    assert code == 5 and "not a regular file" in err, err
+    assert code == 5 and "not reshard's lock" in err and "remove it, then rerun" in err, err
+    assert "not a regular file" in err if what == "a FIFO" else "is a folder" in err
+    assert planted.exists() and not out.exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a folder to another user")

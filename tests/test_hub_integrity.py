@@ -241,7 +241,12 @@ def test_local_source_sha256_file(folder, tmp_path):
 
     short = tmp_path / "short"
     short.write_text(good.read_text().splitlines()[0] + "\n")
-    one_line_error(local_save(folder, tmp_path / "out3", "--source-sha256", str(short)), 4, "lists no sha256")
+    # the option's file itself wrong: a usage error (exit 2), as a missing one is (click's check)
+    one_line_error(local_save(folder, tmp_path / "out3", "--source-sha256", str(short)), 2, "lists no sha256")
+    bad = tmp_path / "bad"
+    bad.write_text("not a checksum\n")
+    one_line_error(local_save(folder, tmp_path / "out3", "--source-sha256", str(bad)), 2, "bad:1: not a `sha256sum` line")
+    assert not (tmp_path / "out3").exists()
 
 
 def test_local_hf_download_metadata_is_used_else_unchecked(folder, tmp_path):

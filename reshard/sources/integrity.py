@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from reshard.errors import SourceError
+from reshard.errors import SourceError, UsageError
 from reshard.manifest.schema import SourceFileRecord
 
 HUB = "hub-lfs-sha256 verified"
@@ -115,14 +115,14 @@ def read_sha256_file(path: Path) -> dict[str, str]:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise SourceError(f"--source-sha256 {path}: cannot read ({e})") from e
+        raise UsageError(f"--source-sha256 {path}: cannot read ({e})", "give a readable `sha256sum` file") from e
     out = {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line.strip())
         if not m:
-            raise SourceError(f"--source-sha256 {path}:{n}: not a `sha256sum` line", "write it with `sha256sum FILES`")
+            raise UsageError(f"--source-sha256 {path}:{n}: not a `sha256sum` line", "write it with `sha256sum FILES`")
         out[os.path.basename(m.group(2).removeprefix("./"))] = m.group(1).lower()
     return out
 
@@ -133,7 +133,7 @@ def local_expected(root: Path, files: list[str], sha_file: Path | None) -> Expec
     if sha_file is not None:
         missing = [f for f in files if f not in listed]
         if missing:
-            raise SourceError(
+            raise UsageError(
                 f"--source-sha256 {sha_file} lists no sha256 for {', '.join(missing[:3])}",
                 "list every safetensors file of the source (`sha256sum *.safetensors`)",
             )

@@ -10,7 +10,7 @@ from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.folderview import FolderView
-from reshard.format import TensorInfo, open_regular, read_header
+from reshard.format import TensorInfo, kind, open_regular, read_header
 from reshard.names import CONFIG, HF_QUANT_CONFIG, INDEX, SINGLE
 from reshard.sources.integrity import Expected, Fix, check_files, local_expected
 from reshard.sources.validate import check_config, check_index
@@ -161,6 +161,12 @@ def weight_files(root: Path) -> list[str]:
         except (OSError, ValueError, RecursionError) as e:
             raise SourceError(f"{index}: cannot parse ({e})", "download the checkpoint again") from e
         missing = [f for f in files if not (root / f).is_file()]
+        odd = [f for f in missing if (root / f).exists()]
+        if odd:
+            raise SourceError(
+                f"{root / odd[0]}: named in {INDEX} but not a regular file ({kind((root / odd[0]).stat().st_mode)})",
+                "replace it with the shard's file, e.g. `hf download REPO`",
+            )
         if missing:
             raise SourceError(
                 f"{root}: {len(missing)} shard(s) named in {INDEX} are missing: {', '.join(missing[:3])}",
@@ -174,3 +180,4 @@ def weight_files(root: Path) -> list[str]:
         hint = "reshard reads safetensors only; convert .bin checkpoints first"
         raise SourceError(f"{root}: no *.safetensors weights found", hint)
     return found
+
