@@ -146,6 +146,8 @@ def merge(
         "not_in_output": [n for n in ckpt.missing if n not in restored],
         "config_patch": config_patch,
         "lossy": lossy,
+        # saved with --language-model-only: no vision encoder here, so vLLM must be told not to build one
+        "language_model_only": bool(ckpt.manifest and ckpt.manifest.layout.language_model_only),
     }
 
 

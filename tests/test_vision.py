@@ -111,6 +111,12 @@ def test_language_model_only_leaves_the_tower_out(tiny, tmp_path):
     assert any("under visual. left out" in n for n in result.plan.notes)
     lay = read_manifest(tmp_path / "out").layout
     assert (lay.mm_encoder_tp_mode, lay.language_model_only) == (None, True)
+    # merged back, it is a checkpoint without its tower: the note says how vLLM serves it
+    code, out, err = run("merge", str(tmp_path / "out"), str(tmp_path / "hf"))
+    assert code == 0, err
+    assert f"serve it with `vllm serve {tmp_path / 'hf'} --language-model-only`" in " ".join(out.split())
+    code, out, _ = run("merge", str(tmp_path / "out"), str(tmp_path / "hf2"), "--json")
+    assert code == 0 and json.loads(out)["language_model_only"] is True
 
 
 def test_text_only_families_and_text_models_record_it(tiny):

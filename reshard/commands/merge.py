@@ -79,6 +79,11 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
             f"note: {len(missing)} tensor(s) of the original are not in the sharded output (vLLM does not load "
             f"them, e.g. {missing[0]}) and were not written"
         )
+    if result["language_model_only"]:
+        stdout.print(
+            "note: the output was saved with --language-model-only, so the merged checkpoint holds no vision "
+            f"encoder: serve it with `vllm serve {hf_dir} --language-model-only`"
+        )
     for key, value in result["config_patch"].items():
         stdout.print(f"note: config.json {key} set to {value}: the merged checkpoint has no such layers")
     if result["lossy"]:
