@@ -9,7 +9,9 @@ output, starts a vLLM engine (`vllm.LLM`, CPU build) per loader and cache state,
 * `reshard` with `--model-loader-extra-config '{"checksums": false}'`,
 
 each with a cold page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`, needs root) and a warm one
-(the files read once just before). Recorded: vLLM's own "Loading weights took" (the slowest rank) and
+(the files read once just before). In every cold round the disk's own floor is timed too: every rank's
+files read once with O_DIRECT, all at once, four streams per file (as the plugin reads them), into
+memory touched beforehand: no cold load of those bytes can beat it on this disk. Recorded: vLLM's own "Loading weights took" (the slowest rank) and
 the engine start (`LLM(...)` returning). Run it under /work/tools/vllm-slot where vLLM runs are
 rationed; `--vllm-python` must have reshard's entry point installed (`pip install --no-deps -e .`).
 Prints a Markdown section (and writes it to --out when given) and the raw runs as JSON (--json).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import re
 import shutil
@@ -26,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from reshard.names import parse_rank_file, rank_files_in
@@ -74,6 +78,29 @@ def warm(folder: Path) -> None:
         with open(p, "rb") as f:
             while f.read(64 << 20):
                 pass
+
+
+def disk_floor(files: list[Path], streams: int = 4, chunk: int = 32 << 20) -> float:
+    """Seconds to read `files` once with O_DIRECT, all at once, `streams` readers per file each taking
+    every `streams`-th chunk (the plugin's pattern), into buffers touched beforehand."""
+
+    def stream(path: Path, k: int) -> None:
+        buf = mmap.mmap(-1, chunk)
+        buf.write(b"\0" * chunk)  # touched: the floor is the disk's, not the first touch of memory
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            pos = k * chunk
+            while os.preadv(fd, [buf], pos) == chunk:
+                pos += streams * chunk
+        finally:
+            os.close(fd)
+            buf.close()
+
+    jobs = [(p, k) for p in files for k in range(streams)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        list(pool.map(lambda j: stream(*j), jobs))
+    return time.perf_counter() - t0
 
 
 def run_one(vpy: str, script: Path, path: Path, fmt: str, tp: int, extra: dict, log: Path) -> dict:
@@ -128,7 +155,12 @@ def bench(a: argparse.Namespace) -> dict:
     script.write_text(SCRIPT)
     cold_ok = drop_caches()
     runs: dict[str, list[dict]] = {f"{n}|{c}": [] for n in LOADERS for c in ("cold", "warm")}
+    floors: list[float] = []
     for rep in range(a.reps):
+        if cold_ok:
+            drop_caches()
+            floors.append(disk_floor(rank_files_in(out)))
+            print(f"[loaders] round {rep + 1} disk floor (O_DIRECT, every rank file): {floors[-1]:.2f} s", flush=True)
         for name, (fmt, where, extra) in LOADERS.items():
             path = src if where == "src" else out
             for cache in ("cold", "warm"):
@@ -153,6 +185,7 @@ def bench(a: argparse.Namespace) -> dict:
         "reps": a.reps,
         "cold": cold_ok,
         "runs": runs,
+        "floors": floors,
         "rank_bytes": sum(p.stat().st_size for p in rank0),
         "started": a.started,
         "load_end": os.getloadavg(),
@@ -187,6 +220,23 @@ def report(r: dict, command: str) -> str:
         w = [x["weights"] for x in rs]
         each, ready = " ".join(f"{x:.3f}" for x in w), med([x["ready"] for x in rs])
         lines.append(f"| {name} | {cache} | {med(w):.3f} | {each} | {ready:.1f} |")
+    floors, default = r.get("floors") or [], r["runs"].get("default loader (original checkpoint)|cold") or []
+    if floors and default:
+        ratios = {
+            name: med([x["weights"] / d["weights"] for x, d in zip(rs, default, strict=False)])
+            for key, rs in r["runs"].items()
+            if key.endswith("|cold") and rs and (name := key.split("|")[0]) != "default loader (original checkpoint)"
+        }
+        floor_ratio = med([f / d["weights"] for f, d in zip(floors, default, strict=False)])
+        lines += [
+            "",
+            f"Disk floor, cold: every rank file read once with O_DIRECT, all at once, 4 streams per file, into "
+            f"memory touched beforehand: {med(floors):.3f} s (runs {' '.join(f'{x:.2f}' for x in floors)}), "
+            f"{floor_ratio:.2f} of the default loader's time (median of per-round ratios); no cold load of these "
+            "bytes from this disk can take less. Cold, per-round ratio to the default loader (median): "
+            + ", ".join(f"{name} {v:.2f}" for name, v in ratios.items())
+            + ".",
+        ]
     lines += ["", f"Load average at the end: {r['load_end'][0]:.1f} (other jobs share this 2-core machine).", ""]
     return scrub("\n".join(lines))
 
