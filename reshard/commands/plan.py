@@ -29,6 +29,10 @@ def plan_cmd(source, layout, revision, show_tensors, out_dir, trust_remote_code,
 
     For a Hub repo id only config.json and the safetensors headers are fetched, so a model's
     per-GPU footprint is known before it is downloaded.
+
+    Bytes are tensor bytes: `--json`'s `total_bytes` and each rank's `bytes` count the tensors the
+    rank holds (its GPU footprint), `source_bytes` the source's tensors; the files `save` writes add
+    their safetensors headers (a few KB each), which the manifest's `total_bytes` counts too.
     """
     from reshard.plan import build_plan
     from reshard.sources import open_source
