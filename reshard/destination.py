@@ -27,7 +27,8 @@ from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.io.writer import FileWriter, Sink
 from reshard.manifest import Manifest, manifest_bytes, read_manifest, write_manifest
 from reshard.names import BUCKET_HANDOVER, BUCKET_HANDOVER_GLOB, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
-from reshard.publish import side_files, staged, swap_in
+from reshard.publish import staged, swap_in
+from reshard.sidefiles import side_files
 from reshard.store import BucketURL, is_bucket_url, parse_bucket_url
 
 if TYPE_CHECKING:

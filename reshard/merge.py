@@ -23,8 +23,9 @@ from reshard.names import CONFIG, INDEX, MANIFEST, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
 from reshard.plan.gptq import restore_g_idx
 from reshard.plan.intquant import weight_shapes
-from reshard.publish import copy_files, side_files, staged, swap_in, write_config
+from reshard.publish import staged, swap_in
 from reshard.rules import get_architecture
+from reshard.sidefiles import copy_files, side_files, write_config
 from reshard.sources import OutputSource
 from reshard.sources.bucket_output import BucketOutputSource
 from reshard.sources.output import lossy_tensors

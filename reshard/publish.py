@@ -28,7 +28,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import json
 import os
 import shutil
 import signal
@@ -38,15 +37,11 @@ from pathlib import Path
 
 from reshard.format import fsync_dir
 from reshard.names import (
-    CONFIG,
     HIDDEN_PREFIX,
-    INDEX,
     MANIFEST,
     OLD,
     STAGING,
     TMP_PREFIX,
-    WEIGHT_SUFFIXES,
-    is_rank_file_name,
     sibling,
     siblings,
 )
@@ -59,28 +54,6 @@ from reshard.outdir import (
     make_dir,
     write_error,
 )
-from reshard.sidecopy import copy_side_files
-
-
-def side_files(root: Path) -> list[str]:
-    """Non-weight files vLLM's example copies next to the rank files: config, tokenizer, generation
-    config, ... (not weights, indexes, manifests or hidden files)."""
-    out = []
-    for p in sorted(root.iterdir()):
-        if p.name.startswith(".") or p.name in (INDEX, MANIFEST) or p.name.endswith(WEIGHT_SUFFIXES):
-            continue
-        if is_rank_file_name(p.name):
-            continue
-        out.append(p.name)
-    return out
-
-
-def copy_files(src: Path, names: Iterable[str], dst: Path) -> None:
-    """Copy files (and folders) `names` from `src` into `dst` as regular files, keeping times and
-    modes. A symlink leading out of the source (or its Hub cache repo folder) or a special file
-    (FIFO, device, socket) raises SourceError (exit 4) naming it (reshard.sidecopy)."""
-    copy_side_files(src, list(names), dst)
-
 
 # ---- the publish sequence -------------------------------------------------------------------------
 
@@ -111,14 +84,6 @@ def staged(
             raise write_error(out_dir, e) from e
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def write_config(folder: Path, config: dict, patch: dict) -> None:
-    """config.json with `patch` applied (to its text_config too, where the model keeps one)."""
-    config = {**config, **patch}
-    if isinstance(config.get("text_config"), dict):
-        config["text_config"] = {**config["text_config"], **patch}
-    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
 # ---- staging and the swap ------------------------------------------------------------------------

@@ -32,13 +32,13 @@ from reshard.io.writer import Written
 from reshard.layout import Layout
 from reshard.manifest import Manifest, build_manifest, side_file_entries, write_manifest
 from reshard.manifest.pieces import assemble, same_job
-from reshard.names import CONFIG, MANIFEST, piece_manifest_name
+from reshard.names import MANIFEST, piece_manifest_name
 from reshard.optional import import_torch
 from reshard.outdir import make_dir, write_error
 from reshard.plan import OutFile, Plan, build_plan
-from reshard.publish import copy_files, move_into, side_files, write_config
+from reshard.publish import move_into
+from reshard.sidefiles import write_side_files
 from reshard.sources import open_source
-from reshard.sources.local import quant_config_from_file
 from reshard.sources.output import check_lossless_reshard
 
 
@@ -182,17 +182,7 @@ def _manifest(
     checksum: str,
 ) -> Manifest:
     """Copy the side files into the staging folder; the manifest of what was written."""
-    assert ckpt.root is not None
-    code = plan.remote_code
-    copied = [n for n in side_files(ckpt.root) if n not in code.skip_files]
-    patched = plan.config_patch or code.drop_config_keys
-    plain = [n for n in copied if not (n == CONFIG and patched)]
-    copy_files(ckpt.root, plain, folder)
-    if len(plain) < len(copied):
-        config = {k: v for k, v in ckpt.config.items() if k not in code.drop_config_keys}
-        if quant_config_from_file(ckpt.root):  # read from hf_quant_config.json, which is copied as it is
-            config.pop("quantization_config", None)
-        write_config(folder, config, plan.config_patch)
+    copied = write_side_files(ckpt, plan, folder)
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return build_manifest(
         plan,

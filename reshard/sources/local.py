@@ -180,4 +180,3 @@ def weight_files(root: Path) -> list[str]:
         hint = "reshard reads safetensors only; convert .bin checkpoints first"
         raise SourceError(f"{root}: no *.safetensors weights found", hint)
     return found
-
