@@ -435,6 +435,63 @@ def test_deep_names_flipped_tensor(clean, out):
     assert len(errors(rep)) == 1
 
 
+def _relist_side_file(out_dir, name):
+    """Record `name`'s present bytes in the manifest, as a folder that lies would: the manifest's
+    own checksums then pass, and only SOURCE can tell."""
+    manifest = json.loads((out_dir / "reshard.json").read_text())
+    path = out_dir / name
+    entry = {"name": name, "size": path.stat().st_size, "blake3": blake3.blake3(path.read_bytes()).hexdigest()}
+    rest = [e for e in manifest["copied_files"] if e["name"] != name]
+    manifest["copied_files"] = sorted([*rest, entry], key=lambda e: e["name"])
+    if name not in manifest["copied"]:
+        manifest["copied"] = sorted([*manifest["copied"], name])
+    (out_dir / "reshard.json").write_text(json.dumps(manifest))
+
+
+def test_copied_files_are_compared_with_the_source(clean, out):
+    code, rep = run(out, "--against", clean[0])
+    assert code == 0 and "copied" in rep["checked"], rep["findings"]
+    assert rep["stats"]["copied_files_compared"] == len(json.loads((out / "reshard.json").read_text())["copied_files"])
+    assert run(out)[0] == 0  # the edits below pass the manifest's own checks: only SOURCE tells
+
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "rope_theta": 1.0}, indent=2) + "\n")
+    _relist_side_file(out, "config.json")
+    (out / "chat_template.jinja").write_text("{{ messages }}")  # a file the source does not have
+    _relist_side_file(out, "chat_template.jinja")
+    assert run(out)[0] == 0
+    code, rep = run(out, "--against", clean[0])
+    assert code == 7, rep["findings"]
+    assert "differs from what a save of" in one(rep, "copied", file="config.json")["message"]
+    assert "is not a file a save of" in one(rep, "copied", file="chat_template.jinja")["message"]
+    assert len(errors(rep)) == 2
+
+
+def test_a_source_file_the_output_lacks_is_a_warning(clean, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(clean[0], src)
+    (src / "README.md").write_text("added after the save\n")
+    code, rep = run(clean[1], "--against", src)
+    assert code == 0, rep["findings"]
+    (warn,) = [f for f in rep["findings"] if f["kind"] == "copied"]
+    assert warn["severity"] == "warning" and "README.md" in warn["message"]
+
+
+def test_a_config_the_save_rewrote_is_derived_again(tiny, tmp_path):
+    """config.json written anew by the save (an auto_map dropped without --trust-remote-code) is
+    compared with what that rule gives, and with it the code's files left out."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny("llama"), src)
+    config = json.loads((src / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "modeling_x.py").write_text("raise SystemExit('never run')\n")
+    save(str(src), tmp_path / "o", tp=2, max_part_size=DEFAULT_MAX_PART)
+    assert "auto_map" not in json.loads((tmp_path / "o" / "config.json").read_text())
+    code, rep = run(tmp_path / "o", "--against", src)
+    assert code == 0 and "copied" in rep["checked"], rep["findings"]
+
+
 def test_deep_needs_against(clean):
     result = CliRunner().invoke(cli, ["verify", str(clean[1]), "--deep"])
     assert result.exit_code == 2 and "--against" in result.output

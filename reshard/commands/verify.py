@@ -59,8 +59,8 @@ PER_KIND = 6  # of one kind
 @click.option(
     "--against",
     metavar="SOURCE",
-    help="Derive the expected keys from this checkpoint (folder or Hub repo id); works on folders "
-    "without reshard.json, e.g. written by vLLM's save_sharded_state.",
+    help="Derive the expected keys and copied files from this checkpoint (folder or Hub repo id); works on "
+    "folders without reshard.json, e.g. written by vLLM's save_sharded_state.",
 )
 @click.option(
     "--deep",
@@ -83,6 +83,9 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
       keys       per rank, the keys, dtypes and shapes vLLM's sharded_state loader expects,
                  derived again from config.json and the source headers in the manifest
                  (or from --against SOURCE)
+      copied     (--against SOURCE) every copied file (config, tokenizer, ...) is the one a
+                 save of SOURCE writes: the manifest's digests cannot tell a swapped file
+                 whose digest was rewritten too
       checksums  every file's checksum against the manifest (blake3, or sha256 as it names)
       deep       (--against SOURCE --deep) every byte against what SOURCE produces
 

@@ -7,7 +7,8 @@ Four layers of checks, cheapest first:
   written by the manifest's run; every rank of the layout has files; no stray rank files lie around.
 - keys (`keys.py`): the keys, dtypes and shapes every rank must hold are derived again (the copied
   config.json plus the source headers recorded in the manifest, or `--against SOURCE`) and diffed
-  per rank with what the headers hold, each difference told as vLLM's ShardedStateLoader would meet it.
+  per rank with what the headers hold, each difference told as vLLM's ShardedStateLoader would meet it;
+  with `--against SOURCE` the copied files too (`sidefiles.py`): each the file a save of SOURCE writes.
 - integrity (`integrity.py`): every file's checksum against the manifest (the algorithm it names:
   blake3, sha256 for manifests without the field, or none).
 - deep (`deep.py`, `--against SOURCE --deep`): every output byte regenerated from the source by the
@@ -34,7 +35,7 @@ from reshard.serve import PLUGIN_LOAD_FORMAT, plain_line, serve_in
 from reshard.sources import open_source
 from reshard.store import is_bucket_url, parse_bucket_url
 from reshard.store.view import BucketView
-from reshard.verify import bucket, integrity, keys, structure
+from reshard.verify import bucket, integrity, keys, sidefiles, structure
 from reshard.verify.deep import compare, locate
 from reshard.verify.report import CORRUPT, LAX_EXTRA_CONFIG, LAX_LOADER, CheckedFile, Finding, Progress, Report
 
@@ -94,6 +95,7 @@ def verify(
         source = open_source(against, revision, headers_only=not deep)
         ckpt = source.checkpoint
         keys.compare_source_tensors(report, folder, ckpt, against)
+        sidefiles.compare_side_files(report, folder, ckpt, against)
     expected = keys.expected_plan(report, folder, ckpt, against)
     keys.check_asked(report, folder, expected)
     pending = structure.headers_vs_manifest(folder)
