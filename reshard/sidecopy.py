@@ -5,6 +5,9 @@ target lies inside the source: the source folder itself or, for a Hugging Face c
 cache folder of its repo (`models--ORG--NAME`, whose snapshots link into `../../blobs/`). A link
 that leads elsewhere (a secret, `/dev/zero`) and any special file (FIFO, device, socket) is refused
 with a SourceError (exit 4) naming it: nothing outside the source is read, nothing blocks.
+
+A copied folder's weight files (`WEIGHT_SUFFIXES`: a Llama download's `original/consolidated.00.pth`,
+the same weights in Meta's format, 16 GB for an 8B model) are left out: vLLM reads the rank files.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from reshard.errors import SourceError
 from reshard.format import kind, open_regular
+from reshard.names import WEIGHT_SUFFIXES
 
 HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")  # the Hub cache's repo folders
 
@@ -70,6 +74,8 @@ def _copy(src: Path, path: Path, to: Path, roots: list[Path]) -> None:
     if real.is_dir():
         to.mkdir(exist_ok=True)
         for child in sorted(real.iterdir()):
+            if child.name.endswith(WEIGHT_SUFFIXES):  # weights in another format (Llama's original/*.pth)
+                continue
             _copy(src, path / child.name, to / child.name, roots)
         shutil.copystat(real, to)
         return

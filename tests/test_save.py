@@ -133,3 +133,28 @@ def test_padded_moe_backend_verifies_and_reshards(tiny, tmp_path, arch, backend)
             and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
             for k in a
         )
+
+
+def test_weights_in_a_copied_folder_are_left_out(tiny, tmp_path):
+    """A Llama download's `original/` holds the same weights in Meta's format (16 GB for an 8B
+    model): its other files are copied, as vLLM's save_sharded_state example copies folders, the
+    weights never."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny("llama"), src)
+    (src / "original").mkdir()
+    (src / "original" / "consolidated.00.pth").write_bytes(b"\0" * 4096)
+    (src / "original" / "params.json").write_text('{"dim": 64}')
+    (src / "original" / "tokenizer.model").write_bytes(b"tok")
+    out = tmp_path / "out"
+    save(str(src), out, tp=2, max_part_size=DEFAULT_MAX_PART)
+    assert sorted(p.name for p in (out / "original").iterdir()) == ["params.json", "tokenizer.model"]
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert "original" in manifest["copied"]
+    copied = [e["name"] for e in manifest["copied_files"]]
+    assert "original/params.json" in copied and not [n for n in copied if n.endswith(".pth")]
+    from tests.fixtures.cli import run
+
+    code, stdout, err = run("verify", str(out), "--against", str(src))
+    assert code == 0, stdout + err
