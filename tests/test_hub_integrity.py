@@ -245,7 +245,9 @@ def test_local_source_sha256_file(folder, tmp_path):
     one_line_error(local_save(folder, tmp_path / "out3", "--source-sha256", str(short)), 2, "lists no sha256")
     bad = tmp_path / "bad"
     bad.write_text("not a checksum\n")
-    one_line_error(local_save(folder, tmp_path / "out3", "--source-sha256", str(bad)), 2, "bad:1: not a `sha256sum` line")
+    one_line_error(
+        local_save(folder, tmp_path / "out3", "--source-sha256", str(bad)), 2, "bad:1: not a `sha256sum` line"
+    )
     assert not (tmp_path / "out3").exists()
 
 
