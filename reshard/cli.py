@@ -9,11 +9,12 @@ import os
 import select
 import signal
 import sys
+import traceback
 
 import click
 
 from reshard import __version__, settings
-from reshard.errors import ExitCode, ReshardError
+from reshard.errors import CorruptError, ExitCode, OutputError, ReshardError, SourceError, UnsupportedError, UsageError
 
 
 class _StdoutClosed(Exception):
@@ -158,18 +159,18 @@ def _main(argv: list[str] | None) -> None:
         sys.exit(int(ExitCode.USAGE))
     except click.UsageError as e:
         where = "reshard" + (f" {args[0]}" if args and args[0] in cli.commands else "")
-        _fail(f"{e.format_message()} (see `{where} --help`)", ExitCode.USAGE, as_json, "usage")
+        _fail(f"{e.format_message()} (see `{where} --help`)", ExitCode.USAGE, as_json, USAGE_KIND)
     except click.ClickException as e:
-        _fail(e.format_message(), e.exit_code, as_json, "usage")
+        _fail(e.format_message(), e.exit_code, as_json, USAGE_KIND)
     except ReshardError as e:
-        if debug:
-            raise
-        _fail(str(e), e.exit_code, as_json, type(e).__name__)
+        if debug:  # the traceback too; the error, its code and --json's object as ever
+            traceback.print_exc()
+        _fail(str(e), e.exit_code, as_json, _kind(e))
     except Exception as e:
         if debug:
-            raise
+            traceback.print_exc()
         msg = f"internal error: {type(e).__name__}: {e} (rerun with RESHARD_DEBUG=1 and report it)"
-        _fail(msg, ExitCode.INTERNAL, as_json, "internal")
+        _fail(msg, ExitCode.INTERNAL, as_json, "InternalError")
     try:
         sys.stdout.flush()
     except BrokenPipeError:
@@ -195,6 +196,15 @@ def _interrupted(as_json: bool, command: str) -> None:
         _fail(msg, ExitCode.INTERRUPTED, as_json, "interrupted_after_publishing")
     msg = "interrupted; nothing was published and a previous output is unchanged"
     _fail(msg, ExitCode.INTERRUPTED, as_json, "interrupted")
+
+
+USAGE_KIND = "UsageError"  # every exit 2 (click's, a bad RESHARD_* value, ...): one kind a CI job can match
+_KINDS = (UsageError, UnsupportedError, SourceError, OutputError, CorruptError)  # one kind per exit code
+
+
+def _kind(e: ReshardError) -> str:
+    """--json's error.kind: the documented class of the error, not a subclass's name."""
+    return next((k.__name__ for k in _KINDS if isinstance(e, k)), type(e).__name__)
 
 
 def _fail(message: str, code: int, as_json: bool, kind: str) -> None:

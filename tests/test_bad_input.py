@@ -149,10 +149,25 @@ def test_json_failures_are_json_on_stdout(tmp_path, cmd):
     assert (obj.get("error") or {}).get("code", code) == code
 
 
-def test_json_usage_error_is_json(tiny):
+def test_json_usage_error_is_json(tiny, tmp_path):
     code, out, _ = run("plan", str(tiny("llama")), "--tp", "zero", "--json")
     assert code == 2
-    assert json.loads(out)["error"]["code"] == 2
+    assert json.loads(out)["error"] == {"code": 2, "kind": "UsageError", "message": json.loads(out)["error"]["message"]}
+    # every exit 2 is one kind, whoever found it: click, reshard's own checks, a RESHARD_* value
+    bad = tmp_path / "sums"
+    bad.write_text("junk\n")
+    ours = run("save", str(tiny("llama")), str(tmp_path / "o"), "--source-sha256", str(bad), "--json")
+    assert ours[0] == 2 and json.loads(ours[1])["error"]["kind"] == "UsageError"
+
+
+def test_debug_adds_the_traceback_and_keeps_the_code(tmp_path, monkeypatch):
+    """RESHARD_DEBUG=1 is for reading a failure, not for changing it: the same exit code, the same
+    --json object and error line, the traceback on stderr before them."""
+    monkeypatch.setenv("RESHARD_DEBUG", "1")
+    code, out, err = run("save", str(tmp_path / "nope"), str(tmp_path / "out"), "--json")
+    assert code == 4 and json.loads(out)["error"]["kind"] == "SourceError"
+    assert err.startswith("Traceback (most recent call last):") and "SourceError" in err
+    assert err.splitlines()[-1].startswith("reshard: error: ") and "no such folder" in err.splitlines()[-1]
 
 
 def test_tp_is_not_read_from_the_environment(tiny, monkeypatch):
