@@ -20,11 +20,14 @@ def run() -> None:
 
         as_command()  # this process is reshard's own: its metadata may be frozen (reshard.bulk)
     except KeyboardInterrupt:
-        print(
-            "reshard: error: interrupted; nothing was published and a previous output is unchanged",
-            file=sys.stderr,
-            flush=True,
-        )
+        message = "interrupted; nothing was published and a previous output is unchanged"
+        if "--json" in sys.argv[1:]:  # as every failure under --json: one object on stdout (reshard.cli._fail)
+            error = '{"code": 130, "kind": "interrupted", "message": "' + message + '"}'
+            try:
+                print('{"ok": false, "error": ' + error + "}", flush=True)
+            except OSError:  # stdout closed by its reader: stderr still tells
+                pass
+        print(f"reshard: error: {message}", file=sys.stderr, flush=True)
         sys.exit(130)
     try:
         main()

@@ -199,6 +199,27 @@ def test_a_signal_after_the_run_changes_nothing(tiny, tmp_path, sig):
     assert run("verify", str(out))[0] == 0
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_interrupt_while_importing_is_exit_130_and_json_too(tmp_path, as_json):
+    """A Ctrl-C that lands while reshard's modules are still importing (here: raised by the first
+    reshard import, as a signal there would): exit 130, one error line, and under --json the one
+    object on stdout every failure gives."""
+    code = (
+        "import sys, reshard.bulk\n"
+        "def stop(): raise KeyboardInterrupt\n"
+        "reshard.bulk.as_command = stop\n"
+        f"sys.argv = ['reshard', 'plan', {str(tmp_path)!r}] + {['--json'] if as_json else []!r}\n"
+        "from reshard.__main__ import run\n"
+        "run()\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 130 and p.stderr.startswith("reshard: error: interrupted") and p.stderr.count("\n") == 1
+    if as_json:
+        assert json.loads(p.stdout)["error"] == {"code": 130, "kind": "interrupted", "message": p.stderr[16:].strip()}
+    else:
+        assert p.stdout == ""
+
+
 def test_repo_id_offline_from_cache(tiny, tmp_path):
     commit = lay_out_hub_cache(tmp_path / "hf", "acme/tiny-llama", tiny("llama", shards=2))
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "RESHARD_DISABLE_PROGRESS": "1"}
