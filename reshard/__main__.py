@@ -3,6 +3,7 @@
 A signal that arrives while the modules are still being imported would otherwise print a traceback.
 """
 
+import contextlib
 import os
 import sys
 
@@ -23,10 +24,8 @@ def run() -> None:
         message = "interrupted; nothing was published and a previous output is unchanged"
         if "--json" in sys.argv[1:]:  # as every failure under --json: one object on stdout (reshard.cli._fail)
             error = '{"code": 130, "kind": "interrupted", "message": "' + message + '"}'
-            try:
+            with contextlib.suppress(OSError):  # stdout closed by its reader: stderr still tells
                 print('{"ok": false, "error": ' + error + "}", flush=True)
-            except OSError:  # stdout closed by its reader: stderr still tells
-                pass
         print(f"reshard: error: {message}", file=sys.stderr, flush=True)
         sys.exit(130)
     try:
