@@ -112,18 +112,40 @@ def serve_in(line: str, folder: str) -> str:
     return f"{line[: at + len(_SERVE)]}{shlex.quote(folder)}{line[end:]}"
 
 
-_SHELL = set(";&|`$<>\\\n\r")  # what no serve line reshard writes holds, but for the bucket lines' one `&&`
+_BARE = re.compile(r"[\w@%+=:,./ -]")  # what a shell takes literally outside quotes (shlex.quote's safe set)
+
+
+def _inert(text: str) -> bool:
+    """Does a shell read `text` as plain words only: outside quotes nothing but `_BARE`, inside
+    single quotes anything but a line break, inside double quotes nothing it expands ($, `, \\).
+    shlex.quote's quoting passes (a path holding `'`, `$` or a backtick); `x; rm -rf ~` does not."""
+    state = ""  # "", "'" or '"'
+    for ch in text:
+        if ch in "\n\r":
+            return False
+        if state == "'":
+            state = "" if ch == "'" else state
+        elif state == '"':
+            if ch in "$`\\":
+                return False
+            state = "" if ch == '"' else state
+        elif ch in "'\"":
+            state = ch
+        elif not _BARE.match(ch):
+            return False
+    return state == ""
 
 
 def plain_line(line: object) -> bool:
     """Could `line` be a serve line reshard wrote: text starting with `vllm serve` (after environment
     settings) or a bucket's `aws s3 cp ... && ...`, with nothing else a shell would act on (a folder
-    from elsewhere may hold `vllm serve x; rm -rf ~`: verify does not repeat such a line)."""
+    from elsewhere may hold `vllm serve x; rm -rf ~`: verify does not repeat such a line; a path
+    reshard quoted, `'out $HOME'`, is plain)."""
     if not isinstance(line, str) or len(line) > 16384:
         return False
     body = line.split(" && ", 1)[1] if line.startswith("aws s3 cp ") and line.count(" && ") == 1 else line
     head = line.split(" && ", 1)[0] if body is not line else ""
-    if _SHELL & set(body) or _SHELL & set(head):
+    if not _inert(body) or not _inert(head):
         return False
     words = body.split(" ")
     while words and _ENV.match(words[0]):

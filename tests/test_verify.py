@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -638,7 +639,13 @@ def test_a_serve_line_reshard_would_not_write_is_not_repeated(tiny, tmp_path):
     code, report = run(out)
     assert code == 0 and report["loads_with"]["serve"].startswith(f"vllm serve {out} --load-format sharded_state")
     m = json.loads((out / "reshard.json").read_text())
-    for bad in (f"vllm serve {out}; rm -rf ~ --load-format sharded_state", ["vllm", "serve"], "echo pwned"):
+    hostile = (
+        f"vllm serve {out}; rm -rf ~ --load-format sharded_state",
+        f"vllm serve {out} --x $(id) --load-format sharded_state",
+        f'vllm serve "{out}`id`" --load-format sharded_state',
+        f"vllm serve '{out}",  # an unclosed quote
+    )
+    for bad in (*hostile, ["vllm", "serve"], "echo pwned"):
         m["serve"] = bad
         (out / "reshard.json").write_text(json.dumps(m))
         code, report = run(out)
@@ -646,3 +653,14 @@ def test_a_serve_line_reshard_would_not_write_is_not_repeated(tiny, tmp_path):
             assert report["loads_with"]["serve"] is None, (bad, report["loads_with"])
         else:
             assert code == 7, (bad, report)  # a value of the wrong type is a malformed manifest
+
+
+def test_a_folder_whose_path_a_shell_would_expand_keeps_its_serve_line(tiny, tmp_path):
+    """A path holding `'`, `$` or a backtick is quoted in reshard's serve lines, and verify repeats
+    them: quoted, they are plain words to the shell (they were dropped as hostile)."""
+    out = tmp_path / "out it's $HOME `x`"
+    save(str(tiny("llama")), out, tp=2)
+    code, report = run(out)
+    line = report["loads_with"]["serve"]
+    assert code == 0 and line is not None, report["loads_with"]
+    assert shlex.split(line)[:3] == ["vllm", "serve", str(out)], line
