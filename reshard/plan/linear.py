@@ -17,6 +17,7 @@ from reshard.plan.linearslots import (
     LinearLayout,
     bias_tensor,
     check_shapes,
+    config_int,
     qkv_rows,
     slot_sources,
     split_rows,
@@ -34,10 +35,24 @@ def replicate(ctx: Context, m: Replicate, prefix: str, per_tp: list[list[OutTens
     if not m.quant:
         target = prefix + m.name
         t = ctx.src(f"{prefix}{m.hf}.{m.param}", target)
+        if m.shape:
+            _check_whole_shape(ctx, t, m.shape)
         for r in range(ctx.tp):
             per_tp[r].append(OutTensor(f"{target}.{m.param}", m.dtype or ctx.dtype, t.shape, (whole(t),)))
         return
     _linear(ctx, LinearLayout(m, (m.hf,), param=m.param), prefix, per_tp)
+
+
+def _check_whole_shape(ctx: Context, t: TensorInfo, keys: tuple[str, ...]) -> None:
+    """A replicated tensor's shape against config.json (`Replicate.shape`)."""
+    want = [config_int(ctx, k) for k in keys]
+    if len(t.shape) != len(want) or any(w is not None and w != s for w, s in zip(want, t.shape, strict=True)):
+        said = ", ".join(f"{k} {w}" for k, w in zip(keys, want, strict=True) if w is not None)
+        raise SourceError(
+            f"{t.name} has shape {list(t.shape)}, expected {[w if w is not None else '*' for w in want]} "
+            f"(from config.json {said})",
+            "the tensor is damaged or reshaped, or config.json does not match the weights",
+        )
 
 
 def column(ctx: Context, m: Column, prefix: str, per_tp: list[list[OutTensor]]) -> None:

@@ -93,6 +93,16 @@ def check_shapes(ctx: Context, lay: LinearLayout, weights: list[TensorInfo], out
             )
 
 
+def _not_scalar(w: TensorInfo) -> TensorInfo:
+    """A layer's weight has rows: a 0-d one is a damaged checkpoint (exit 4), not an IndexError."""
+    if not w.shape:
+        raise SourceError(
+            f"{w.name} is a scalar (shape []); a linear layer's weight has rows",
+            "the checkpoint is damaged or not of the architecture its config.json names",
+        )
+    return w
+
+
 def config_int(ctx: Context, key: str | None) -> int | None:
     value = ctx.config.get(key) if key else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -112,8 +122,10 @@ def slot_sources(
         return sized_slots(ctx, lay.sizes, target, slots, param)
     if not lay.fused:
         weights = [ctx.src(f"{s}.{param}", target) for s in slots]
+        for w in weights:
+            _not_scalar(w)
         return weights, [0] * len(weights), [w.shape[0] for w in weights]
-    w = ctx.src(f"{slots[0]}.{param}", target)
+    w = _not_scalar(ctx.src(f"{slots[0]}.{param}", target))
     total, n = w.shape[0], len(lay.fused)
     if lay.heads:
         d = ctx.dims

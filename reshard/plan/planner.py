@@ -17,7 +17,7 @@ from reshard.plan.context import Context, dims_from_config
 from reshard.plan.files import assign_files
 from reshard.plan.geometry import divisors
 from reshard.plan.kvscales import vllm_kv_name
-from reshard.plan.model import OutTensor, Plan
+from reshard.plan.model import OutTensor, Plan, Slice
 from reshard.plan.remote import RemoteCode, remote_code
 from reshard.plan.slicers import add_module, padded_vocab
 from reshard.plan.towers import check_towers, plan_towers, resolve_mm, skipped_prefixes, tower_pins
@@ -96,6 +96,7 @@ def _build_plan(
         for tp_rank, tensors in enumerate(plan_stage(ctx, ranges, pp_rank)):
             per_rank[(pp_rank, tp_rank)] = tensors
         plan_towers(ctx, layout, [per_rank[(pp_rank, r)] for r in range(tp)])  # on every stage, as vLLM
+    check_casts(ctx, per_rank)
     check_unused(ctx, ranges, skipped_prefixes(arch, layout))
     return Plan(
         source=ckpt.ref,
@@ -117,6 +118,29 @@ def _build_plan(
         remote_code=code,
         layout_only=not pieces,
     )
+
+
+FLOATS = frozenset(("F16", "BF16", "F32"))  # what a plain slice is cast between (reshard.io.dtypes)
+
+
+def check_casts(ctx: Context, per_rank: dict[tuple[int, int], list[OutTensor]]) -> None:
+    """A floating-point parameter is filled from floating-point tensors only: a norm stored as I64,
+    BOOL or F64 is a damaged checkpoint (exit 4 here, before anything is written; it failed in the
+    middle of the save). Quantized parameters (integer, FP8, FP4) follow their formats' own rules."""
+    tensors = ctx.ckpt.tensors
+    for rank in per_rank.values():
+        for t in rank:
+            if t.dtype not in FLOATS:
+                continue
+            for p in t.pieces:
+                if type(p) is not Slice or p.scale is not None:
+                    continue
+                src = tensors.get(p.source)
+                if src is not None and src.dtype != t.dtype and src.dtype not in FLOATS:
+                    raise SourceError(
+                        f"{src.name} is {src.dtype}, where vLLM's {t.name} holds {t.dtype}",
+                        "the checkpoint is damaged, or config.json does not describe these weights",
+                    )
 
 
 def platform_note(arch_name: str, platform: str | None) -> list[str]:

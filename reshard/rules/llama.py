@@ -15,13 +15,15 @@ MAPPER = WeightsMapper(
     }
 )
 
+HIDDEN = ("hidden_size",)  # a norm over the residual stream
+
 TOP = (
     Vocab("model.embed_tokens"),
-    Replicate("model.norm"),
+    Replicate("model.norm", shape=HIDDEN),
     Vocab("lm_head", tied="model.embed_tokens"),
 )
 
-NORMS = (Replicate("input_layernorm"), Replicate("post_attention_layernorm"))
+NORMS = (Replicate("input_layernorm", shape=HIDDEN), Replicate("post_attention_layernorm", shape=HIDDEN))
 
 # (rows, columns) of each HF weight, as config.json names them
 FROM_HIDDEN = (None, "hidden_size")
@@ -63,8 +65,8 @@ QWEN3_ATTENTION = (
     *NORMS,
     QKV("self_attn.qkv_proj", bias="attention_bias", dims=FROM_HIDDEN),
     Row("self_attn.o_proj"),
-    Replicate("self_attn.q_norm"),
-    Replicate("self_attn.k_norm"),
+    Replicate("self_attn.q_norm", shape=("head_dim",)),
+    Replicate("self_attn.k_norm", shape=("head_dim",)),
     ATTN,
 )
 

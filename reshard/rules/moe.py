@@ -41,7 +41,7 @@ QWEN3_MOE = Architecture(
     layer=QWEN3_ATTENTION,
     dense_mlp=MLP,
     moe_mlp=(
-        Replicate("mlp.experts.gate", "mlp.gate", quant=True),  # built with the quant config
+        Replicate("mlp.experts.gate", "mlp.gate", quant=True, dims=("num_experts", "hidden_size")),  # quant config
         Experts("mlp.experts.routed_experts", "mlp.experts", tp_at_most_experts=True),
     ),
     is_moe_layer=sparse_layer,
@@ -58,7 +58,7 @@ QWEN2_MOE = Architecture(
     layer=QWEN2_ATTENTION,
     dense_mlp=MLP,
     moe_mlp=(
-        Replicate("mlp.gate"),  # not handed to the runner: no alias, never quantized
+        Replicate("mlp.gate", shape=("num_experts", "hidden_size")),  # no alias, never quantized
         Experts("mlp.experts.routed_experts", "mlp.experts", tp_at_most_experts=True),
         Merged(
             SHARED + "gate_up_proj",
@@ -93,7 +93,7 @@ MIXTRAL = Architecture(
         ATTN,
     ),
     moe_mlp=(
-        Replicate("block_sparse_moe.gate"),
+        Replicate("block_sparse_moe.gate", shape=("num_local_experts", "hidden_size")),
         Experts("block_sparse_moe.experts.routed_experts", "block_sparse_moe.experts", names=("w1", "w3", "w2")),
     ),
     is_moe_layer=lambda config, layer: True,

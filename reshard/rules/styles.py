@@ -87,11 +87,16 @@ class Replicate(Linear):
     Attributes:
         param: the parameter's name under both the vLLM and the checkpoint module (not quantized),
             e.g. `e_score_correction_bias`.
+        shape: not quantized: the config keys of the tensor's whole shape, one per dimension
+            (`("hidden_size",)` for a norm), checked before anything is written: vLLM builds the
+            parameter so, and a source tensor of another shape would be copied whole, passing
+            verify. A key config.json lacks leaves its dimension unchecked; () checks nothing.
     """
 
     _: KW_ONLY
     quant: bool = False
     param: str = "weight"
+    shape: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
