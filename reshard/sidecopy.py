@@ -50,8 +50,10 @@ def check_side_file(src: Path, path: Path, roots: list[Path] | None = None) -> P
                     "replace the link with the file itself, or remove it",
                 )
             st = real.stat()
+    except RuntimeError as e:  # Path.resolve's "Symlink loop" (Python < 3.13)
+        raise SourceError(f"{src}: side file {name} is a symlink loop ({e})", _FIX) from e
     except OSError as e:
-        raise SourceError(f"{src}: cannot read side file {name} ({e.strerror or e})") from e
+        raise SourceError(f"{src}: cannot read side file {name} ({e.strerror or e})", _FIX) from e
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         raise SourceError(
             f"{src}: side file {name} is not a regular file ({kind(st.st_mode)}): not copied",
@@ -60,23 +62,29 @@ def check_side_file(src: Path, path: Path, roots: list[Path] | None = None) -> P
     return real
 
 
+_FIX = "replace it with the file itself, or remove it from the source folder"
+
+
 def copy_side_files(src: Path, names: list[str], dst: Path) -> None:
     """Copy `names` (files and folders) from `src` into `dst` as regular files, keeping times and
     modes; every file checked by `check_side_file` first. Raises SourceError for a refused or
     unreadable source file, OSError for a failed write."""
     roots = allowed_roots(src)
     for name in names:
-        _copy(src, src / name, dst / name, roots)
+        _copy(src, src / name, dst / name, roots, ())
 
 
-def _copy(src: Path, path: Path, to: Path, roots: list[Path]) -> None:
+def _copy(src: Path, path: Path, to: Path, roots: list[Path], above: tuple[Path, ...]) -> None:
     real = check_side_file(src, path, roots)
     if real.is_dir():
+        here = real.resolve()
+        if here in above:  # a link to a folder it lies in (`x/up -> ..`): copied, it would never end
+            raise SourceError(f"{src}: side folder {_shown(src, path)} is a link back to a folder above it", _FIX)
         to.mkdir(exist_ok=True)
         for child in sorted(real.iterdir()):
             if child.name.endswith(WEIGHT_SUFFIXES):  # weights in another format (Llama's original/*.pth)
                 continue
-            _copy(src, path / child.name, to / child.name, roots)
+            _copy(src, path / child.name, to / child.name, roots, (*above, here))
         shutil.copystat(real, to)
         return
     try:

@@ -57,6 +57,8 @@ INDEX_CASES = {
     "weight_map empty": lambda i: {"weight_map": {}},
     "file a number": lambda i: {"weight_map": dict.fromkeys(i["weight_map"], 7)},
     "file outside": lambda i: {"weight_map": dict.fromkeys(i["weight_map"], "../x.safetensors")},
+    # vLLM globs the folder's own files: a shard in sub/ is never loaded (reshard read ./x.safetensors)
+    "file in a subfolder": lambda i: {"weight_map": {k: f"sub/{v}" for k, v in i["weight_map"].items()}},
 }
 
 

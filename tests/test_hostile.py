@@ -86,6 +86,25 @@ def test_side_file_fifo_is_refused_and_blamed_on_the_source(src, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("how", ["two links to each other", "a folder's link to its parent", "a dangling link"])
+def test_side_file_links_that_lead_nowhere_are_refused(src, tmp_path, how):
+    """Links a copy would chase forever or that point at nothing: exit 4 naming them, not a
+    RuntimeError (exit 1) or a copy 40 folders deep."""
+    if how == "two links to each other":
+        os.symlink("loopb", src / "loopa")
+        os.symlink("loopa", src / "loopb")
+    elif how == "a folder's link to its parent":
+        (src / "x").mkdir()
+        os.symlink("..", src / "x" / "up")
+    else:
+        os.symlink("nothere", src / "vocab.txt")
+    out = tmp_path / "out"
+    code, err = cli("save", str(src), str(out), "--tp", "2")
+    assert code == 4 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "remove it from the source folder" in err
+    assert not out.exists()
+
+
 def test_side_file_linked_inside_the_source_is_copied_as_a_file(src, tmp_path):
     (src / "extra").mkdir()
     (src / "extra" / "chat_template.jinja").write_text("{{ messages }}\n")

@@ -140,5 +140,10 @@ def check_index(index: object, where: str) -> list[str]:
         path = PurePosixPath(file)
         if path.is_absolute() or ".." in path.parts:
             raise SourceError(f"{where}: weight_map[{name!r}] = {file!r} points outside the checkpoint folder")
+        if len(path.parts) != 1 or "\\" in file:
+            raise SourceError(
+                f"{where}: weight_map[{name!r}] = {file!r} names a file in a subfolder",
+                "vLLM loads only the folder's own *.safetensors: put the shards beside the index",
+            )
         files.setdefault(file)
     return list(files)
