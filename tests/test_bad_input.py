@@ -108,6 +108,29 @@ def test_a_shard_the_index_names_that_is_not_a_file(tiny, tmp_path, what):
     assert shard.name in err and says in err, err
 
 
+def test_an_empty_path_argument_is_a_usage_error(tiny):
+    """`reshard save SRC ""` would silently write the current folder."""
+    for args in (["save", str(tiny("llama")), ""], ["save", "", "out"], ["plan", " "], ["verify", ""]):
+        code, _, err = run(*args)
+        assert code == 2 and "is empty" in err and err.count("\n") == 1, (args, err)
+
+
+def test_an_unreadable_source_folder_is_a_bad_source(tiny, tmp_path, monkeypatch):
+    """A folder this user cannot read: exit 4 saying so (click's readable check made it a usage
+    error, and without it reading reshard.json raised PermissionError, exit 1). Root reads any
+    folder, so the permission is denied through os.access, as a non-root user meets it."""
+    import os
+
+    import reshard.sources as sources
+
+    src = corrupt(tiny, tmp_path)
+    real = os.access
+    monkeypatch.setattr(sources.os, "access", lambda p, mode: False if Path(p) == src else real(p, mode))
+    for cmd in (["plan", str(src)], ["save", str(src), str(tmp_path / "out")]):
+        code, _, err = run(*cmd)
+        assert code == 4 and "cannot read the folder (permission denied)" in err, err
+
+
 def test_out_dir_under_a_regular_file(tiny, tmp_path):
     (tmp_path / "file").write_text("x")
     code, _, err = run("save", str(tiny("llama")), str(tmp_path / "file" / "out"), "--tp", "2")

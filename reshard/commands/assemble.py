@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from reshard.commands.options import json_option
+from reshard.commands.options import Location, json_option
 from reshard.commands.save import plural
 from reshard.console import emit_json, stdout
 from reshard.names import MANIFEST
@@ -18,7 +18,7 @@ from reshard.vllm_versions import serve_note
     "assemble",
     epilog="Exit codes: 0 ok, 2 usage, 4 no piece manifest, 5 files missing or a file no piece lists, 7 pieces damaged or of two jobs, 130 interrupted (`reshard --help`).",
 )
-@click.argument("out_dir", type=click.Path(path_type=Path))  # missing: exit 4 (assemble), as a SOURCE
+@click.argument("out_dir", type=Location(path_type=Path))  # missing: exit 4 (assemble), as a SOURCE
 @json_option
 def assemble_cmd(out_dir, as_json):
     """Write reshard.json for a folder filled by `save --ranks` pieces, once every file is in.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from reshard.commands.options import ByteSize, json_option
+from reshard.commands.options import ByteSize, Location, json_option
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
 from reshard.errors import SourceError
 
@@ -16,8 +16,8 @@ from reshard.errors import SourceError
     "merge",
     epilog="Exit codes: 0 ok, 2 usage, 3 unsupported (a lossy merge without --allow-lossy), 4 bad source, 5 HF_DIR refused, 7 OUT_DIR corrupt or incomplete, 130 interrupted (`reshard --help`).",
 )
-@click.argument("out_dir", type=click.Path())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
-@click.argument("hf_dir", type=click.Path(path_type=Path))  # a file there: refused (exit 5), as save's OUT_DIR
+@click.argument("out_dir", type=Location())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
+@click.argument("hf_dir", type=Location(path_type=Path))  # a file there: refused (exit 5), as save's OUT_DIR
 @click.option(
     "--max-shard-size",
     type=ByteSize(),

@@ -30,6 +30,20 @@ class ByteSize(click.ParamType):
         return n
 
 
+class Location(click.Path):
+    """A folder, repo id or s3:// URL argument: completed as a path by shells; an empty one refused
+    (`""` would silently mean the current folder); readability left to the command, which tells an
+    unreadable SOURCE as a bad source (exit 4), not as a usage error."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(readable=False, **kwargs)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("is empty: give a folder (`.` for the current one)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def parse_partition(value: str | None) -> list[int] | None:
     """`--pp-layer-partition 24,24,23,23` -> [24, 24, 23, 23]; each count a positive integer."""
     if not value:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from reshard import VLLM_VERSIONS
-from reshard.commands.options import json_option, layout_options, revision_option, trust_remote_code_option
+from reshard.commands.options import Location, json_option, layout_options, revision_option, trust_remote_code_option
 from reshard.console import emit_json, human_bytes, stdout
 from reshard.serve import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
@@ -15,7 +15,7 @@ from reshard.vllm_versions import serve_note
     "plan",
     epilog="Exit codes: 0 ok, 2 usage, 3 unsupported model or layout, 4 bad source, 130 interrupted (`reshard --help`).",
 )
-@click.argument("source", type=click.Path())  # a folder, a repo id or s3://...: completed as a path
+@click.argument("source", type=Location())  # a folder, a repo id or s3://...: completed as a path
 @layout_options
 @revision_option
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor of every rank.")

@@ -11,6 +11,7 @@ import click
 from reshard import VLLM_VERSIONS
 from reshard.commands.options import (
     ByteSize,
+    Location,
     json_option,
     layout_options,
     revision_option,
@@ -29,8 +30,8 @@ from reshard.vllm_versions import serve_note
     "save",
     epilog="Exit codes: 0 ok, 2 usage, 3 unsupported model or layout, 4 bad source, 5 output refused (not empty, disk full, locked, store errors), 7 an output used as SOURCE is corrupt or incomplete, 130 interrupted (`reshard --help`).",
 )
-@click.argument("source", type=click.Path())  # a folder, a repo id or s3://...: completed as a path
-@click.argument("out_dir", type=click.Path())  # a folder (a file: refused, exit 5) or s3://bucket/prefix/
+@click.argument("source", type=Location())  # a folder, a repo id or s3://...: completed as a path
+@click.argument("out_dir", type=Location())  # a folder (a file: refused, exit 5) or s3://bucket/prefix/
 @layout_options
 @click.option(
     "--max-part-size",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from reshard.commands.options import json_option, revision_option
+from reshard.commands.options import Location, json_option, revision_option
 from reshard.console import byte_progress, emit_json, human_bytes, stdout
 from reshard.errors import ExitCode
 
@@ -21,7 +21,7 @@ PER_KIND = 6  # of one kind
 
 
 @click.command("verify")
-@click.argument("out_dir", type=click.Path())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
+@click.argument("out_dir", type=Location())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
 @click.option(
     "--strict/--lax",
     default=True,

@@ -6,6 +6,7 @@ safetensors headers; no tensor byte read, no torch imported) and `open_reader()`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from reshard.checkpoint import Source
@@ -52,6 +53,8 @@ def open_source(
         if revision or stream:  # options of a repo id: asked of a folder, they would do nothing
             flag = "--revision" if revision else "--stream"
             raise UsageError(f"{flag} applies to Hub repo ids, but {spec} is a local folder", f"drop {flag}")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise SourceError(f"{spec}: cannot read the folder (permission denied)", "make it readable by this user")
         if (path / MANIFEST).is_file():
             if sha256_file is not None:
                 raise UsageError(

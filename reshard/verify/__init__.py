@@ -25,6 +25,7 @@ Findings, not exceptions: `verify()` returns a `Report` (`report.py`) whose exit
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from reshard import vllm_versions
@@ -80,6 +81,11 @@ def verify(
     report = Report(view.local or view.display, source=against)
     if view.local is not None and not view.local.is_dir():
         report.add("missing", f"{view.local}: no such folder (check the path)", code=CORRUPT)
+        return report
+    if view.local is not None and not os.access(view.local, os.R_OK | os.X_OK):
+        report.add(
+            "unreadable", f"{view.local}: cannot read the folder (permission denied; make it readable)", code=CORRUPT
+        )
         return report
     folder = structure.read_folder(report, view, tp=tp, pp=pp, ep=ep, against=against)
     if isinstance(view, BucketView):
