@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterator
@@ -29,12 +30,7 @@ def check_out_dir(out_dir: Path, source_root: Path | None, overwrite: bool, labe
     """Refuse an OUT_DIR inside the source (or around it), a file, or a non-empty folder unasked;
     `label`: what the command calls it (merge writes HF_DIR)."""
     out = out_dir.resolve()
-    if source_root is not None:
-        src = source_root.resolve()
-        if out == src or src in out.parents:
-            raise OutputError(f"{label} {out_dir} is inside the source folder {source_root}", "write elsewhere")
-        if out in src.parents:
-            raise OutputError(f"the source folder {source_root} is inside {label} {out_dir}", "write elsewhere")
+    check_apart(out_dir, source_root, label)
     _check_parents(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputError(
@@ -45,13 +41,54 @@ def check_out_dir(out_dir: Path, source_root: Path | None, overwrite: bool, labe
         raise OutputError(f"{label} {out_dir} is not empty", f"pass --overwrite to replace {what}")
 
 
+def check_apart(out_dir: Path, source_root: Path | None, label: str = "OUT_DIR") -> None:
+    """Refuse an OUT_DIR inside the source or around it: checked before anything is made (the lock's
+    folder included), so that a refused run leaves the source as it was."""
+    if source_root is None:
+        return
+    out, src = out_dir.resolve(), source_root.resolve()
+    if out == src or src in out.parents:
+        raise OutputError(f"{label} {out_dir} is inside the source folder {source_root}", "write elsewhere")
+    if out in src.parents:
+        raise OutputError(f"the source folder {source_root} is inside {label} {out_dir}", "write elsewhere")
+
+
 def is_mount(out_dir: Path) -> bool:
-    """OUT_DIR is a mount point (or another filesystem than its parent's): it cannot be swapped."""
+    """OUT_DIR is a mount point (or another filesystem than its parent's, or a bind mount of the
+    same one: /proc/self/mountinfo): it cannot be swapped."""
     out = out_dir.resolve()
     try:
-        return out.is_dir() and (os.path.ismount(out) or out.stat().st_dev != out.parent.stat().st_dev)
+        if not out.is_dir():
+            return False
+        return os.path.ismount(out) or out.stat().st_dev != out.parent.stat().st_dev or str(out) in _mount_points()
     except OSError:
         return False
+
+
+def _mount_points() -> set[str]:
+    """Every mount point of this process's namespace (bind mounts included), as /proc/self/mountinfo
+    lists them (field 5, octal escapes decoded); empty where it cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    points = set()
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            points.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+    return points
+
+
+def holds_cwd(out_dir: Path) -> bool:
+    """This process's working folder is OUT_DIR or inside it (`reshard save SRC .`): swapping the
+    folder would leave the shell that ran reshard in the old, removed one."""
+    try:
+        cwd, out = Path.cwd().resolve(), out_dir.resolve()
+    except OSError:
+        return False
+    return cwd == out or out in cwd.parents
 
 
 def check_writable(out_dir: Path, base: Path) -> None:

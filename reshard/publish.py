@@ -46,9 +46,11 @@ from reshard.names import (
     siblings,
 )
 from reshard.outdir import (
+    check_apart,
     check_free_space,
     check_out_dir,
     check_writable,
+    holds_cwd,
     is_mount,
     lock,
     make_dir,
@@ -68,10 +70,12 @@ def staged(
     yield it; the caller fills it and publishes (`swap_in` or `move_into`) inside the block. A write
     error is told as an OutputError; the staging folder never outlives the block. OUT_DIR a mount
     point: the staging folder is made inside it (and `swap_in` moves the files in)."""
+    check_apart(out_dir, source, label)  # before the lock's folder is made: a refused run touches no source
     with lock(out_dir):
         recover(out_dir)  # first: a folder an interrupted swap took away is put back
         check_out_dir(out_dir, source, overwrite, label)
-        inside = is_mount(out_dir)  # staged inside it: beside it is another filesystem
+        # staged inside it: beside it is another filesystem, or the shell that ran reshard stands in it
+        inside = is_mount(out_dir) or holds_cwd(out_dir)
         base = out_dir.resolve() if inside else out_dir.resolve().parent
         make_dir(base)
         check_writable(out_dir, base)

@@ -223,6 +223,51 @@ def test_a_mount_point_out_dir_is_published_inside_itself(tiny, tmp_path):
 
 
 @needs_mounts
+def test_a_bind_mount_of_the_same_filesystem_is_published_inside_itself(tiny, tmp_path):
+    """A bind mount shares its parent's device: only /proc/self/mountinfo tells it is one (the swap
+    failed with EBUSY, exit 5)."""
+    (tmp_path / "backing").mkdir()
+    out = tmp_path / "vol"
+    out.mkdir()
+    rs = f"{sys.executable} -m reshard"
+    r = _in_mount_namespace(
+        f"""
+        mount --bind {tmp_path / "backing"} {out}
+        {rs} save {tiny("llama")} {out} --tp 2
+        {rs} save {tiny("llama")} {out} --tp 4 --overwrite
+        {rs} verify {out} --tp 4
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "backing" / "reshard.json").is_file()  # the files went through the mount
+
+
+def test_a_save_into_the_current_folder_keeps_the_folder(tiny, tmp_path, monkeypatch):
+    """`reshard save SRC .` from an empty folder: the files are moved into the folder, which stays
+    the same folder (a swap put a new one in its place: the shell stood in a removed folder, and
+    the serve line `vllm serve .` named nothing)."""
+    out = tmp_path / "here"
+    out.mkdir()
+    inode = out.stat().st_ino
+    monkeypatch.chdir(out)
+    for extra in ([], ["--tp", "4", "--overwrite"]):
+        code, _, err = run("save", str(tiny("llama")), ".", "--tp", "2", *extra)
+        assert code == 0, err
+        assert out.stat().st_ino == inode and Path.cwd().samefile(out)
+        assert run("verify", ".")[0] == 0
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_an_out_dir_inside_the_source_creates_nothing_there(tiny, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny("llama"), src)
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    code, _, err = run("save", str(src), str(src / "a" / "b" / "out"), "--tp", "2")
+    assert code == 5 and "inside the source folder" in err, err
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
+
+
+@needs_mounts
 def test_a_read_only_out_dir_is_refused_before_anything_is_written(tiny, tmp_path):
     out = tmp_path / "vol"
     out.mkdir()
