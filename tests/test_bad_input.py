@@ -51,6 +51,15 @@ def test_malformed_config(tiny, tmp_path, case):
         assert err.startswith("reshard: error: ") and err.count("\n") == 1 and "config.json" in err
 
 
+def test_a_config_with_a_byte_order_mark_is_refused(tiny, tmp_path):
+    """json.loads takes a UTF-8 BOM; transformers' reader (vLLM's) does not: the copy would not load."""
+    src = corrupt(tiny, tmp_path)
+    (src / "config.json").write_bytes(b"\xef\xbb\xbf" + (src / "config.json").read_bytes())
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and "byte-order mark" in err and "remove it" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 INDEX_CASES = {
     "index a list": lambda i: [i],
     "weight_map a number": lambda i: {"weight_map": 5},

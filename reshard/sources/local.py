@@ -82,7 +82,10 @@ def read_json(path: Path) -> object:
     """A source's JSON file: regular (a FIFO is refused, not waited on), read up to MAX_JSON bytes
     (a longer one fails to parse). Raises OSError, ValueError, RecursionError."""
     with os.fdopen(open_regular(path), "rb") as f:
-        return json.loads(f.read(MAX_JSON))
+        raw = f.read(MAX_JSON)
+    if raw.startswith(b"\xef\xbb\xbf"):  # json.loads of bytes takes it; transformers' reader, as vLLM's, does not
+        raise ValueError("it starts with a UTF-8 byte-order mark, which transformers and vLLM cannot read: remove it")
+    return json.loads(raw)
 
 
 def read_config(root: Path | FolderView) -> dict:
