@@ -294,6 +294,16 @@ def test_float16_where_vllm_refuses_it(tiny, tmp_path):
         assert build_plan(open_source(str(src)).checkpoint, Layout(tp=2)).layout.dtype == want, arch
 
 
+def test_dtype_is_read_over_torch_dtype_as_transformers_does(tiny, tmp_path):
+    """A config with both keys: transformers 5 (vLLM 0.32's; configuration_utils: `self.dtype if
+    self.dtype is not None else torch_dtype`) takes `dtype`, and so does --dtype auto."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny("llama"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "torch_dtype": "float16"}))
+    assert build_plan(open_source(str(src)).checkpoint, Layout(tp=2)).layout.dtype == "bfloat16"
+
+
 def test_dtype_outside_the_quantization_methods_is_refused(tiny):
     """vLLM (config/vllm.py) refuses a model dtype its quantization method does not run in
     (get_supported_act_dtypes: Fp8Config bfloat16/float16; compressed-tensors float32 too), at start-up;

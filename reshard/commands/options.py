@@ -92,7 +92,8 @@ dtype_option = click.option(
     type=click.Choice(DTYPES),
     default="auto",
     show_default=True,
-    help="Model dtype vLLM will run with. auto: config.json's torch_dtype (float32 becomes bfloat16, as vLLM on GPUs).",
+    help="Model dtype vLLM will run with. auto: config.json's dtype (or torch_dtype; float32 becomes bfloat16, as vLLM "
+    "on GPUs).",
 )
 revision_option = click.option("--revision", help="Hub branch, tag or commit (repo ids only).")
 trust_remote_code_option = click.option(

@@ -37,7 +37,7 @@ def build_plan(
     Args:
         ckpt: source metadata (config + headers).
         layout: the engine asked for: tp, pp, ep (vLLM's --enable-expert-parallel layout for MoE
-            experts), dtype ("auto": config's torch_dtype; float32 becomes bfloat16, as vLLM on
+            experts), dtype ("auto": config's dtype or torch_dtype; float32 becomes bfloat16, as vLLM on
             GPUs), partition (layers per stage, VLLM_PP_LAYER_PARTITION; None: as vLLM),
             moe_backend (vLLM's --moe-backend; some make vLLM allocate padded experts: plan.backends).
         max_part_size: split a rank's tensors into parts of at most this many bytes.
@@ -189,7 +189,8 @@ def model_dtype(config: dict, dtype: str, model_type: str | None = None) -> str:
                 "use --dtype bfloat16 or float32",
             )
         return DTYPE_NAMES[dtype]
-    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    # transformers 5 (vLLM's) takes `dtype` over the older `torch_dtype` where a config has both
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
     name = str(name).removeprefix("torch.")
     if name == "float32":
         name = "bfloat16"  # vLLM's auto dtype on GPUs downcasts float32 checkpoints

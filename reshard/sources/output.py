@@ -61,7 +61,7 @@ def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> 
     path = view.display
     config = read_config(root)
     # --dtype auto on a re-shard means the dtype the output holds, not the original's
-    config = {**config, "torch_dtype": manifest.layout.dtype}
+    config = {**config, "torch_dtype": manifest.layout.dtype, "dtype": manifest.layout.dtype}
     if manifest.source_tensors is None:
         raise SourceError(
             f"{path}: its manifest records no source tensors (written by an older reshard)",
