@@ -29,8 +29,18 @@ class _Console(Console):
             raise BrokenPipeError(errno.EPIPE, "stdout closed")
 
 
+def _result_width() -> int | None:
+    """The width results are laid out in: a terminal's own (None: rich asks it, or COLUMNS); a file
+    or pipe has none, so wide enough that no table is squeezed (COLUMNS=20 in a CI job's
+    environment emptied the tables' cells into `…`)."""
+    try:
+        return None if sys.stdout.isatty() else 1000
+    except (AttributeError, ValueError):
+        return 1000
+
+
 stderr = _Console(stderr=True, highlight=False)
-stdout = _Console(highlight=False, soft_wrap=True)
+stdout = _Console(highlight=False, soft_wrap=True, width=_result_width())
 
 
 def progress_disabled() -> bool:
