@@ -143,7 +143,8 @@ def merge(
         "hf_dir": str(hf_dir),
         "files": [w.name for w in written],
         "tensors": len(ckpt.tensors),
-        "bytes": plan.total_bytes,
+        "bytes": sum(w.size for w in written),  # on disk, as save's, verify's and assemble's
+        "tensor_bytes": plan.total_bytes,  # the index's total_size
         "not_in_output": [n for n in ckpt.missing if n not in restored],
         "config_patch": config_patch,
         "lossy": lossy,

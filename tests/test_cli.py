@@ -24,8 +24,15 @@ def test_save_json_and_manifest(tiny, tmp_path):
     code, out, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2", "--json")
     assert code == 0, err
     result = json.loads(out)
-    assert result["ok"] and result["files"] == 2 and result["layout"]["tp"] == 2
+    assert result["ok"] and result["files"] == 2 and result["layout"]["tp"] == 2 and result["complete"] is True
+    assert result["bytes"] == sum(p.stat().st_size for p in (tmp_path / "out").glob("model-rank-*"))
     assert result["serve"].startswith(f"vllm serve {tmp_path / 'out'} --load-format sharded_state")
+    # merge's bytes are on disk too, as save's (the index's total_size is the tensors': tensor_bytes)
+    code, out, err = run("merge", str(tmp_path / "out"), str(tmp_path / "hf"), "--max-shard-size", "200KB", "--json")
+    merged = json.loads(out)
+    assert code == 0 and merged["bytes"] == sum(p.stat().st_size for p in (tmp_path / "hf").glob("*.safetensors"))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert merged["tensor_bytes"] == index["metadata"]["total_size"] < merged["bytes"]
     manifest = json.loads((tmp_path / "out" / "reshard.json").read_text())
     assert manifest["layout"]["architecture"] == "LlamaForCausalLM"
     assert manifest["source"]["path"] == str(src.resolve())

@@ -212,3 +212,17 @@ def test_a_damaged_piece_manifest_is_exit_7_naming_it(tiny, tmp_path, damage):
         assert code == 7 and f"{piece.name}: damaged piece manifest" in err and len(err.strip().splitlines()) == 1
     code, out_text, _ = run("verify", str(out))
     assert code == 7 and piece.name in out_text
+
+
+def test_json_says_whether_a_piece_completed_the_output(tiny, tmp_path):
+    """`complete` in every save --json: false for a piece that leaves others to come, true for the
+    one that completes the output (it printed the full save object without the key)."""
+    import json
+
+    from tests.fixtures.cli import run
+
+    src, out = tiny("llama"), tmp_path / "pieces"
+    code, first, _ = run("save", str(src), str(out), "--tp", "2", "--ranks", "0", "--json")
+    assert code == 0 and json.loads(first)["complete"] is False
+    code, last, _ = run("save", str(src), str(out), "--tp", "2", "--ranks", "1", "--json")
+    assert code == 0 and json.loads(last)["complete"] is True and (out / "reshard.json").is_file()

@@ -188,6 +188,7 @@ def _saved(m, out_dir: str, seconds: float, as_json: bool) -> None:
         emit_json(
             {
                 "ok": True,
+                "complete": True,  # a whole output, or the --ranks piece that completed one
                 "out_dir": out_dir,
                 "manifest": out_dir + MANIFEST if out_dir.endswith("/") else str(Path(out_dir) / MANIFEST),
                 "layout": m.to_json()["layout"],
