@@ -100,7 +100,9 @@ def read_header(
                 )
             raw = f.read(n)
     except OSError as e:
-        raise SourceError(f"{path}: cannot read ({e.strerror})") from e
+        raise SourceError(
+            f"{path}: cannot read ({e.strerror})", "check the file's permissions, or download it again"
+        ) from e
     return parse_header(raw, size, str(path), path.name)
 
 
@@ -267,7 +269,10 @@ def _entry(path: str, name: str, entry: object, start: int, size: int, file_name
     if any(d < 0 for d in shape):
         raise SourceError(f"{path}: tensor {name!r} has a negative dimension {list(shape)}", _REDOWNLOAD)
     if dtype not in ITEMSIZE:
-        raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        raise SourceError(
+            f"{path}: tensor {name!r} has unsupported dtype {dtype}",
+            f"reshard reads the safetensors dtypes ({', '.join(ITEMSIZE)}); convert the checkpoint first",
+        )
     nbytes = math.prod(shape) * ITEMSIZE[dtype]
     if begin < 0:
         raise SourceError(f"{path}: tensor {name!r} starts at a negative offset {begin}", _REDOWNLOAD)

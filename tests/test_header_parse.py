@@ -39,8 +39,11 @@ def old_parse_header(raw: bytes, size: int, where: str, file_name: str):
             raise SourceError(f"{path}: corrupt header entry for {name!r}", _REDOWNLOAD) from e
         if any(d < 0 for d in shape):
             raise SourceError(f"{path}: tensor {name!r} has a negative dimension {list(shape)}", _REDOWNLOAD)
-        if dtype not in ITEMSIZE:
-            raise SourceError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        if dtype not in ITEMSIZE:  # since session 16: with a hint
+            raise SourceError(
+                f"{path}: tensor {name!r} has unsupported dtype {dtype}",
+                f"reshard reads the safetensors dtypes ({', '.join(ITEMSIZE)}); convert the checkpoint first",
+            )
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
         if begin < 0:  # since session 16: its own message (the span's was self-contradictory)
             raise SourceError(f"{path}: tensor {name!r} starts at a negative offset {begin}", _REDOWNLOAD)

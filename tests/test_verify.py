@@ -238,6 +238,7 @@ def test_wrong_tp(out):
     assert code == 6
     f = one(rep, "layout")
     assert "made for tp=2 pp=1 ep=off, you asked tp=4 pp=1 ep=off" in f["message"]
+    assert (rep["layout"]["tp"], rep["recorded_layout"]["tp"]) == (4, 2)  # checked as asked; as recorded
 
 
 def test_wrong_ep(tiny, clean, tmp_path):
@@ -664,3 +665,12 @@ def test_a_folder_whose_path_a_shell_would_expand_keeps_its_serve_line(tiny, tmp
     line = report["loads_with"]["serve"]
     assert code == 0 and line is not None, report["loads_with"]
     assert shlex.split(line)[:3] == ["vllm", "serve", str(out)], line
+
+
+def test_no_checksums_still_checks_the_copied_files_sizes(out):
+    """--no-checksums skips hashing, not the size check that costs nothing: a config.json that grew
+    since the save fails (it passed)."""
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "foo": 1}))
+    code, rep = run(out, "--no-checksums")
+    assert code == 7 and "config.json" in one(rep, "size", file="config.json")["message"], rep["findings"]

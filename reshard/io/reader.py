@@ -80,7 +80,10 @@ class FileReader(AlignedReader):
             try:
                 self.fds[name] = os.open(self.root / name, os.O_RDONLY)
             except OSError as e:
-                raise SourceError(f"cannot open {self.root / name}: {e.strerror}") from e
+                raise SourceError(
+                    f"cannot open {self.root / name}: {e.strerror}",
+                    "the source changed during the run: rerun on a stable copy",
+                ) from e
         return self.fds[name]
 
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:

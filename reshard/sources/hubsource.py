@@ -89,7 +89,10 @@ class HubSource(Source):
                 self.etags[name] = etag
                 for key, info in found.items():
                     if key in tensors:
-                        raise SourceError(f"{repo.repo_id}: tensor {key!r} appears in {tensors[key].file} and {name}")
+                        raise SourceError(
+                            f"{repo.repo_id}: tensor {key!r} appears in {tensors[key].file} and {name}",
+                            "the repo holds two copies of it: ask its owners, or pass a --revision without them",
+                        )
                     tensors[key] = info
         ref = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit}
         self._checkpoint = Checkpoint(root, read_config(root), tensors, files, ref, sizes)

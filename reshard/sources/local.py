@@ -70,12 +70,18 @@ def read_local(root: Path, ref: dict) -> Checkpoint:
             sizes[name] = size
             if tensors.keys() & found.keys():
                 key = next(k for k in found if k in tensors)
-                raise SourceError(f"{root}: tensor {key!r} appears in {tensors[key].file} and {name}")
+                raise SourceError(
+                    f"{root}: tensor {key!r} appears in {tensors[key].file} and {name}",
+                    "a shard of another download is mixed in: download the checkpoint again into an empty folder",
+                )
             tensors.update(found)
     return Checkpoint(root, config, tensors, files, ref, sizes)
 
 
 MAX_JSON = 256 * 1024 * 1024  # bytes of a config or index: real ones are a few MB
+
+
+_REFETCH = "fix the file, or download the checkpoint again"
 
 
 def read_json(path: Path) -> object:
@@ -125,7 +131,7 @@ def _read_quant_file(root: Path | FolderView) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:
-        raise SourceError(f"{_display(root)}/{HF_QUANT_CONFIG}: cannot parse ({str(e)[:200]})") from e
+        raise SourceError(f"{_display(root)}/{HF_QUANT_CONFIG}: cannot parse ({str(e)[:200]})", _REFETCH) from e
     if not isinstance(quant, dict):
         raise SourceError(
             f"{_display(root)}/{HF_QUANT_CONFIG} is a JSON {type(quant).__name__}, not an object",
@@ -142,7 +148,7 @@ def _read_config(root: Path | FolderView) -> dict:
         except FileNotFoundError:
             raise SourceError(f"{root.display}: no {CONFIG}", "the output is incomplete") from None
         except (ValueError, RecursionError) as e:
-            raise SourceError(f"{root.where(CONFIG)}: cannot parse ({str(e)[:200]})") from e
+            raise SourceError(f"{root.where(CONFIG)}: cannot parse ({str(e)[:200]})", _REFETCH) from e
         return check_config(config, root.display)
     root = root.local if isinstance(root, FolderView) and root.local is not None else root
     assert isinstance(root, Path)
@@ -151,7 +157,7 @@ def _read_config(root: Path | FolderView) -> dict:
     except FileNotFoundError:
         raise SourceError(f"{root}: no {CONFIG}", "SOURCE must be a Hugging Face checkpoint folder") from None
     except (OSError, ValueError, RecursionError) as e:
-        raise SourceError(f"{root / CONFIG}: cannot parse ({e})") from e
+        raise SourceError(f"{root / CONFIG}: cannot parse ({e})", _REFETCH) from e
     return check_config(config, str(root))
 
 

@@ -92,7 +92,7 @@ def verify(
         bucket.check_listing(report, view)
     if folder is None:
         return report
-    report.layout = folder.layout
+    report.layout = folder.asked or folder.layout  # as checked: --tp/--pp/--ep where given (recorded_layout beside it)
     if folder.manifest is not None:
         _check_vllm(report, folder.manifest)
     structure.check_structure(report, folder)
@@ -127,6 +127,8 @@ def verify(
         integrity.check_side_files(report, folder)
         if damaged and not deep:
             locate(report, folder, damaged, plan, source, against, progress)
+    elif folder.manifest is not None and not checksums:  # --no-checksums: the sizes, which cost nothing
+        integrity.check_side_sizes(report, folder)
     _fill_stats(report.stats)
     _loads_with(report, folder.manifest, str(out_dir))
     return report

@@ -70,6 +70,23 @@ def check_side_files(report: Report, folder: Folder) -> None:
         report.stats["side_files_checked"] = len(entries)
 
 
+def check_side_sizes(report: Report, folder: Folder) -> None:
+    """Without checksums (--no-checksums, or a bucket without --deep), each copied file's size
+    against the manifest's: the check that costs nothing still runs."""
+    entries = folder.manifest.copied_files if folder.manifest else ()
+    for e in entries:
+        try:
+            size = folder.view.size(e.name)
+        except (OSError, ReshardError):
+            continue  # missing or not regular: told by the structure check
+        if size != e.size:
+            msg = (
+                f"{e.name} (copied from the source) is {size} bytes, the manifest says {e.size}: it changed "
+                f"after it was written ({RERUN})"
+            )
+            report.add("size", msg, code=CORRUPT, file=e.name)
+
+
 def _hash(report: Report, folder: Folder, todo: list[CheckedFile], progress: Progress | None, algorithm: str) -> None:
     """Set each file's digest, several files at once, largest first (balanced threads)."""
     total = sum(f.size for f in todo)
