@@ -208,6 +208,36 @@ def test_missing_truncated_stray_and_foreign_files(out):
     assert "the manifest comes from another run" in _refused(out)
 
 
+def test_copied_files_must_be_the_saved_ones(out):
+    """vLLM built the engine from config.json before the loader runs: the plugin refuses a folder
+    whose copied files differ from the manifest (edited, a link, a FIFO, gone), as verify does."""
+    from reshard.vllm_plugin.copied import copied_message, copied_problems
+
+    m = read_manifest(out)
+    assert copied_problems(out, m, hashed=True) == []
+    config = (out / "config.json").read_bytes()
+    (out / "config.json").write_bytes(config.replace(b"1", b"2", 1))  # the same size, other contents
+    assert copied_problems(out, m, hashed=True) == [
+        f"config.json changed after the save ({m.checksum} differs from the manifest's)"
+    ]
+    assert copied_problems(out, m, hashed=False) == []  # {"checksums": false}: sizes only
+    (out / "config.json").write_bytes(config + b" ")
+    assert copied_problems(out, m, hashed=False)[0].startswith("config.json has ")
+    (out / "config.json").unlink()
+    (out / "elsewhere.json").write_bytes(config)
+    os.symlink("elsewhere.json", out / "config.json")
+    assert copied_problems(out, m, hashed=True) == [
+        "config.json is a symlink (not followed), not a regular file in the folder"
+    ]
+    (out / "config.json").unlink()
+    os.mkfifo(out / "config.json")  # never waited on
+    assert "not a regular file" in copied_problems(out, m, hashed=True)[0]
+    (out / "config.json").unlink()
+    assert copied_problems(out, m, hashed=True) == ["config.json is missing"]
+    text = copied_message(out, ["config.json is missing"], checks.SHOWN)
+    assert "To fix: " in text and f"reshard verify {out}" in text
+
+
 def test_header_must_hold_the_recorded_tensors(out):
     m = json.loads((out / MANIFEST).read_text())
     entry = next(e for e in m["files"] if e["tp_rank"] == 1)

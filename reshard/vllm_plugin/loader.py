@@ -32,6 +32,7 @@ from reshard.layout import DTYPES, Layout
 from reshard.manifest import read_manifest
 from reshard.vllm_plugin import checks
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
+from reshard.vllm_plugin.copied import copied_message, copied_problems
 from reshard.vllm_plugin.reader import ReadError, read_rank
 from reshard.vllm_plugin.remote import BucketWeights
 
@@ -80,6 +81,9 @@ class ReshardModelLoader(BaseModelLoader):
                 manifest = read_manifest(folder)
             except ReshardError as e:
                 raise ReshardLoadError(f"--load-format reshard: {e}") from None
+            # first: an edited config.json built another model, whose mismatch would be told as a layout's
+            if problems := copied_problems(folder, manifest, hashed=self.options.checksums):
+                raise ReshardLoadError(copied_message(folder, problems, checks.SHOWN))
         engine = self._engine(model_config)
         problems = checks.engine_problems(manifest, engine)
         if problems:
@@ -99,6 +103,13 @@ class ReshardModelLoader(BaseModelLoader):
         else:
             files = checks.check_files(folder, manifest, entries, engine)
         verify = self.options.checksums and algorithm != "none"
+        if self.options.checksums and algorithm == "none":  # the folder's choice, not this engine's: say so
+            logger.warning(
+                "reshard: %s: %s records no checksums (saved with --checksum none): the files' contents cannot "
+                "be verified, only their sizes and headers; re-save with checksums to have them verified",
+                engine.label,
+                where,
+            )
         logger.info(
             "reshard: %s: reading %d file(s), %s, checksums %s",
             engine.label,

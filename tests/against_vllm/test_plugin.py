@@ -140,6 +140,10 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     foreign = variant("foreign-manifest")
     shutil.copy(other / "reshard.json", foreign / "reshard.json")
     out["foreign"] = foreign
+    edited = variant("edited-config")  # vLLM builds the engine from it: other rope, other tokens, same rank files
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "rope_theta": 5.0}, indent=2))
+    out["edited-config"] = edited
     missing_key = variant("missing-key")
     _drop_key(missing_key, "model-rank-1-part-0.safetensors", MISSING)
     out["missing-key"] = missing_key
@@ -160,6 +164,7 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
         "pinned-backend": dict(folder=folders["fp8-deep_gemm"], tp=2),
         "other-backend": dict(folder=folders["fp8"], tp=2, moe_backend="deep_gemm"),
         "foreign-manifest": dict(folder=folders["foreign"], tp=2),
+        "edited-config": dict(folder=folders["edited-config"], tp=2),
         "missing-key": dict(folder=folders["missing-key"], tp=2),
         "missing-key-lax": dict(folder=folders["missing-key"], tp=2, extra={"strict": False}),
     }
@@ -194,6 +199,10 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
     assert results["missing"][0]["ok"], shown
     e = error("foreign-manifest", 0)
     assert "the manifest comes from another run" in e, e
+    # a config.json edited after the save: every rank refuses before reading (it loaded and served)
+    for r in (0, 1):
+        e = error("edited-config", r)
+        assert "config.json has " in e and "changed after the save" in e and "built this engine from" in e, e
     # a folder lacking a parameter: refused by default (strict), naming it; {"strict": false} loads it,
     # the parameter named at WARNING on the rank that lacks it, nothing logged on the other
     e = error("missing-key", 1)

@@ -1,0 +1,56 @@
+"""The copied files of a local folder (config.json, tokenizer, ...) checked before a weight is read.
+
+vLLM built the engine from the folder's config.json before the loader runs: one edited after the save
+builds another model than the rank files were made for (other rope settings serve other tokens without
+a word; other layer counts fail with a message that blames the layout). So, as `reshard verify` does,
+every file the manifest's `copied_files` lists must be a regular file inside the folder (no symlink
+followed, no FIFO waited on), of its recorded size and, when checksums are verified, its digest. A bucket
+output's local config folder is checked by `remote.BucketWeights.config_problems`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from reshard.format import NotRegular, open_inside
+from reshard.hashing import NONE, hash_fd
+from reshard.manifest import Manifest
+
+
+def copied_problems(folder: Path, manifest: Manifest, *, hashed: bool) -> list[str]:
+    """How the folder's copied files differ from what the manifest records (the first of each file)."""
+    out = []
+    for r in manifest.copied_files:
+        try:
+            fd = open_inside(folder, r.name)
+        except NotRegular as e:
+            out.append(f"{r.name} is {e.strerror}, not a regular file in the folder")
+            continue
+        except FileNotFoundError:
+            out.append(f"{r.name} is missing")
+            continue
+        except OSError as e:
+            out.append(f"{r.name}: cannot read ({e.strerror})")
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size != r.size:
+                out.append(f"{r.name} has {size} bytes, the manifest says {r.size}: changed after the save")
+            elif hashed and manifest.checksum != NONE and r.digest and hash_fd(fd, manifest.checksum) != r.digest:
+                out.append(f"{r.name} changed after the save ({manifest.checksum} differs from the manifest's)")
+        except OSError as e:
+            out.append(f"{r.name}: cannot read ({e.strerror})")
+        finally:
+            os.close(fd)
+    return out
+
+
+def copied_message(folder: Path, problems: list[str], shown: int) -> str:
+    head = "; ".join(problems[:shown])
+    more = f"; and {len(problems) - shown} more" if len(problems) > shown else ""
+    return (
+        f"--load-format reshard: {folder}: {head}{more}. vLLM built this engine from the folder's config.json, "
+        "which must be the one saved with the rank files. To fix: restore the files (`reshard verify "
+        f"{folder}` names each), or re-save the folder from its source"
+    )
