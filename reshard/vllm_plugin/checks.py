@@ -17,7 +17,7 @@ from reshard.format import DTYPE_CODES, TensorInfo, kind, read_header
 from reshard.layout import Layout
 from reshard.manifest import FileRecord, Manifest
 from reshard.names import MANIFEST, file_pattern
-from reshard.serve import PLUGIN_WEIGHTS_KEY, STORE_SCHEME
+from reshard.serve import PLUGIN_WEIGHTS_KEY, STORE_SCHEME, plain_line, serve_in
 from reshard.store.url import parse_bucket_url
 from reshard.vllm_versions import in_range
 
@@ -339,11 +339,14 @@ def save_command(manifest: Manifest, engine: Engine) -> str:
     return " ".join(parts)
 
 
-def serve_as_made(manifest: Manifest) -> str | None:
+def serve_as_made(manifest: Manifest, folder: Path | str | None = None) -> str | None:
+    """The manifest's serve line for this loader, naming `folder` (a local one: where it lies now, not
+    where it was saved); None where the line is not one reshard writes (a folder from elsewhere)."""
     line = manifest.serve_reshard or manifest.serve
-    if not line:
+    if not line or not plain_line(line):
         return None
-    return line.replace("--load-format sharded_state", "--load-format reshard")
+    line = line.replace("--load-format sharded_state", "--load-format reshard")
+    return serve_in(line, str(folder)) if isinstance(folder, Path) else line
 
 
 def backend_note(manifest: Manifest, engine: Engine) -> str | None:
@@ -360,7 +363,7 @@ def mismatch_message(folder: Path | str, manifest: Manifest, engine: Engine, pro
     if (note := backend_note(manifest, engine)) and note not in head:
         head += f" ({note})"
     fix = f"make a folder for this engine with `{save_command(manifest, engine)}`"
-    made = serve_as_made(manifest)
+    made = serve_as_made(manifest, folder)
     if made:
         fix += f", or serve this one as it was made: `{made}`"
     return f"--load-format reshard: {folder} does not fit this engine ({engine.label}): {head}. To fix: {fix}"
