@@ -101,8 +101,9 @@ def verify(
         source = open_source(against, revision, headers_only=not deep)
         ckpt = source.checkpoint
         keys.compare_source_tensors(report, folder, ckpt, against)
-        sidefiles.compare_side_files(report, folder, ckpt, against)
     expected = keys.expected_plan(report, folder, ckpt, against)
+    if ckpt is not None and expected is not None:
+        sidefiles.compare_side_files(report, folder, ckpt, expected[0], against)
     keys.check_asked(report, folder, expected)
     pending = structure.headers_vs_manifest(folder)
     plan = expected[0] if expected is not None else None

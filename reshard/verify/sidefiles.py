@@ -13,13 +13,15 @@ that SOURCE does not give, is an error (exit 7).
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint
 from reshard.errors import ReshardError
 from reshard.format import NotRegular
 from reshard.manifest import side_file_entries
-from reshard.plan import build_plan
+from reshard.plan import Plan
+from reshard.plan.remote import remote_code
 from reshard.sidefiles import write_side_files
 from reshard.verify.report import CORRUPT, Report
 from reshard.verify.structure import Folder
@@ -28,14 +30,15 @@ ALGORITHM = "sha256"  # both sides hashed here, whatever the manifest records (-
 TRUST_FLAG = "--trust-remote-code"
 
 
-def compare_side_files(report: Report, folder: Folder, ckpt: Checkpoint, against: str) -> None:
-    """Report every copied file that is not what a save of `ckpt` (SOURCE, named `against`) writes."""
+def compare_side_files(report: Report, folder: Folder, ckpt: Checkpoint, plan: Plan, against: str) -> None:
+    """Report every copied file that is not what a save of `ckpt` (SOURCE, named `against`) writes;
+    `plan`: the folder's layout planned from it (verify's expected plan: planned once)."""
     manifest = folder.manifest
     if manifest is None or ckpt.root is None or (manifest.copied and not manifest.copied_files):
         return  # no manifest, or one from before copied_files: nothing recorded; a source without files
     trust = TRUST_FLAG in manifest.serve.split()  # as the save was run: its code copied or left out
     try:
-        plan = build_plan(ckpt, folder.layout, trust_remote_code=trust, pieces=False)
+        plan = replace(plan, remote_code=remote_code(ckpt, plan.architecture, trust))
         with tempfile.TemporaryDirectory(prefix="reshard-verify-") as tmp:
             names = write_side_files(ckpt, plan, Path(tmp))
             want = {r.name: r for r in side_file_entries(Path(tmp), names, ALGORITHM)}
