@@ -133,10 +133,22 @@ def test_refusals(sources, tmp_path):
     ckpt.config.update(num_key_value_heads=2, head_dim=2 * head_dim)  # k's rows read as 2 heads twice as wide
     with pytest.raises(UnsupportedError, match="num_key_value_heads=2"):
         build_plan(ckpt, Layout(tp=4))
-    ckpt.config.update(num_key_value_heads=4, head_dim=head_dim)
-    ckpt.config["num_local_experts"] = 3
+    three = _with_experts(sources["bf16"], 3, tmp_path / "three")
     with pytest.raises(UnsupportedError, match=r"do not divide|divide by"):
-        build_plan(ckpt, Layout(tp=2, ep=True))
+        build_plan(open_source(str(three)).checkpoint, Layout(tp=2, ep=True))
+
+
+def _with_experts(src: Path, n: int, out: Path) -> Path:
+    """A copy of the tiny gpt-oss with its first n experts (router rows, fused experts) and config to match."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_local_experts": n}))
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file({k: v[:n].contiguous() if ".mlp." in k else v for k, v in tensors.items()}, out / f.name)
+    return out
 
 
 def test_merge_of_transposed_bf16_output_refused(sources, tmp_path):

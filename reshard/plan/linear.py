@@ -43,14 +43,14 @@ def replicate(ctx: Context, m: Replicate, prefix: str, per_tp: list[list[OutTens
     _linear(ctx, LinearLayout(m, (m.hf,), param=m.param), prefix, per_tp)
 
 
-def _check_whole_shape(ctx: Context, t: TensorInfo, keys: tuple[str, ...]) -> None:
+def _check_whole_shape(ctx: Context, t: TensorInfo, keys: tuple[str | int | None, ...]) -> None:
     """A replicated tensor's shape against config.json (`Replicate.shape`)."""
-    want = [config_int(ctx, k) for k in keys]
+    want = [k if isinstance(k, int) else config_int(ctx, k) for k in keys]
     if len(t.shape) != len(want) or any(w is not None and w != s for w, s in zip(want, t.shape, strict=True)):
-        said = ", ".join(f"{k} {w}" for k, w in zip(keys, want, strict=True) if w is not None)
+        said = ", ".join(f"{k} {w}" for k, w in zip(keys, want, strict=True) if isinstance(k, str) and w is not None)
         raise SourceError(
-            f"{t.name} has shape {list(t.shape)}, expected {[w if w is not None else '*' for w in want]} "
-            f"(from config.json {said})",
+            f"{t.name} has shape {list(t.shape)}, expected {[w if w is not None else '*' for w in want]}"
+            + (f" (from config.json {said})" if said else ""),
             "the tensor is damaged or reshaped, or config.json does not match the weights",
         )
 

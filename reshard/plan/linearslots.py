@@ -104,6 +104,10 @@ def _not_scalar(w: TensorInfo) -> TensorInfo:
 
 
 def config_int(ctx: Context, key: str | None) -> int | None:
+    """A size config.json gives under `key`, or None; the expert count under whichever of the table's
+    `experts_key` names it spells (transformers 5 writes Qwen3-MoE's `num_local_experts`)."""
+    if key in ctx.arch.experts_key and ctx.dims.num_experts:
+        return ctx.dims.num_experts
     value = ctx.config.get(key) if key else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 

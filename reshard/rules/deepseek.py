@@ -8,7 +8,7 @@ under `self_attn.mla_attn.`. The router and the noaux_tc bias are handed to the 
 (`mlp.experts.gate`), shared experts live under `mlp.experts._shared_experts._layer`.
 """
 
-from reshard.rules.llama import DOWN, FROM_HIDDEN, NORMS, UP
+from reshard.rules.llama import DOWN, FROM_HIDDEN, HIDDEN, NORMS, UP
 from reshard.rules.spec import Architecture, WeightsMapper, stacked_params_mapping
 from reshard.rules.styles import Attention, Column, Experts, Merged, Replicate, Row, Vocab
 
@@ -28,7 +28,7 @@ MAPPER = WeightsMapper(
 
 TOP = (
     Vocab("model.embed_tokens"),
-    Replicate("model.norm"),
+    Replicate("model.norm", shape=HIDDEN),
     Vocab("lm_head"),  # never tied by vLLM's DeepseekV2ForCausalLM
 )
 
@@ -37,12 +37,12 @@ MLA = "self_attn.mla_attn."
 MLA_ATTENTION = (
     # with q_lora_rank (V2, V3): q_a_proj and kv_a_proj_with_mqa fused, disable_tp => whole
     Merged("self_attn.fused_qkv_a_proj", disable_tp=True, when="q_lora_rank", dims=FROM_HIDDEN),
-    Replicate(MLA + "q_a_layernorm", "self_attn.q_a_layernorm", when="q_lora_rank"),
+    Replicate(MLA + "q_a_layernorm", "self_attn.q_a_layernorm", when="q_lora_rank", shape=("q_lora_rank",)),
     Column(MLA + "q_b_proj", "self_attn.q_b_proj", when="q_lora_rank", dims=(None, "q_lora_rank")),
     # without q_lora_rank (V2-Lite): a replicated kv_a_proj_with_mqa and a column q_proj
-    Replicate("self_attn.kv_a_proj_with_mqa", quant=True, when=lambda c: not c.get("q_lora_rank")),
+    Replicate("self_attn.kv_a_proj_with_mqa", quant=True, when=lambda c: not c.get("q_lora_rank"), dims=FROM_HIDDEN),
     Column(MLA + "q_proj", "self_attn.q_proj", when=lambda c: not c.get("q_lora_rank")),
-    Replicate("self_attn.kv_a_layernorm"),
+    Replicate("self_attn.kv_a_layernorm", shape=("kv_lora_rank",)),
     Column("self_attn.kv_b_proj", dims=(None, "kv_lora_rank")),  # rows per head: [k_nope; v]
     Row(MLA + "o_proj", "self_attn.o_proj"),
     # MLAAttention is not an Attention: Fp8Config gives it no KV-cache method, so only buffers
@@ -85,11 +85,13 @@ DEEPSEEK_V2 = Architecture(
     layer=(*NORMS, *MLA_ATTENTION),
     dense_mlp=DENSE_MLP,
     moe_mlp=(
-        Replicate("mlp.experts.gate", "mlp.gate"),  # GateLinear without the quant config
+        # GateLinear without the quant config
+        Replicate("mlp.experts.gate", "mlp.gate", shape=("n_routed_experts", "hidden_size")),
         Replicate(
             "mlp.experts.gate",
             "mlp.gate",
             param="e_score_correction_bias",
+            shape=("n_routed_experts",),
             dtype="F32",  # torch.empty(E, dtype=torch.float32) whatever the model dtype
             when=noaux_tc,
         ),

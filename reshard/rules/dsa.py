@@ -47,16 +47,16 @@ INDEXER = (
     Replicate(IDX + "wq_b", quant=True, dims=(None, "q_lora_rank")),
     # an FP8 wk (slot 0) is dequantised to bf16 at load (deepseek_v2._try_load_fp8_indexer_wk)
     Merged(IDX + "wk_weights_proj", quant=False, disable_tp=True, dims=FROM_HIDDEN, dequant=(0,)),
-    Replicate(IDX + "k_norm", dtype="F32"),
-    Replicate(IDX + "k_norm", param="bias", dtype="F32"),
+    Replicate(IDX + "k_norm", dtype="F32", shape=("index_head_dim",)),
+    Replicate(IDX + "k_norm", param="bias", dtype="F32", shape=("index_head_dim",)),
 )
 
 # models/deepseek_v32/attention.py DeepseekV32Attention (an MLAAttention): every module on self_attn
 CUDA_ATTENTION = (
     Merged("self_attn.fused_qkv_a_proj", disable_tp=True, dims=FROM_HIDDEN),
-    Replicate("self_attn.q_a_layernorm"),
+    Replicate("self_attn.q_a_layernorm", shape=("q_lora_rank",)),
     Column("self_attn.q_b_proj", dims=(None, "q_lora_rank")),
-    Replicate("self_attn.kv_a_layernorm"),
+    Replicate("self_attn.kv_a_layernorm", shape=("kv_lora_rank",)),
     Column("self_attn.kv_b_proj", dims=(None, "kv_lora_rank")),
     Row("self_attn.o_proj"),
     Attention("self_attn", kv_cache=False),

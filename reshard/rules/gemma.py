@@ -8,15 +8,17 @@ only as `lm_head.weight`. Embedding, norm and lm_head are built on every pipelin
 
 from dataclasses import replace
 
-from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, MAPPER, UP
+from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, HIDDEN, MAPPER, UP
 from reshard.rules.spec import Architecture, Blocks, Tower, WeightsMapper
 from reshard.rules.styles import QKV, Column, Merged, Replicate, Row, Vocab
 
+HEAD = ("head_dim",)  # Gemma3Attention's q_norm / k_norm: GemmaRMSNorm(config.head_dim)
+
 NORMS = (
-    Replicate("input_layernorm"),
-    Replicate("post_attention_layernorm"),
-    Replicate("pre_feedforward_layernorm"),
-    Replicate("post_feedforward_layernorm"),
+    Replicate("input_layernorm", shape=HIDDEN),
+    Replicate("post_attention_layernorm", shape=HIDDEN),
+    Replicate("pre_feedforward_layernorm", shape=HIDDEN),
+    Replicate("post_feedforward_layernorm", shape=HIDDEN),
 )
 
 ATTENTION = (
@@ -33,7 +35,7 @@ GEMMA_MLP = (
 GEMMA2 = Architecture(
     names=("Gemma2ForCausalLM",),
     hf_to_vllm=MAPPER,  # vLLM gemma2.py Gemma2Model.hf_to_vllm_mapper: Llama's
-    top=(Vocab("model.embed_tokens"), Replicate("model.norm")),
+    top=(Vocab("model.embed_tokens"), Replicate("model.norm", shape=HIDDEN)),
     layer=(*NORMS, *ATTENTION, ATTN),
     dense_mlp=GEMMA_MLP,
     top_on_every_stage=True,
@@ -42,8 +44,18 @@ GEMMA2 = Architecture(
 GEMMA3 = Architecture(
     names=("Gemma3ForCausalLM",),
     hf_to_vllm=MAPPER,  # vLLM gemma3.py Gemma3Model.hf_to_vllm_mapper: Llama's
-    top=(Vocab("model.embed_tokens"), Replicate("model.norm"), Vocab("lm_head", tied="model.embed_tokens")),
-    layer=(*NORMS, *ATTENTION, Replicate("self_attn.q_norm"), Replicate("self_attn.k_norm"), ATTN),
+    top=(
+        Vocab("model.embed_tokens"),
+        Replicate("model.norm", shape=HIDDEN),
+        Vocab("lm_head", tied="model.embed_tokens"),
+    ),
+    layer=(
+        *NORMS,
+        *ATTENTION,
+        Replicate("self_attn.q_norm", shape=HEAD),
+        Replicate("self_attn.k_norm", shape=HEAD),
+        ATTN,
+    ),
     dense_mlp=GEMMA_MLP,
     top_on_every_stage=True,
 )
@@ -70,18 +82,23 @@ LM = "language_model."
 
 
 def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
-    return Replicate(name), Replicate(name, param="bias")
+    """nn.LayerNorm(vision hidden_size): weight and bias."""
+    return Replicate(name, shape=HIDDEN), Replicate(name, param="bias", shape=HIDDEN)
 
 
 SIGLIP_TOWER = Tower(
     config="vision_config",
     top=(
-        Replicate(SIGLIP + "embeddings.patch_embedding"),  # Conv2d [hidden, C, p, p] with its bias
-        Replicate(SIGLIP + "embeddings.patch_embedding", param="bias"),
-        Replicate(SIGLIP + "embeddings.position_embedding"),
+        # Conv2d [hidden, C, p, p] with its bias
+        Replicate(
+            SIGLIP + "embeddings.patch_embedding", shape=("hidden_size", "num_channels", "patch_size", "patch_size")
+        ),
+        Replicate(SIGLIP + "embeddings.patch_embedding", param="bias", shape=HIDDEN),
+        Replicate(SIGLIP + "embeddings.position_embedding", shape=(None, "hidden_size")),  # [patches, hidden]
         *_layer_norm(SIGLIP + "post_layernorm"),
-        Replicate("multi_modal_projector", param="mm_input_projection_weight"),
-        Replicate("multi_modal_projector.mm_soft_emb_norm"),
+        # [vision hidden, text hidden]: the text width is not in the tower's settings
+        Replicate("multi_modal_projector", param="mm_input_projection_weight", shape=("hidden_size", None)),
+        Replicate("multi_modal_projector.mm_soft_emb_norm", shape=HIDDEN),
     ),
     blocks=(
         Blocks(

@@ -7,7 +7,7 @@ with a bias, not handed to the fused-MoE runner. Sliding-window attention on eve
 no parameter. Embedding, final norm and lm_head are built on every pipeline stage.
 """
 
-from reshard.rules.llama import FROM_HIDDEN, NORMS
+from reshard.rules.llama import FROM_HIDDEN, HIDDEN, NORMS
 from reshard.rules.spec import Architecture, WeightsMapper, stacked_params_mapping
 from reshard.rules.styles import QKV, Attention, FusedExperts, Heads, Replicate, Row, Vocab
 
@@ -26,7 +26,7 @@ GPT_OSS = Architecture(
     ),
     top=(
         Vocab("model.embedding", "model.embed_tokens"),
-        Replicate("model.norm"),
+        Replicate("model.norm", shape=HIDDEN),
         Vocab("lm_head"),  # vLLM's ParallelLMHead is never tied here
     ),
     layer=(
@@ -37,8 +37,8 @@ GPT_OSS = Architecture(
         Attention("attn.attn", kv_heads_split_only=True),  # OAIAttention: num_key_value_heads // tp_size
     ),
     moe_mlp=(
-        Replicate("mlp.router", param="weight"),
-        Replicate("mlp.router", param="bias"),
+        Replicate("mlp.router", param="weight", shape=("num_local_experts", "hidden_size")),
+        Replicate("mlp.router", param="bias", shape=("num_local_experts",)),
         FusedExperts("mlp.experts.routed_experts", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     ),
     is_moe_layer=lambda config, layer: True,

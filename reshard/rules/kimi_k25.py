@@ -27,6 +27,7 @@ release). The table reads the same keys with the same defaults (`Tower.defaults`
 from dataclasses import replace
 
 from reshard.rules.deepseek import DEEPSEEK_V2, MAPPER
+from reshard.rules.llama import HIDDEN
 from reshard.rules.spec import Blocks, Tower, WeightsMapper
 from reshard.rules.styles import QKV, Column, Replicate, Row, Vocab
 
@@ -56,15 +57,18 @@ VISION_UP = ("intermediate_size", "hidden_size")
 
 
 def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
-    return Replicate(name), Replicate(name, param="bias")
+    """nn.LayerNorm(vision hidden_size): weight and bias."""
+    return Replicate(name, shape=HIDDEN), Replicate(name, param="bias", shape=HIDDEN)
 
 
 MOONVIT = Tower(
     config="vision_config",
     top=(
-        Replicate(VT + "patch_embed.proj"),  # Conv2dLayer [hidden, 3, p, p] with its bias
-        Replicate(VT + "patch_embed.proj", param="bias"),
-        Replicate(VT + "patch_embed.pos_emb"),  # nn.Parameter [pos_emb_height, pos_emb_width, hidden]
+        # Conv2dLayer [hidden, 3, p, p] with its bias
+        Replicate(VT + "patch_embed.proj", shape=("hidden_size", None, None, None)),
+        Replicate(VT + "patch_embed.proj", param="bias", shape=HIDDEN),
+        # nn.Parameter [pos_emb_height, pos_emb_width, hidden]
+        Replicate(VT + "patch_embed.pos_emb", shape=(None, None, "hidden_size")),
         *_layer_norm(VT + "encoder.final_layernorm"),
         *_layer_norm("mm_projector.pre_norm"),
         Replicate("mm_projector.linear_1", bias=True, quant=True),  # ReplicatedLinear in every mode
@@ -98,7 +102,7 @@ KIMI_K25 = replace(
     hf_to_vllm=KIMI_K25_MAPPER,
     top=(
         Vocab(LM + "model.embed_tokens"),
-        Replicate(LM + "model.norm"),
+        Replicate(LM + "model.norm", shape=HIDDEN),
         Vocab(LM + "lm_head"),  # DeepseekV2ForCausalLM never ties it
     ),
     layer_prefix=LM + "model.layers.{layer}.",

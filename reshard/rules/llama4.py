@@ -13,7 +13,7 @@ weight, chunked local attention no parameter.
 
 from dataclasses import replace
 
-from reshard.rules.llama import FROM_HIDDEN, NORMS
+from reshard.rules.llama import FROM_HIDDEN, HIDDEN, NORMS
 from reshard.rules.spec import Architecture, WeightsMapper, stacked_params_mapping
 from reshard.rules.styles import QKV, Attention, FusedExperts, Merged, Replicate, Row, Vocab
 
@@ -46,7 +46,7 @@ LLAMA4_TEXT = Architecture(
     ),
     top=(
         Vocab("model.embed_tokens"),
-        Replicate("model.norm"),
+        Replicate("model.norm", shape=HIDDEN),
         Vocab("lm_head", tied="model.embed_tokens"),
     ),
     layer=(
@@ -61,7 +61,7 @@ LLAMA4_TEXT = Architecture(
         Row("feed_forward.down_proj", dims=("hidden_size", "intermediate_size_mlp")),
     ),
     moe_mlp=(
-        Replicate("feed_forward.router"),
+        Replicate("feed_forward.router", shape=("num_local_experts", "hidden_size")),
         FusedExperts(
             "feed_forward.experts.routed_experts",
             "feed_forward.experts.gate_up_proj",
@@ -83,7 +83,7 @@ LLAMA4 = replace(
     names=("Llama4ForConditionalGeneration",),
     top=(
         Vocab(LM + "model.embed_tokens"),
-        Replicate(LM + "model.norm"),
+        Replicate(LM + "model.norm", shape=HIDDEN),
         Vocab(LM + "lm_head", tied=LM + "model.embed_tokens"),
     ),
     layer_prefix=LM + "model.layers.{layer}.",

@@ -17,6 +17,7 @@ With `data` every one of those is whole (ReplicatedLinear, q/k/v concatenated). 
 
 from dataclasses import replace
 
+from reshard.rules.llama import HIDDEN
 from reshard.rules.llama4 import LLAMA4
 from reshard.rules.spec import Blocks, Tower
 from reshard.rules.styles import QKV, Column, Replicate, Row
@@ -25,15 +26,16 @@ VM = "vision_model."
 
 
 def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
-    return Replicate(name), Replicate(name, param="bias")
+    """nn.LayerNorm(vision hidden_size): weight and bias."""
+    return Replicate(name, shape=HIDDEN), Replicate(name, param="bias", shape=HIDDEN)
 
 
 LLAMA4_VISION = Tower(
     config="vision_config",
     top=(
         Column(VM + "patch_embedding.linear", dims=("hidden_size", None)),
-        Replicate(VM[:-1], param="class_embedding"),
-        Replicate(VM[:-1], param="positional_embedding_vlm"),
+        Replicate(VM[:-1], param="class_embedding", shape=HIDDEN),
+        Replicate(VM[:-1], param="positional_embedding_vlm", shape=(None, "hidden_size")),  # [patches + 1, hidden]
         *_layer_norm(VM + "layernorm_pre"),
         *_layer_norm(VM + "layernorm_post"),
         Column(VM + "vision_adapter.mlp.fc1", bias="multi_modal_projector_bias"),

@@ -35,8 +35,14 @@ MINIMAX_M2 = Architecture(
         ATTN,
     ),
     moe_mlp=(
-        Replicate(MOE + "gate", dtype="F32"),
-        Replicate("block_sparse_moe", param="e_score_correction_bias", dtype="F32", when="use_routing_bias"),
+        Replicate(MOE + "gate", dtype="F32", shape=("num_local_experts", "hidden_size")),
+        Replicate(
+            "block_sparse_moe",
+            param="e_score_correction_bias",
+            dtype="F32",
+            when="use_routing_bias",
+            shape=("num_local_experts",),
+        ),
         Experts(
             MOE + "experts.routed_experts",
             MOE + "experts",

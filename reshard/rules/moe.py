@@ -68,7 +68,7 @@ QWEN2_MOE = Architecture(
         Row(
             SHARED + "down_proj", "mlp.shared_expert.down_proj", dims=("hidden_size", "shared_expert_intermediate_size")
         ),
-        Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate"),
+        Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", shape=(1, "hidden_size")),
     ),
     is_moe_layer=sparse_layer,
     top_on_every_stage=True,  # checked with vLLM 0.32 (the reference doc's table omits Qwen2-MoE)

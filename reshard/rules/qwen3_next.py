@@ -25,7 +25,7 @@ belong to vLLM's draft model and are skipped by the main model, as here.
 
 from dataclasses import replace
 
-from reshard.rules.llama import ATTN, FROM_HIDDEN, MLP, NORMS, TOP
+from reshard.rules.llama import ATTN, FROM_HIDDEN, HIDDEN, MLP, NORMS, TOP
 from reshard.rules.moe import sparse_layer
 from reshard.rules.spec import Architecture, Mixers, WeightsMapper
 from reshard.rules.styles import QKV, Column, Experts, Merged, Replicate, Row, Vocab
@@ -80,8 +80,8 @@ def layer_type(config: dict, layer: int) -> str:
 FULL_ATTENTION = (
     QKV("self_attn.qkv_proj", bias="qkv_bias", dims=FROM_HIDDEN),
     Row("self_attn.o_proj"),
-    Replicate("self_attn.q_norm"),
-    Replicate("self_attn.k_norm"),
+    Replicate("self_attn.q_norm", shape=("head_dim",)),
+    Replicate("self_attn.k_norm", shape=("head_dim",)),
     ATTN,
 )
 
@@ -95,7 +95,7 @@ DELTA_NET = (
     # model dtype) and `linear_attn.dt_bias`, one value per value head
     Column(LA[:-1], quant=False, param="A_log", dtype="F32", sizes=(("linear_num_value_heads",),)),
     Column(LA[:-1], quant=False, param="dt_bias", sizes=(("linear_num_value_heads",),)),
-    Replicate(LA + "norm"),
+    Replicate(LA + "norm", shape=("linear_value_head_dim",)),
     Row(LA + "out_proj"),
 )
 
@@ -121,7 +121,7 @@ def _has_shared_expert(config: dict) -> bool:
 # Qwen3NextSparseMoeBlock: the router (GateLinear, no quant config) and the shared expert are handed
 # to the fused-MoE runner, whose aliases (mlp.experts.*) are the smallest state-dict keys
 SPARSE_MOE = (
-    Replicate("mlp.experts.gate", "mlp.gate"),
+    Replicate("mlp.experts.gate", "mlp.gate", shape=("num_experts", "hidden_size")),
     Experts("mlp.experts.routed_experts", "mlp.experts", tp_at_most_experts=True),
     Merged(
         SHARED + "gate_up_proj",
@@ -136,7 +136,7 @@ SPARSE_MOE = (
         dims=("hidden_size", "shared_expert_intermediate_size"),
     ),
     # ReplicatedLinear(hidden, 1, quant_config=None), also the shared expert's expert_gate
-    Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", when=_has_shared_expert),
+    Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", when=_has_shared_expert, shape=(1, "hidden_size")),
 )
 
 QWEN3_NEXT = Architecture(
@@ -161,7 +161,7 @@ QWEN3_5_MOE = Architecture(
     hf_to_vllm=QWEN35_MAPPER,
     top=(
         Vocab(LM + "embed_tokens"),
-        Replicate(LM + "norm"),
+        Replicate(LM + "norm", shape=HIDDEN),
         Vocab("language_model.lm_head", tied=LM + "embed_tokens"),
     ),
     layer=NORMS,

@@ -16,7 +16,7 @@ and whole with `data` (reshard.plan.towers).
 
 from dataclasses import replace
 
-from reshard.rules.llama import MAPPER, MLP, QWEN2_ATTENTION, QWEN3_ATTENTION
+from reshard.rules.llama import HIDDEN, MAPPER, MLP, QWEN2_ATTENTION, QWEN3_ATTENTION
 from reshard.rules.moe import sparse_layer
 from reshard.rules.qwen3_next import QWEN3_5_MOE
 from reshard.rules.spec import Architecture, Blocks, Tower, WeightsMapper
@@ -36,13 +36,14 @@ QWEN2_5_VL_MAPPER = MAPPER | WeightsMapper(
 
 VIS = "visual."
 VISION_UP = ("intermediate_size", "hidden_size")
+PATCH = ("hidden_size", "in_channels", "temporal_patch_size", "patch_size", "patch_size")  # the Conv3d's weight
 
 QWEN2_5_VISION = Tower(
     device_normalize=True,  # supports_mm_device_do_normalize (tower_pins)
     config="vision_config",
     top=(
-        Replicate(VIS + "patch_embed.proj"),  # Conv3d [hidden, C, t, p, p], no bias
-        Replicate(VIS + "merger.ln_q"),
+        Replicate(VIS + "patch_embed.proj", shape=PATCH),  # Conv3d [hidden, C, t, p, p], no bias
+        Replicate(VIS + "merger.ln_q", shape=HIDDEN),
         Column(VIS + "merger.mlp.0", bias=True),
         Row(VIS + "merger.mlp.2", bias=True, dims=("out_hidden_size", None)),
     ),
@@ -50,8 +51,8 @@ QWEN2_5_VISION = Tower(
         Blocks(
             VIS + "blocks.{layer}.",
             (
-                Replicate("norm1"),
-                Replicate("norm2"),
+                Replicate("norm1", shape=HIDDEN),
+                Replicate("norm2", shape=HIDDEN),
                 QKV("attn.qkv", bias=True, fused=("q", "k", "v"), dims=(None, "hidden_size")),
                 Row("attn.proj", bias=True),
                 Merged("mlp.gate_up_proj", bias=True, dims=VISION_UP),
@@ -68,7 +69,7 @@ QWEN2_5_VL = Architecture(
     hf_to_vllm=QWEN2_5_VL_MAPPER,
     top=(
         Vocab(LM + "embed_tokens"),
-        Replicate(LM + "norm"),
+        Replicate(LM + "norm", shape=HIDDEN),
         Vocab("language_model.lm_head", tied=LM + "embed_tokens"),
     ),
     layer=QWEN2_ATTENTION,
@@ -96,13 +97,16 @@ QWEN3_VL_MAPPER = MAPPER | WeightsMapper(
 )
 
 
-def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
-    return Replicate(name), Replicate(name, param="bias")
+def _layer_norm(name: str, shape: tuple[str | None, ...] = HIDDEN) -> tuple[Replicate, Replicate]:
+    """nn.LayerNorm: weight and bias."""
+    return Replicate(name, shape=shape), Replicate(name, param="bias", shape=shape)
 
 
-def _merger(prefix: str) -> tuple:
+def _merger(prefix: str, norm: tuple[str | None, ...]) -> tuple:
+    """Qwen3_VisionPatchMerger: its LayerNorm over the tower's width, or the deepstack mergers' over
+    the merged width (hidden_size x spatial_merge_size^2, use_postshuffle_norm; left unchecked)."""
     return (
-        *_layer_norm(prefix + "norm"),
+        *_layer_norm(prefix + "norm", norm),
         Column(prefix + "linear_fc1", bias=True),
         Row(prefix + "linear_fc2", bias=True, dims=("out_hidden_size", None)),
     )
@@ -116,10 +120,11 @@ QWEN3_VISION = Tower(
     device_normalize=True,  # supports_mm_device_do_normalize (tower_pins)
     config="vision_config",
     top=(
-        Replicate(VIS + "patch_embed.proj"),  # Conv3d [hidden, C, t, p, p] with its bias
-        Replicate(VIS + "patch_embed.proj", param="bias"),
-        Replicate(VIS + "pos_embed"),  # nn.Embedding [num_position_embeddings, hidden]: not a vocab split
-        *_merger(VIS + "merger."),
+        Replicate(VIS + "patch_embed.proj", shape=PATCH),  # Conv3d [hidden, C, t, p, p] with its bias
+        Replicate(VIS + "patch_embed.proj", param="bias", shape=HIDDEN),
+        # nn.Embedding [num_position_embeddings, hidden]: not a vocab split
+        Replicate(VIS + "pos_embed", shape=("num_position_embeddings", "hidden_size")),
+        *_merger(VIS + "merger.", HIDDEN),
     ),
     blocks=(
         Blocks(
@@ -134,7 +139,7 @@ QWEN3_VISION = Tower(
             ),
             "depth",
         ),
-        Blocks(VIS + "deepstack_merger_list.{layer}.", _merger(""), _deepstack),
+        Blocks(VIS + "deepstack_merger_list.{layer}.", _merger("", (None,)), _deepstack),
     ),
     skip=("model.visual.",),
 )
@@ -161,7 +166,7 @@ QWEN3_VL_MOE = replace(
     QWEN3_VL,
     names=("Qwen3VLMoeForConditionalGeneration",),
     moe_mlp=(
-        Replicate("mlp.experts.gate", "mlp.gate", quant=True),
+        Replicate("mlp.experts.gate", "mlp.gate", quant=True, dims=("num_experts", "hidden_size")),
         # vLLM's Qwen3MoeSparseMoeBlock: "Tensor parallel size ... is greater than the number of experts"
         FusedExperts(
             "mlp.experts.routed_experts",

@@ -90,13 +90,14 @@ class Replicate(Linear):
         shape: not quantized: the config keys of the tensor's whole shape, one per dimension
             (`("hidden_size",)` for a norm), checked before anything is written: vLLM builds the
             parameter so, and a source tensor of another shape would be copied whole, passing
-            verify. A key config.json lacks leaves its dimension unchecked; () checks nothing.
+            verify. An int is a fixed size; None, or a key config.json lacks, leaves its dimension
+            unchecked (the number of dimensions still is); () checks nothing.
     """
 
     _: KW_ONLY
     quant: bool = False
     param: str = "weight"
-    shape: tuple[str, ...] = ()
+    shape: tuple[str | int | None, ...] = ()
 
 
 @dataclass(frozen=True)
