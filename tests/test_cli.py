@@ -314,3 +314,18 @@ def test_an_interrupted_verify_says_nothing_changed(tiny, tmp_path, monkeypatch)
     monkeypatch.setattr(verify_mod.integrity, "check_sums", interrupted)
     code, _, err = run("verify", str(out))
     assert code == 130 and err == "reshard: error: interrupted; verify writes nothing, so nothing changed\n", err
+
+
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("--max-memory", "1KB", "'1KB' is below 16MiB, the least a save can keep to"),
+        ("--max-memory", "512", "'512' is below 16MiB"),  # bytes, where MiB was meant
+        ("--max-memory", "0", "must be positive"),
+        ("--max-part-size", "5 parsecs", "is not a size like 5GiB"),
+    ],
+)
+def test_sizes_a_save_cannot_keep_to_are_usage_errors(tiny, tmp_path, option, value, says):
+    code, out, _ = run("save", str(tiny("llama")), str(tmp_path / "out"), option, value, "--json")
+    assert code == 2 and says in json.loads(out)["error"]["message"], out
+    assert not (tmp_path / "out").exists()

@@ -16,7 +16,12 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 class ByteSize(click.ParamType):
+    """A byte count (`5GiB`, `500MB`, `1000000`), at least `minimum` where one is given (`why` says why)."""
+
     name = "SIZE"
+
+    def __init__(self, minimum: int = 1, why: str = "") -> None:
+        self.minimum, self.why = minimum, why
 
     def convert(self, value, param, ctx):
         if isinstance(value, int):
@@ -27,6 +32,8 @@ class ByteSize(click.ParamType):
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
         if n <= 0:
             self.fail("must be positive", param, ctx)
+        if n < self.minimum:
+            self.fail(f"{value!r} is below {self.minimum // 2**20}MiB, {self.why}", param, ctx)
         return n
 
 

@@ -44,10 +44,12 @@ from reshard.vllm_versions import serve_note
 )
 @click.option(
     "--max-memory",
-    type=ByteSize(),
+    type=ByteSize(
+        16 * 2**20, "the least a save can keep to (two read buffers and the metadata); the default is 512MiB"
+    ),
     default="512MiB",
     show_default=True,
-    help="Bound on what a save holds in memory: the checkpoint's metadata (headers, plan) and tensor data "
+    help="Bound on what a save holds in memory (at least 16MiB): the checkpoint's metadata (headers, plan) and tensor data "
     "(read-ahead and write buffers, which get what the metadata leaves, at least a quarter); each open "
     "output file adds 8 MiB (to s3://, a part buffer, and RESHARD_S3_CONCURRENCY parts are in flight).",
 )
