@@ -298,3 +298,14 @@ def test_merge_and_assemble_paths_answer_as_save_does(tiny, tmp_path):
     assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
     code, _, err = run("merge", str(out), str(a_file))
     assert code == 5 and "HF_DIR" in err and "not a folder" in err, err
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_a_config_dtype_vllm_cannot_run_names_its_key_and_the_choices(tiny, tmp_path, key):
+    src = corrupt(tiny, tmp_path)
+    edit_json(src / "config.json", lambda c: {**{k: v for k, v in c.items() if "dtype" not in k}, key: "int4"})
+    code, _, err = run("plan", str(src), "--tp", "2")
+    assert code == 3, err
+    assert f"config.json {key} 'int4'" in err and "--dtype bfloat16, float16 or float32" in err
+    code, _, err = run("plan", str(src), "--tp", "2", "--dtype", "bfloat16")
+    assert code == 0, err

@@ -190,14 +190,17 @@ def model_dtype(config: dict, dtype: str, model_type: str | None = None) -> str:
             )
         return DTYPE_NAMES[dtype]
     # transformers 5 (vLLM's) takes `dtype` over the older `torch_dtype` where a config has both
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    name = str(name).removeprefix("torch.")
+    key = "dtype" if config.get("dtype") else "torch_dtype"
+    name = str(config.get(key) or "float32").removeprefix("torch.")
     if name == "float32":
         name = "bfloat16"  # vLLM's auto dtype on GPUs downcasts float32 checkpoints
     if name == "float16" and no_f16:
         name = "bfloat16"  # vLLM's auto falls back from float16 for these (NO_FLOAT16)
     if name not in ("bfloat16", "float16"):
-        raise UnsupportedError(f"config.json torch_dtype {name!r} is not supported; pass --dtype")
+        raise UnsupportedError(
+            f"config.json {key} {name!r} is not a dtype vLLM runs a model in",
+            "pass --dtype bfloat16, float16 or float32, the one you will serve it with",
+        )
     return DTYPE_NAMES[name]
 
 
