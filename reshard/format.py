@@ -207,8 +207,13 @@ def parse_header(
             continue
         in_order = False
         tensors[name] = _entry(path, name, entry, start, size, file_name)
-    if not in_order:
-        _check_spans(path, tensors, start)
+    end = pos if in_order else _check_spans(path, tensors, start)
+    if start + end != size:  # the safetensors library (so vLLM) refuses it: "file not fully covered"
+        raise SourceError(
+            f"{path}: {size - start - end} bytes after its last tensor, which the safetensors library "
+            "(and vLLM) refuses",
+            _REDOWNLOAD,
+        )
     return tensors, {str(k): str(v) for k, v in meta.items()}, size
 
 
@@ -289,14 +294,16 @@ def _entry(path: str, name: str, entry: object, start: int, size: int, file_name
     return TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
 
 
-def _check_spans(path: str, tensors: dict[str, TensorInfo], start: int) -> None:
-    """No tensor overlaps another or leaves a hole before it (the first one in offset order named)."""
+def _check_spans(path: str, tensors: dict[str, TensorInfo], start: int) -> int:
+    """No tensor overlaps another or leaves a hole before it (the first one in offset order named);
+    returns where the data ends, relative to `start`."""
     spans = sorted((t.offset - start, t.offset - start + t.nbytes, name) for name, t in tensors.items())
     pos = 0
     for begin, end, name in spans:
         if begin != pos and end > begin:
             raise SourceError(f"{path}: tensor {name!r} overlaps or leaves a hole", _REDOWNLOAD)
         pos = max(pos, end)
+    return pos
 
 
 _REDOWNLOAD = "the file is damaged or partly downloaded: download it again"

@@ -309,3 +309,13 @@ def test_a_config_dtype_vllm_cannot_run_names_its_key_and_the_choices(tiny, tmp_
     assert f"config.json {key} 'int4'" in err and "--dtype bfloat16, float16 or float32" in err
     code, _, err = run("plan", str(src), "--tp", "2", "--dtype", "bfloat16")
     assert code == 0, err
+
+
+def test_bytes_after_the_last_tensor_exit_4(tiny, tmp_path):
+    """The safetensors library (so vLLM's default loader) refuses such a file; a save must not make it load."""
+    src = corrupt(tiny, tmp_path)
+    with open(src / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 3)
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and "3 bytes after its last tensor" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

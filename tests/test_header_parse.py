@@ -65,6 +65,12 @@ def old_parse_header(raw: bytes, size: int, where: str, file_name: str):
         if begin != pos and end > begin:
             raise SourceError(f"{path}: tensor {name!r} overlaps or leaves a hole", _REDOWNLOAD)
         pos = max(pos, end)
+    if start + pos != size:  # since session 17: bytes after the last tensor, as the safetensors library
+        raise SourceError(
+            f"{path}: {size - start - pos} bytes after its last tensor, which the safetensors library "
+            "(and vLLM) refuses",
+            _REDOWNLOAD,
+        )
     return tensors, {str(k): str(v) for k, v in meta.items()}, size
 
 
@@ -85,8 +91,19 @@ def outcome(parse, raw: bytes, size: int):
     return ("ok", rows, meta, got)
 
 
+def data_end(raw: bytes) -> int:
+    """Where the data of the header `raw` ends (the largest end offset of its entries that have one),
+    relative to the data's start: the size at which a well-formed file is exactly covered."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return 0
+    offsets = [e.get("data_offsets") for e in obj.values() if isinstance(e, dict)] if isinstance(obj, dict) else []
+    return max([o[-1] for o in offsets if isinstance(o, list) and o and _is_int(o[-1])] + [0])
+
+
 def same(raw: bytes, size: int | None = None) -> None:
-    size = 8 + len(raw) + 10_000 if size is None else size
+    size = 8 + len(raw) + data_end(raw) if size is None else size
     assert outcome(parse_header, raw, size) == outcome(old_parse_header, raw, size)
 
 
@@ -147,6 +164,18 @@ TRICKY = {
     "empty header": {},
 }
 
+# the file's size past the exact end of its data: bytes after the last tensor (refused, as safetensors does)
+TRAILING = {"plain, 1 byte after": ({"a": entry(), "b": entry(begin=12)}, 1), "empty header, 8 after": ({}, 8)}
+
+
+@pytest.mark.parametrize("case", TRAILING)
+def test_bytes_after_the_last_tensor_are_refused(case):
+    obj, extra = TRAILING[case]
+    raw = dumps(obj)
+    same(raw, 8 + len(raw) + data_end(raw) + extra)
+    with pytest.raises(SourceError, match=f"{extra} bytes after its last tensor"):
+        parse_header(raw, 8 + len(raw) + data_end(raw) + extra, "x", "x")
+
 
 @pytest.mark.parametrize("case", TRICKY)
 def test_tricky_headers_parse_as_before(case):
@@ -162,7 +191,7 @@ def test_truncated_file_errors_as_before():
 
 def test_shared_shapes_are_equal_tuples():
     raw = dumps({f"t{i}": entry(shape=(4, 8), begin=64 * i) for i in range(10)})
-    tensors, _, _ = parse_header(raw, 10_000, "x", "x")
+    tensors, _, _ = parse_header(raw, 8 + len(raw) + 640, "x", "x")
     shapes = {id(t.shape) for t in tensors.values()}
     assert len(shapes) == 1 and next(iter(tensors.values())).shape == (4, 8)
 
@@ -200,6 +229,7 @@ def headers(draw) -> bytes:
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(headers(), st.integers(0, 200))
+@given(headers(), st.one_of(st.just(0), st.integers(-30, 200)))
 def test_generated_headers_parse_as_before(raw, slack):
-    same(raw, 8 + len(raw) + slack)
+    """Sizes exact (the data fully covers the file), short (truncated) and long (bytes after it)."""
+    same(raw, 8 + len(raw) + max(0, data_end(raw) + slack))
