@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from reshard.rules.llama import ATTN, DOWN, FROM_HIDDEN, HIDDEN, MAPPER, UP
 from reshard.rules.spec import Architecture, Blocks, Tower, WeightsMapper
-from reshard.rules.styles import QKV, Column, Merged, Replicate, Row, Vocab
+from reshard.rules.styles import QKV, Column, Merged, Replicate, Row, Vocab, layer_norm
 
 HEAD = ("head_dim",)  # Gemma3Attention's q_norm / k_norm: GemmaRMSNorm(config.head_dim)
 
@@ -81,11 +81,6 @@ SIGLIP = "vision_tower.vision_model."
 LM = "language_model."
 
 
-def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
-    """nn.LayerNorm(vision hidden_size): weight and bias."""
-    return Replicate(name, shape=HIDDEN), Replicate(name, param="bias", shape=HIDDEN)
-
-
 SIGLIP_TOWER = Tower(
     config="vision_config",
     top=(
@@ -95,7 +90,7 @@ SIGLIP_TOWER = Tower(
         ),
         Replicate(SIGLIP + "embeddings.patch_embedding", param="bias", shape=HIDDEN),
         Replicate(SIGLIP + "embeddings.position_embedding", shape=(None, "hidden_size")),  # [patches, hidden]
-        *_layer_norm(SIGLIP + "post_layernorm"),
+        *layer_norm(SIGLIP + "post_layernorm"),
         # [vision hidden, text hidden]: the text width is not in the tower's settings
         Replicate("multi_modal_projector", param="mm_input_projection_weight", shape=("hidden_size", None)),
         Replicate("multi_modal_projector.mm_soft_emb_norm", shape=HIDDEN),
@@ -104,8 +99,8 @@ SIGLIP_TOWER = Tower(
         Blocks(
             SIGLIP + "encoder.layers.{layer}.",
             (
-                *_layer_norm("layer_norm1"),
-                *_layer_norm("layer_norm2"),
+                *layer_norm("layer_norm1"),
+                *layer_norm("layer_norm2"),
                 QKV("self_attn.qkv_proj", bias=True, dims=(None, "hidden_size")),
                 Row("self_attn.out_proj", bias=True),
                 Column("mlp.fc1", bias=True, dims=("intermediate_size", "hidden_size")),

@@ -29,7 +29,7 @@ from dataclasses import replace
 from reshard.rules.deepseek import DEEPSEEK_V2, MAPPER
 from reshard.rules.llama import HIDDEN
 from reshard.rules.spec import Blocks, Tower, WeightsMapper
-from reshard.rules.styles import QKV, Column, Replicate, Row, Vocab
+from reshard.rules.styles import QKV, Column, Replicate, Row, Vocab, layer_norm
 
 LM = "language_model."
 VT = "vision_tower."
@@ -56,11 +56,6 @@ VISION_DEFAULTS = (
 VISION_UP = ("intermediate_size", "hidden_size")
 
 
-def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
-    """nn.LayerNorm(vision hidden_size): weight and bias."""
-    return Replicate(name, shape=HIDDEN), Replicate(name, param="bias", shape=HIDDEN)
-
-
 MOONVIT = Tower(
     config="vision_config",
     top=(
@@ -69,8 +64,8 @@ MOONVIT = Tower(
         Replicate(VT + "patch_embed.proj", param="bias", shape=HIDDEN),
         # nn.Parameter [pos_emb_height, pos_emb_width, hidden]
         Replicate(VT + "patch_embed.pos_emb", shape=(None, None, "hidden_size")),
-        *_layer_norm(VT + "encoder.final_layernorm"),
-        *_layer_norm("mm_projector.pre_norm"),
+        *layer_norm(VT + "encoder.final_layernorm"),
+        *layer_norm("mm_projector.pre_norm"),
         Replicate("mm_projector.linear_1", bias=True, quant=True),  # ReplicatedLinear in every mode
         Replicate("mm_projector.linear_2", bias=True, quant=True),
     ),
@@ -78,8 +73,8 @@ MOONVIT = Tower(
         Blocks(
             VT + "encoder.blocks.{layer}.",
             (
-                *_layer_norm("norm0"),
-                *_layer_norm("norm1"),
+                *layer_norm("norm0"),
+                *layer_norm("norm1"),
                 QKV("wqkv", bias=True, fused=("q", "k", "v"), dims=(None, "hidden_size")),
                 Row("wo", bias=True),
                 Column("mlp.fc0", bias=True, dims=VISION_UP),

@@ -20,14 +20,9 @@ from dataclasses import replace
 from reshard.rules.llama import HIDDEN
 from reshard.rules.llama4 import LLAMA4
 from reshard.rules.spec import Blocks, Tower
-from reshard.rules.styles import QKV, Column, Replicate, Row
+from reshard.rules.styles import QKV, Column, Replicate, Row, layer_norm
 
 VM = "vision_model."
-
-
-def _layer_norm(name: str) -> tuple[Replicate, Replicate]:
-    """nn.LayerNorm(vision hidden_size): weight and bias."""
-    return Replicate(name, shape=HIDDEN), Replicate(name, param="bias", shape=HIDDEN)
 
 
 LLAMA4_VISION = Tower(
@@ -36,8 +31,8 @@ LLAMA4_VISION = Tower(
         Column(VM + "patch_embedding.linear", dims=("hidden_size", None)),
         Replicate(VM[:-1], param="class_embedding", shape=HIDDEN),
         Replicate(VM[:-1], param="positional_embedding_vlm", shape=(None, "hidden_size")),  # [patches + 1, hidden]
-        *_layer_norm(VM + "layernorm_pre"),
-        *_layer_norm(VM + "layernorm_post"),
+        *layer_norm(VM + "layernorm_pre"),
+        *layer_norm(VM + "layernorm_post"),
         Column(VM + "vision_adapter.mlp.fc1", bias="multi_modal_projector_bias"),
         Row(VM + "vision_adapter.mlp.fc2", bias="multi_modal_projector_bias", dims=("projector_output_dim", None)),
     ),
@@ -45,8 +40,8 @@ LLAMA4_VISION = Tower(
         Blocks(
             VM + "model.layers.{layer}.",
             (
-                *_layer_norm("input_layernorm"),
-                *_layer_norm("post_attention_layernorm"),
+                *layer_norm("input_layernorm"),
+                *layer_norm("post_attention_layernorm"),
                 QKV("self_attn.qkv_proj", bias=True, dims=(None, "hidden_size")),
                 Row("self_attn.o_proj", bias=True),
                 Column("mlp.fc1", bias=True, dims=("intermediate_size", "hidden_size")),

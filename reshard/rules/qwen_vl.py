@@ -20,7 +20,7 @@ from reshard.rules.llama import HIDDEN, MAPPER, MLP, QWEN2_ATTENTION, QWEN3_ATTE
 from reshard.rules.moe import sparse_layer
 from reshard.rules.qwen3_next import QWEN3_5_MOE
 from reshard.rules.spec import Architecture, Blocks, Tower, WeightsMapper
-from reshard.rules.styles import QKV, Column, FusedExperts, Merged, Replicate, Row, Vocab
+from reshard.rules.styles import QKV, Column, FusedExperts, Merged, Replicate, Row, Vocab, layer_norm
 
 LM = "language_model.model."
 
@@ -97,16 +97,11 @@ QWEN3_VL_MAPPER = MAPPER | WeightsMapper(
 )
 
 
-def _layer_norm(name: str, shape: tuple[str | None, ...] = HIDDEN) -> tuple[Replicate, Replicate]:
-    """nn.LayerNorm: weight and bias."""
-    return Replicate(name, shape=shape), Replicate(name, param="bias", shape=shape)
-
-
 def _merger(prefix: str, norm: tuple[str | None, ...]) -> tuple:
     """Qwen3_VisionPatchMerger: its LayerNorm over the tower's width, or the deepstack mergers' over
     the merged width (hidden_size x spatial_merge_size^2, use_postshuffle_norm; left unchecked)."""
     return (
-        *_layer_norm(prefix + "norm", norm),
+        *layer_norm(prefix + "norm", norm),
         Column(prefix + "linear_fc1", bias=True),
         Row(prefix + "linear_fc2", bias=True, dims=("out_hidden_size", None)),
     )
@@ -130,8 +125,8 @@ QWEN3_VISION = Tower(
         Blocks(
             VIS + "blocks.{layer}.",
             (
-                *_layer_norm("norm1"),
-                *_layer_norm("norm2"),
+                *layer_norm("norm1"),
+                *layer_norm("norm2"),
                 QKV("attn.qkv", bias=True, fused=("q", "k", "v"), dims=(None, "hidden_size")),
                 Row("attn.proj", bias=True),
                 Column("mlp.linear_fc1", bias=True, dims=VISION_UP),

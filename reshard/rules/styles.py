@@ -100,6 +100,11 @@ class Replicate(Linear):
     shape: tuple[str | int | None, ...] = ()
 
 
+def layer_norm(name: str, shape: tuple[str | int | None, ...] = ("hidden_size",)) -> tuple[Replicate, Replicate]:
+    """An nn.LayerNorm: its weight and bias, whole on every rank, both of `shape` (the encoders' norms)."""
+    return Replicate(name, shape=shape), Replicate(name, param="bias", shape=shape)
+
+
 @dataclass(frozen=True)
 class Column(Linear):
     """`ColumnParallelLinear`: output rows split across ranks, the bias alike.
