@@ -215,3 +215,13 @@ def test_damaged_tensors_exit_4_before_anything_is_written(tiny, tmp_path, name,
     assert code == 4, err
     assert says in err and name in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tower_tensor_names_where_config_json_gives_its_size(tiny, tmp_path):
+    src = tiny("qwen2.5-vl")
+    tensors, _ = _read(src)
+    name = next(k for k in tensors if k.endswith("blocks.0.norm1.weight"))
+    bad = _replaced(src, tmp_path / "bad", name, tensors[name][:16].clone())
+    with pytest.raises(SourceError) as e:
+        build_plan(open_source(str(bad)).checkpoint, _layout(src))
+    assert e.value.message.endswith("has shape [16], expected [32] (from config.json vision_config.hidden_size 32)")

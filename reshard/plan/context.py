@@ -25,6 +25,8 @@ class Context:
     ) -> None:
         self.ckpt = ckpt
         self.config = merged_config(ckpt.config, arch)
+        # where config.json holds the sizes read: "" (its top level), `text_config`, a tower's `vision_config`
+        self.config_key = arch.text_config if isinstance(ckpt.config.get(arch.text_config or ""), dict) else ""
         self.arch = arch
         self.tp = tp
         self.ep = ep
@@ -125,6 +127,7 @@ class Context:
         rank, --mm-encoder-tp-mode data); the checkpoint, used tensors, notes and quantization shared."""
         sub = copy.copy(self)
         sub.config = tower.settings(self.ckpt.config)
+        sub.config_key = tower.config
 
         def need(key: str) -> int:
             value = sub.config.get(key)

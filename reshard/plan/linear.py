@@ -47,7 +47,10 @@ def _check_whole_shape(ctx: Context, t: TensorInfo, keys: tuple[str | int | None
     """A replicated tensor's shape against config.json (`Replicate.shape`)."""
     want = [k if isinstance(k, int) else config_int(ctx, k) for k in keys]
     if len(t.shape) != len(want) or any(w is not None and w != s for w, s in zip(want, t.shape, strict=True)):
-        said = ", ".join(f"{k} {w}" for k, w in zip(keys, want, strict=True) if isinstance(k, str) and w is not None)
+        within = f"{ctx.config_key}." if ctx.config_key else ""
+        said = ", ".join(
+            f"{within}{k} {w}" for k, w in zip(keys, want, strict=True) if isinstance(k, str) and w is not None
+        )
         raise SourceError(
             f"{t.name} has shape {list(t.shape)}, expected {[w if w is not None else '*' for w in want]}"
             + (f" (from config.json {said})" if said else ""),
