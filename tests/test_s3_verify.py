@@ -63,6 +63,19 @@ def test_an_object_replaced_by_a_flipped_copy_fails_without_deep(saved, how):
     _one_error_line(err, RANK1, "replaced after it was written")
 
 
+def test_a_manifest_re_uploaded_without_a_checksum_does_not_switch_the_check_off(saved, tmp_path):
+    """`aws s3 cp reshard.json s3://...` (a plain PUT: no SHA256 on the manifest object) beside a flipped rank
+    file: the objects the manifest records still report theirs, so the flipped one fails; re-sharding from
+    the bucket refuses it too."""
+    saved.flip(RANK0)
+    saved.replace("reshard.json", saved.read("reshard.json"))
+    code, out, err = run("verify", saved.url)
+    assert code == 7, (out, err)
+    _one_error_line(err, RANK0, "replaced after it was written")
+    code, _, err = run("save", saved.url, str(tmp_path / "again"), "--tp", "1")
+    assert code == 7 and "was replaced after it was written" in err, err
+
+
 def test_deep_catches_a_flipped_byte_the_manifest_has_no_store_checksum_for(saved):
     """An output whose manifest predates store checksums: HEADs cannot tell; --deep hashes and fails."""
     m = saved.manifest()
