@@ -59,7 +59,7 @@ def _flag(value: str) -> bool:
     raise ValueError("is not a flag")
 
 
-def _whole(least: int) -> Callable[[str], int]:
+def _whole(least: int, most: int | None = None) -> Callable[[str], int]:
     def parse(value: str) -> int:
         try:
             n = int(value)
@@ -67,6 +67,8 @@ def _whole(least: int) -> Callable[[str], int]:
             raise ValueError("is not a whole number") from None
         if n < least:
             raise ValueError(f"is less than {least}")
+        if most is not None and n > most:
+            raise ValueError(f"is more than {most}")
         return n
 
     return parse
@@ -152,9 +154,10 @@ S3_CONCURRENCY = Setting(
 S3_PART_SIZE = Setting(
     "RESHARD_S3_PART_SIZE",
     16 << 20,
-    "a whole number of bytes >= 5242880 (S3's smallest part)",
-    "bytes per part of an object storage upload (grown for files over 10000 parts)",
-    _whole(5 << 20),
+    "a whole number of bytes from 5242880 to 5368709120 (S3's smallest and largest part)",
+    "bytes per part of an object storage upload (grown for files over 10000 parts); each file being "
+    "uploaded holds one part buffer",
+    _whole(5 << 20, 5 << 30),
 )
 S3_RETRIES = Setting(
     "RESHARD_S3_RETRIES", 8, "a whole number >= 0", "retries of a failing object storage request", _whole(0)

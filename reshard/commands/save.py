@@ -51,7 +51,8 @@ from reshard.vllm_versions import serve_note
     show_default=True,
     help="Bound on what a save holds in memory (at least 16MiB): the checkpoint's metadata (headers, plan) and tensor data "
     "(read-ahead and write buffers, which get what the metadata leaves, at least a quarter); each open "
-    "output file adds 8 MiB (to s3://, a part buffer, and RESHARD_S3_CONCURRENCY parts are in flight).",
+    "output file adds 8 MiB (to s3://, a part buffer of RESHARD_S3_PART_SIZE, 16 MiB by default, with "
+    "RESHARD_S3_CONCURRENCY parts in flight).",
 )
 @click.option(
     "--checksum",
