@@ -133,6 +133,7 @@ class Bucket(Destination):
             rank_bytes=list(rank_bytes.values()),
             max_part=run.max_part,
         )
+        publisher.abort_leftovers(prior)  # a killed run's, once this run is let to write here
         uploads = Uploads(objects)
         staging = BucketStaging(
             Path(held.enter_context(tempfile.TemporaryDirectory(prefix="reshard-side-"))),

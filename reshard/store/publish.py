@@ -5,13 +5,14 @@ S3 has no rename, so the local swap (reshard.publish) becomes a commit of open u
 1. `locked`: `prefix.reshard/lock.json` is created if absent (If-None-Match: *); another run's
    lock is refused, a dead one of this host's (its pid is gone) is taken over.
 2. `recover`: a commit journal left by a run killed while publishing is finished (its uploads are
-   still open on the store: completed, the manifest last); then every other open upload under the
-   prefix is aborted (a run killed before publishing).
+   still open on the store: completed, the manifest last), where every object it names is still an
+   open upload or completed; one it cannot finish is dropped, its objects left without a manifest.
 3. `check` (before anything is uploaded): the prefix is empty, or holds a reshard output and
    --overwrite is given; no other object there matches vLLM's rank-file patterns (vLLM lists the
    prefix without a delimiter, so `prefix/old/model-rank-0-part-0.safetensors` would be loaded too);
    no folder above holds an output (this one would be loaded with it); the output fits in the 1000
-   keys vLLM's single listing call sees.
+   keys vLLM's single listing call sees. Then `abort_leftovers`: the open uploads a killed run of this
+   output left are aborted (not those of an output nested under the prefix: its own lock marks it).
 4. The rank files, side files and manifest are uploaded as open multipart uploads (reshard.store.upload):
    readers still see the previous output, or nothing.
 5. `commit`, signals held: the journal is written; the previous manifest deleted (that output no
@@ -37,9 +38,17 @@ from fnmatch import fnmatch
 
 from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.manifest import Manifest, parse_manifest
-from reshard.names import BUCKET_JOURNAL, BUCKET_LOCK, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
+from reshard.names import (
+    BUCKET_JOURNAL,
+    BUCKET_LOCK,
+    BUCKET_WORK_SUFFIX,
+    MANIFEST,
+    PIECE_MANIFEST_GLOB,
+    is_rank_file_name,
+)
 from reshard.publish import claim_checked, signals_held
 from reshard.store.bucket import Bucket, Conflict
+from reshard.store.journal import Journal, read_journal
 from reshard.store.upload import OpenUpload, Uploads
 
 VLLM_MAX_KEYS = 1000  # vLLM lists the prefix with one list_objects_v2 call: its first page only
@@ -80,7 +89,8 @@ class BucketPublisher:
         self.url = bucket.url
         self.lock_key = self.url.work + BUCKET_LOCK
         self.journal_key = self.url.work + BUCKET_JOURNAL
-        self.recovered: str | None = None  # what `recover` finished, told to the user
+        self.recovered: str | None = None  # what `recover` found and did, told to the user
+        self.finished: str | None = None  # the interrupted run whose output `recover` published
         self.journaled = False  # the commit journal is written: the open uploads are the next run's to finish
 
     # ---- 1. one run at a time ------------------------------------------------------------------
@@ -124,12 +134,7 @@ class BucketPublisher:
         return None
 
     def _take_dead_lock(self, body: bytes) -> None:
-        raw = self.bucket.get(self.lock_key, limit=MAX_SMALL)
-        try:
-            held = json.loads(raw or b"{}")
-            host, pid, since = str(held["host"]), int(held["pid"]), int(held["since"])
-        except (ValueError, KeyError, TypeError):
-            host, pid, since = "?", 0, 0
+        host, pid, since = _lock_fields(self.bucket.get(self.lock_key, limit=MAX_SMALL))
         age = self._lock_age()
         dead = host == socket.gethostname() and pid and not _alive(pid)
         if dead or age is None or age > LOCK_STALE:
@@ -156,43 +161,89 @@ class BucketPublisher:
     # ---- 2. what interrupted runs left ---------------------------------------------------------
 
     def recover(self) -> None:
-        """Finish an interrupted commit (its journal), then abort every other open upload."""
+        """Finish an interrupted commit (its journal), where every object it names is still there."""
         raw = self.bucket.get(self.journal_key, limit=MAX_SMALL)
-        if raw is not None:
-            journal = json.loads(raw)
-            self._finish(journal)
-            self.recovered = f"finished publishing the output of interrupted run {journal.get('run', '?')}"
-        for prefix in (self.url.prefix, self.url.work):
-            for key, upload_id in self.bucket.open_uploads(prefix):
-                self.bucket.abort(key, upload_id)
-
-    def _finish(self, journal: dict) -> None:
-        manifest = OpenUpload.from_json(journal["manifest"])
-        if not self._open(manifest):  # the manifest was completed: only the journal is left
-            self.bucket.delete([self.journal_key])
+        if raw is None:
             return
+        journal = read_journal(raw, self.url, self.journal_key)
+        lost = self._finish(journal)
+        if lost is None:
+            self.finished = journal.run
+            self.recovered = f"finished publishing the output of interrupted run {journal.run}"
+        else:
+            self.recovered = (
+                f"could not finish publishing the output of interrupted run {journal.run}: {lost}; its journal "
+                "is dropped, and what it had completed is left without a manifest"
+            )
+
+    def _finish(self, journal: Journal) -> str | None:
+        """Complete the journal's uploads still open, the manifest last; None, or why it cannot be done (an
+        upload the store no longer has, nor its object: aborted outside reshard, e.g. by a lifecycle rule),
+        and then nothing is completed and the journal is dropped."""
         uploads = Uploads(self.bucket)
         try:
-            if journal.get("drop_manifest"):
+            ups = [*journal.uploads, journal.manifest]
+            # asked several at once, as the run's own commit does (hundreds of files for a large model)
+            is_open = list(uploads.pool.map(self._open, ups))
+            closed = [up for up, o in zip(ups, is_open, strict=True) if not o]
+            there = list(uploads.pool.map(self._there, closed))
+            gone = [up for up, t in zip(closed, there, strict=True) if not t]
+            if gone:
+                uploads.open.update({up.key: up for up, o in zip(ups, is_open, strict=True) if o})
+                uploads.abort_all()
+                self.bucket.delete([self.journal_key])
+                return f"{self.url.name(gone[0].key)} is neither an open upload nor an object of that run"
+            if not is_open[-1]:  # the manifest was completed, the commit's last step: only the journal is left
+                self.bucket.delete([self.journal_key])
+                return None
+            if journal.drop_manifest:
                 self.bucket.delete([self.url.key(MANIFEST)])
-            ups = [OpenUpload.from_json(obj) for obj in journal["uploads"]]
-            # those completed before the interrupt are left; asked and completed several at once, as
-            # the run's own commit does (two round trips a file, hundreds of files for a large model)
-            still = [up for up, is_open in zip(ups, uploads.pool.map(self._open, ups), strict=True) if is_open]
+            still = [up for up, o in zip(journal.uploads, is_open[:-1], strict=True) if o]
             uploads.complete_all(still, create_only=lambda up: False)
-            self.bucket.delete(list(journal["remove"]))
-            uploads.complete(manifest, create_only=False)
+            self.bucket.delete(journal.remove)
+            uploads.complete(journal.manifest, create_only=False)
             self.bucket.delete([self.journal_key])
+            return None
         finally:
             uploads.close()
 
     def _open(self, up: OpenUpload) -> bool:
         return self.bucket.parts(up.key, up.upload_id) is not None
 
+    def _there(self, up: OpenUpload) -> bool:
+        """`up` was completed: its key holds an object of its checksum (or, from a store that reports
+        none, of its size)."""
+        head = self.bucket.head(up.key)
+        if head is None:
+            return False
+        reported = head.get("ChecksumSHA256")
+        return reported == up.checksum() if reported else head.get("ContentLength") == up.size
+
+    def abort_leftovers(self, prior: Prior) -> None:
+        """Abort the open uploads a killed run of this output left under the prefix (after `check`: a refused
+        run touches nothing), not those of another output nested in it, whose lock or journal sits in its
+        own `.reshard/` folder under this prefix."""
+        marker = BUCKET_WORK_SUFFIX + "/"
+        nested = tuple(
+            self.url.prefix + name[: name.index(marker)] + "/"
+            for name in (self.url.name(k) for k in prior.keys)
+            if marker in name
+        )
+        for key, upload_id in self.bucket.open_uploads(self.url.prefix):
+            if not key.startswith(nested):
+                self.bucket.abort(key, upload_id)
+
     # ---- 3. before anything is uploaded --------------------------------------------------------
 
     def check(self, *, overwrite: bool, new_names: list[str], rank_bytes: list[int], max_part: int) -> Prior:
         """Refuse a prefix that is not ours to write (see the module docstring); what it holds."""
+        work = [p for p in self.url.prefix.split("/") if p.endswith(BUCKET_WORK_SUFFIX)]
+        if work:
+            raise UnsupportedError(
+                f"{self.url}: {work[0]}/ is where reshard keeps the lock and commit journal of "
+                f"{work[0][: -len(BUCKET_WORK_SUFFIX)]}/, an output beside it",
+                f"choose a prefix without a part ending in {BUCKET_WORK_SUFFIX}",
+            )
         for parent in self.url.parents():
             if self.bucket.head(parent.key(MANIFEST)) is not None:
                 raise UnsupportedError(
@@ -214,7 +265,7 @@ class BucketPublisher:
                     "move or delete it, or write to another prefix",
                 )
         if prior.keys and not overwrite:
-            if self.recovered and prior.manifest is not None:  # this rerun's first act: that output is whole now
+            if self.finished and prior.manifest is not None:  # this rerun's first act: that output is whole now
                 raise OutputError(
                     f"{self.url} holds the output of run {prior.manifest.run_id}, whose publishing this run "
                     "has just finished",
@@ -283,6 +334,19 @@ def _fit_hint(rank_bytes: int, room: int, max_part: int, foreign: int) -> str:
     if gib * (1 << 30) <= max_part:
         return f"use fewer, larger files{others}"
     return f"pass --max-part-size {gib}GiB (at most {room} files per rank){others}"
+
+
+def _lock_fields(raw: bytes | None) -> tuple[str, int, int]:
+    """(host, pid, since) of a lock reshard wrote; ("?", 0, 0) for anything else (a pid or time out of
+    range too: `os.kill` and `localtime` would overflow on them)."""
+    try:
+        held = json.loads(raw or b"{}")
+        host, pid, since = str(held["host"]), int(held["pid"]), int(held["since"])
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return "?", 0, 0
+    if not (0 < pid < 1 << 31 and 0 <= since < 1 << 40):
+        return "?", 0, 0
+    return host, pid, since
 
 
 def _alive(pid: int) -> bool:
