@@ -110,6 +110,65 @@ def test_corrupt_cached_blob_online_is_fetched_again_checked_and_used(server, ch
     assert p.returncode == 0 and p.stderr == "", p.stderr  # offline now finds it good
 
 
+@pytest.mark.parametrize("etag", ["ABS", "../../../../victim.txt", "not-a-hash"])
+def test_an_etag_never_becomes_a_path_outside_the_cache(server, checkpoint, tmp_path, etag):
+    """A Hub (or mirror) answering weight files directly under an ETag that is a path: the blob is named by
+    the commit's LFS sha256, and the file the ETag names is not touched."""
+    src, ref = checkpoint
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file")
+    server.direct_etag = str(victim) if etag == "ABS" else etag
+    home = tmp_path / "hf"
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    assert p.returncode == 0, p.stderr
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+    assert victim.read_text() == "the user's own file"
+    assert sorted(b.name for b in blobs(home)) == sorted(sha256s(src).values())
+    assert not list(tmp_path.glob("*.reshard-partial")) and not (tmp_path / "victim.txt.reshard-partial").exists()
+
+
+def test_a_cached_weight_linked_outside_the_cache(server, checkpoint, tmp_path):
+    """A snapshot link to a damaged file outside HF_HOME: offline exit 4 (it cannot be checked); online the
+    commit's blob is fetched and the link pointed at it, and the file outside is left as it was."""
+    src, ref = checkpoint
+    home = tmp_path / "hf"
+    assert reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2").returncode == 0
+    name = sorted(sha256s(src))[0]
+    link = next((home / "hub").rglob(f"snapshots/*/{name}"))
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(link.read_bytes())
+    flip(outside, outside.stat().st_size - 1)
+    bad = outside.read_bytes()
+    link.unlink()
+    link.symlink_to(outside)
+    p = reshard(server, home, "save", REPO, str(tmp_path / "off"), "--tp", "2", HF_HUB_OFFLINE="1")
+    one_line_error(p, 4, name, "outside the repo's blobs", "HF_HUB_OFFLINE unset")
+    p = reshard(server, home, "save", REPO, str(tmp_path / "on"), "--tp", "2")
+    assert p.returncode == 0 and "fetched it again" in p.stderr, p.stderr
+    assert rank_bytes(tmp_path / "on") == rank_bytes(ref)
+    assert outside.read_bytes() == bad  # never written through the link
+    assert os.path.basename(os.readlink(link)) == sha256s(src)[name] and link.read_bytes() == (src / name).read_bytes()
+
+
+def test_swapped_cache_links_are_mended_blob_by_blob(server, checkpoint, tmp_path):
+    """Two snapshot links swapped: online each is pointed back at the blob its sha256 names, and no blob is
+    left holding another file's bytes (offline then passes)."""
+    src, ref = checkpoint
+    home = tmp_path / "hf"
+    assert reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2").returncode == 0
+    a, b = sorted(sha256s(src))[:2]
+    la, lb = (next((home / "hub").rglob(f"snapshots/*/{n}")) for n in (a, b))
+    ta, tb = os.readlink(la), os.readlink(lb)
+    la.unlink(), lb.unlink()
+    la.symlink_to(tb), lb.symlink_to(ta)
+    p = reshard(server, home, "save", REPO, str(tmp_path / "on"), "--tp", "2")
+    assert p.returncode == 0 and rank_bytes(tmp_path / "on") == rank_bytes(ref), p.stderr
+    for blob in blobs(home):
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
+    p = reshard(server, home, "save", REPO, str(tmp_path / "off"), "--tp", "2", HF_HUB_OFFLINE="1")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
 @pytest.mark.parametrize("change", ["cut", "grown"])
 def test_a_cached_blob_of_another_size_online_is_fetched_again(server, checkpoint, tmp_path, change):
     """A complete cached blob cut short by 2 bytes (a copy that stopped) or grown by 2: its size is not

@@ -102,6 +102,7 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
     from reshard.sources.local import weight_files
 
     root = Path(folder)  # offline: each file checked against the sha256 its blob is named by
+    check_cache_links(root, weight_files(root), repo_id)
     ref = {"repo_id": repo_id, "revision": revision or "main", "commit": root.name}
 
     def fix(name: str, got: str, want: str) -> None:
@@ -115,6 +116,23 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
         )
 
     return LocalSource(root, ref, cache_expected(root, weight_files(root)), fix=fix)
+
+
+def check_cache_links(root: Path, files: list[str], repo_id: str) -> None:
+    """Offline, each weight of the snapshot `root` that is a link leads to one of the repo's blobs: one that
+    leads elsewhere cannot be checked against the sha256 a blob is named by (exit 4, as for side files)."""
+    blobs = os.path.normpath(root.parent.parent / "blobs")
+    for name in files:
+        path = root / name
+        if path.is_symlink():
+            target = os.path.normpath(os.path.join(path.parent, os.readlink(path)))
+            if os.path.dirname(target) != blobs:
+                raise SourceError(
+                    f"{repo_id}/{name} in the Hugging Face cache links to {target}, outside the repo's blobs: "
+                    "reshard cannot check it against the commit's sha256 offline",
+                    f"run with the Hub reachable (HF_HUB_OFFLINE unset): reshard fetches it again, or delete {path} "
+                    "and download it again",
+                )
 
 
 _CHUNK = 16 * 1024 * 1024  # bytes per request when fetching a cached file again
@@ -132,11 +150,15 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
     from concurrent.futures import ThreadPoolExecutor
 
     from reshard import settings
-    from reshard.sources.integrity import HUB, PrefixHasher, mismatch
+    from reshard.sources.integrity import HUB, PrefixHasher, is_sha256, mismatch
 
-    link = root / name  # snapshots/<commit>/<name> -> ../../blobs/<sha256>: replace the blob, not the link
-    blob = Path(os.path.normpath(link.parent / os.readlink(link))) if link.is_symlink() else link
+    # snapshots/<commit>/<name> -> ../../blobs/<sha256>: the blob the commit's sha256 names is written, and the
+    # link pointed at it; whatever the link pointed at before (another blob, a file outside the cache) is left
+    link = root / name
     where = f"{repo.repo_id}/{name}@{repo.commit[:12]}"
+    if not is_sha256(want):
+        raise SourceError(f"{where}: the Hub names no sha256 for it, so its cached copy cannot be fetched again")
+    blob = root.parent.parent / "blobs" / want
     tmp = blob.with_name(f"{blob.name}.{uuid.uuid4().hex[:8]}.reshard-refetch")
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -159,11 +181,12 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
             if digest != want:
                 raise mismatch(where, digest, want, HUB, "the Hub served other bytes too; run again later")
             os.fsync(fd)
-            with contextlib.suppress(OSError):
-                os.fchmod(fd, os.stat(blob).st_mode & 0o777)
         finally:
             os.close(fd)
         os.replace(tmp, blob)
+        relinked = link.with_name(f".{link.name}.{uuid.uuid4().hex[:8]}.reshard-link")
+        os.symlink(os.path.relpath(blob, link.parent), relinked)
+        os.replace(relinked, link)  # the link itself replaced, never followed
     except OSError as e:
         raise SourceError(
             f"cannot write the Hugging Face cache while fetching {where} again (its cached copy is corrupt): {e}",

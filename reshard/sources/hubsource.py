@@ -26,6 +26,7 @@ import bisect
 import contextlib
 import json
 import os
+import re
 import shutil
 import struct
 import threading
@@ -46,6 +47,7 @@ from reshard.sources.local import read_config
 from reshard.sources.validate import check_index
 
 _FILL = 64 * 1024 * 1024  # bytes per request when completing a cached blob
+_BLOB_ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a git blob sha1 or an LFS sha256, as the cache names blobs
 
 
 def weight_names(repo: HubRepo, root: Path) -> list[str]:
@@ -138,10 +140,7 @@ class HubSource(Source):
             storage = _storage(ckpt)
             (storage / "blobs").mkdir(parents=True, exist_ok=True)
             for name in ckpt.files:
-                etag = self.etags[name]
-                if not etag:
-                    raise SourceError(f"{self.repo.repo_id}/{name}: the Hub sent no ETag", "use --stream")
-                blob = self.blobs[name] = Blob(storage / "blobs" / etag, ckpt.file_sizes[name])
+                blob = self.blobs[name] = Blob(storage / "blobs" / self._blob_name(name), ckpt.file_sizes[name])
                 if not blob.has(0, len(self.heads[name])):
                     blob.store(memoryview(self.heads[name]), 0)
             need = sum(b.missing() for b in self.blobs.values())
@@ -156,6 +155,22 @@ class HubSource(Source):
         elif self.stream:
             self.meter.total = ckpt.total_bytes
         return HubReader(self.repo, self.blobs, Groups(ckpt.tensors), self.hashers)
+
+    def _blob_name(self, name: str) -> str:
+        """The cache's name for `name`'s blob: the commit's LFS sha256 (huggingface_hub's name for it), else
+        the Hub's ETag where it is a git or LFS hash. Never another string the server sent: it becomes a
+        path (an absolute or `../` ETag would put the file anywhere this user can write)."""
+        lfs, etag = self.repo.lfs.get(name), self.etags.get(name)
+        if is_sha256(lfs):
+            assert lfs is not None
+            return lfs
+        if etag and _BLOB_ETAG.fullmatch(etag):
+            return etag
+        raise SourceError(
+            f"{self.repo.repo_id}/{name}: the Hub names no sha256 for it (ETag {str(etag)[:80]!r}), so it has no "
+            "name in the Hugging Face cache",
+            "use `save --stream` (stores nothing), or check HF_ENDPOINT",
+        )
 
     def finish(self) -> None:
         """After a successful save: check each file's sha256 (the bytes no tensor needed fetched,
