@@ -86,3 +86,16 @@ def test_slow_loris_cdn_is_bounded(hub, tmp_path):
     assert "failed 3 times in a row" in p.stderr and "RESHARD_HUB_MIN_SPEED" in p.stderr, p.stderr
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stalled_model_info_is_bounded(hub, tmp_path):
+    """The Hub accepts the model-info request and never answers: RESHARD_HUB_TIMEOUT bounds it, retried,
+    then exit 4 in one line (huggingface_hub's own default is no timeout: the run hung, silent)."""
+    hub.api_stall = 60
+    t0 = time.monotonic()
+    p = reshard(hub.endpoint, tmp_path / "hf", "plan", REPO, "--tp", "2",
+                RESHARD_HUB_TIMEOUT="1", RESHARD_HUB_RETRIES="1", RESHARD_HUB_BACKOFF="0.01", timeout=50)  # fmt: skip
+    assert p.returncode == 4, p.stderr
+    assert time.monotonic() - t0 < 20
+    assert "model info" in p.stderr and "Timeout" in p.stderr, p.stderr
+    assert p.stderr.splitlines()[-1].startswith("reshard: error: "), p.stderr

@@ -188,7 +188,11 @@ class HubRepo:
         api = HfApi(endpoint=self.endpoint)
         try:
             info = with_retries(
-                lambda: api.model_info(repo_id, revision=revision, files_metadata=True), f"{repo_id}: model info"
+                # with RESHARD_HUB_TIMEOUT: huggingface_hub's default is none, and a stalled Hub hung the run
+                lambda: api.model_info(
+                    repo_id, revision=revision, files_metadata=True, timeout=settings.HUB_TIMEOUT.get()
+                ),
+                f"{repo_id}: model info",
             )
         except SourceError:
             raise
