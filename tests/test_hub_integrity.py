@@ -169,6 +169,46 @@ def test_swapped_cache_links_are_mended_blob_by_blob(server, checkpoint, tmp_pat
     assert p.returncode == 0 and p.stderr == "", p.stderr
 
 
+def test_a_small_file_served_edited_is_exit_4(server, checkpoint, tmp_path):
+    """config.json served edited (its size kept) under its usual ETag: it does not hash to
+    the commit's git blob id, so nothing is published and the cache keeps nothing of it."""
+    src, _ = checkpoint
+    config = (src / "config.json").read_text()
+    edited = config.replace('"vocab_size": 1000', '"vocab_size": 9000')
+    assert edited != config and len(edited) == len(config)
+    server.served_instead["config.json"] = edited.encode()
+    home = tmp_path / "hf"
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    one_line_error(p, 4, "config.json", "git blob sha1")
+    assert not (tmp_path / "out").exists()
+    assert not list((home / "hub").rglob("snapshots/*/config.json"))
+    server.served_instead.clear()  # the Hub mended: the next run saves
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "out" / "config.json").read_text() == config
+
+
+def test_small_files_of_another_commit_are_exit_4(server, tmp_path):
+    server.commit_said = "e" * 40
+    p = reshard(server, tmp_path / "hf", "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    one_line_error(p, 4, "config.json", f"served commit {'e' * 40}")
+    assert not list((tmp_path / "hf").rglob("snapshots/eeee*"))
+
+
+def test_an_edited_cached_small_file_is_fetched_again(server, checkpoint, tmp_path):
+    src, _ = checkpoint
+    home = tmp_path / "hf"
+    assert reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2").returncode == 0
+    link = next((home / "hub").rglob("snapshots/*/config.json"))
+    blob = link.resolve()
+    blob.chmod(0o644)
+    blob.write_text(blob.read_text().replace('"vocab_size": 1000', '"vocab_size": 9000'))
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert link.read_bytes() == (src / "config.json").read_bytes()
+
+
 @pytest.mark.parametrize("change", ["cut", "grown"])
 def test_a_cached_blob_of_another_size_online_is_fetched_again(server, checkpoint, tmp_path, change):
     """A complete cached blob cut short by 2 bytes (a copy that stopped) or grown by 2: its size is not

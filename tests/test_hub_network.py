@@ -99,3 +99,24 @@ def test_a_stalled_model_info_is_bounded(hub, tmp_path):
     assert time.monotonic() - t0 < 20
     assert "model info" in p.stderr and "Timeout" in p.stderr, p.stderr
     assert p.stderr.splitlines()[-1].startswith("reshard: error: "), p.stderr
+
+
+@pytest.mark.parametrize("status, headers", [(500, {}), (429, {"Retry-After": "3600"})])
+def test_small_files_are_retried_as_the_weights_are(hub, tmp_path, status, headers):
+    """config.json answered 500, or 429 asking to wait an hour: reshard's retries (RESHARD_HUB_RETRIES, its
+    backoff, one line each), then one error line; not huggingface_hub's minutes of its own retries."""
+    hub.small_faults, hub.small_fault = 100, (status, headers)
+    t0 = time.monotonic()
+    p = reshard(hub.endpoint, tmp_path / "hf", "plan", REPO, "--tp", "2",
+                RESHARD_HUB_RETRIES="2", RESHARD_HUB_BACKOFF="0.01", timeout=50)  # fmt: skip
+    assert p.returncode == 4, p.stderr
+    assert time.monotonic() - t0 < 20
+    lines = p.stderr.splitlines()
+    assert [line.startswith("reshard: retrying in ") for line in lines] == [True, True, False], p.stderr
+    assert lines[-1].startswith("reshard: error: ") and "config.json" in lines[-1], p.stderr
+
+
+def test_small_files_recover_from_a_few_failures(hub, tmp_path):
+    hub.small_faults = 2
+    p = reshard(hub.endpoint, tmp_path / "hf", "plan", REPO, "--tp", "2", RESHARD_HUB_BACKOFF="0.01")
+    assert p.returncode == 0 and p.stderr.count("reshard: retrying in ") == 2, p.stderr

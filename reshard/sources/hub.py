@@ -53,6 +53,7 @@ def open_hub(repo_id: str, revision: str | None, *, headers_only: bool, stream: 
 def _online(repo, *, headers_only: bool, stream: bool):
     from fnmatch import fnmatch
 
+    from reshard.sources import hubsmall
     from reshard.sources.hubsource import HubSource, weight_names
 
     if CONFIG not in repo.files:
@@ -66,7 +67,7 @@ def _online(repo, *, headers_only: bool, stream: bool):
     ]
     root = None
     for name in [CONFIG, *[f for f in small if f != CONFIG]]:
-        path = Path(repo.download(name))
+        path = Path(hubsmall.download(repo, name))
         root = root or path.parent
     assert root is not None
     files = weight_names(repo, root)

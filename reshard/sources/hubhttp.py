@@ -1,4 +1,4 @@
-"""One Hub repo at one commit, over HTTP: model info, small files, and byte ranges of big ones.
+"""One Hub repo at one commit, over HTTP: model info, and byte ranges of its files (small ones whole).
 
 Requests to the Hub go through huggingface_hub's own HTTP client (`get_session`), headers
 (`build_hf_headers`: HF_TOKEN, user agent) and endpoint (HF_ENDPOINT); the ranges of a file the Hub
@@ -206,6 +206,11 @@ class HubRepo:
         self.lfs: dict[str, str] = {
             s.rfilename: str(s.lfs.sha256).lower() for s in info.siblings or [] if s.lfs and s.lfs.sha256
         }
+        # every file's size and git blob id (a small file's bytes hash to it, reshard.sources.hubsmall)
+        self.sizes: dict[str, int] = {
+            s.rfilename: s.size for s in info.siblings or [] if isinstance(s.size, int) and s.size >= 0
+        }
+        self.blob_ids: dict[str, str] = {s.rfilename: str(s.blob_id) for s in info.siblings or [] if s.blob_id}
         # and its size in bytes (a cached copy of another size is damaged before any hash says so)
         self.lfs_size: dict[str, int] = {
             s.rfilename: int(s.lfs.size) for s in info.siblings or [] if s.lfs and isinstance(s.lfs.size, int)
@@ -213,19 +218,6 @@ class HubRepo:
 
     def resolve_url(self, name: str) -> str:
         return f"{self.endpoint}/{self.repo_id}/resolve/{self.commit}/{quote(name)}"
-
-    def download(self, name: str) -> str:
-        """A small file through huggingface_hub's cache, at the pinned commit; its local path."""
-        import huggingface_hub as hub
-
-        try:
-            return with_retries(
-                lambda: hub.hf_hub_download(self.repo_id, name, revision=self.commit), f"{self.repo_id}/{name}"
-            )
-        except SourceError:
-            raise
-        except Exception as e:
-            raise hub_error(self.repo_id, e, name) from e
 
     def fetch(self, name: str, pos: int, out: memoryview, count: Callable[[int], None] | None = None) -> Remote:
         """Bytes [pos, pos + len(out)) of `name` into `out`, retried and resumed until all are in."""
