@@ -65,7 +65,7 @@ def store(storage: Path, commit: str, name: str, data: bytes, want: tuple[str, s
     blobs.mkdir(parents=True, exist_ok=True)
     link.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
-    tmp = blobs / f"{blob_name}.{tag}.reshard-tmp"
+    tmp = blobs / f"{blob_name}.{tag}.reshard-fetch"
     try:
         with open(tmp, "xb") as f:
             f.write(data)
