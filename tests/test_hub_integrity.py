@@ -284,6 +284,21 @@ def test_etag_swapping_cdn_is_exit_4(server, tmp_path, mode, keeps_etag):
     assert not list((tmp_path / "hf").rglob("snapshots/*/*.safetensors"))  # nothing wrong in the cache
 
 
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+def test_verify_deep_blames_a_lying_hub_not_the_output(server, tmp_path, mode):
+    """A correct output, then a CDN that serves other bytes under the file's ETag: `verify --against --deep`
+    is exit 4 naming the source file's sha256 (as a save would), not exit 7 calling the output corrupt;
+    and it leaves no wrong partial blob in the cache."""
+    args = ["--stream"] if mode == "--stream" else []
+    p = reshard(server, tmp_path / "hf0", "save", REPO, str(tmp_path / "out"), "--tp", "2", *args)
+    assert p.returncode == 0, p.stderr
+    server.swap_after, server.swap_keeps_etag = server.cdn_answers + 4, True  # verify's headers come right
+    home = tmp_path / "hf"
+    p = reshard(server, home, "verify", str(tmp_path / "out"), "--against", REPO, "--deep")
+    one_line_error(p, 4, "safetensors", "sha256")
+    assert not list(home.rglob("*.reshard-partial")) and not list(home.rglob("snapshots/*/*.safetensors"))
+
+
 def test_the_benchmarks_check_off_baseline_hashes_nothing_and_writes_the_same_files(server, checkpoint, tmp_path):
     """`python -m scripts.bench_check off` (make bench's section 6 baseline) is the same save with the
     source hashing replaced by nothing: same rank files, every file `unchecked`, in the three modes it
