@@ -120,3 +120,14 @@ def test_small_files_recover_from_a_few_failures(hub, tmp_path):
     hub.small_faults = 2
     p = reshard(hub.endpoint, tmp_path / "hf", "plan", REPO, "--tp", "2", RESHARD_HUB_BACKOFF="0.01")
     assert p.returncode == 0 and p.stderr.count("reshard: retrying in ") == 2, p.stderr
+
+
+def test_a_file_its_cdn_lost_is_named_as_such(hub, src, tmp_path):
+    """The commit lists the file, its CDN answers 404: not 'repository not found'."""
+    name = sorted(p.name for p in src.glob("*.safetensors"))[0]
+    hub.cdn_lost.add(name)
+    p = reshard(hub.endpoint, tmp_path / "hf", "plan", REPO, "--tp", "2", RESHARD_HUB_BACKOFF="0.01")
+    assert p.returncode == 4, p.stderr
+    line = p.stderr.splitlines()[-1]
+    assert name in line and "not found (HTTP 404), though the commit lists it" in line, p.stderr
+    assert "repository not found" not in p.stderr

@@ -116,6 +116,11 @@ def hub_error(repo_id: str, e: BaseException, what: str = "") -> SourceError:
         return SourceError(f"{where}: revision not found on the Hub", "check --revision")
     if isinstance(e, he.EntryNotFoundError):
         return SourceError(f"{where}: file not found on the Hub", "check the repo and --revision")
+    if what and status == 404 and not isinstance(e, he.RepositoryNotFoundError):  # the repo listed it: its CDN
+        return SourceError(
+            f"{where}: not found (HTTP 404), though the commit lists it",
+            "the Hub or its CDN cannot serve the file now: run again later, or check HF_ENDPOINT",
+        )
     if isinstance(e, he.RepositoryNotFoundError) or status in (401, 404):
         return SourceError(
             f"{repo_id}: repository not found on the Hub (HTTP {status or 404}), or private",
