@@ -182,6 +182,9 @@ class BucketPublisher:
         and then nothing is completed and the journal is dropped."""
         uploads = Uploads(self.bucket)
         try:
+            if not self._open(journal.manifest) and self._there(journal.manifest):
+                self.bucket.delete([self.journal_key])  # the commit's last step was done: only the journal is left
+                return None
             ups = [*journal.uploads, journal.manifest]
             # asked several at once, as the run's own commit does (hundreds of files for a large model)
             is_open = list(uploads.pool.map(self._open, ups))
@@ -193,9 +196,6 @@ class BucketPublisher:
                 uploads.abort_all()
                 self.bucket.delete([self.journal_key])
                 return f"{self.url.name(gone[0].key)} is neither an open upload nor an object of that run"
-            if not is_open[-1]:  # the manifest was completed, the commit's last step: only the journal is left
-                self.bucket.delete([self.journal_key])
-                return None
             if journal.drop_manifest:
                 self.bucket.delete([self.url.key(MANIFEST)])
             still = [up for up, o in zip(journal.uploads, is_open[:-1], strict=True) if o]
