@@ -114,6 +114,35 @@ def test_an_output_verify_would_fail_is_refused_as_source(tiny, tmp_path, damage
     assert not (tmp_path / "again").exists() and not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize(
+    "arch, layout, edit, says",
+    [
+        ("qwen3-moe", dict(tp=2, ep=True), {"ep": False}, "written for layout tp=2,pp=1,ep=1"),
+        ("llama", dict(tp=2), {"dtype": "float16"}, "is BF16"),
+        (
+            "qwen3-moe",
+            dict(tp=2, moe_backend="flashinfer_trtllm"),
+            {"moe_backend": "triton", "moe_backend_pinned": "triton"},
+            "the manifest's layout",
+        ),
+    ],
+)
+def test_a_manifest_whose_layout_was_edited_is_refused_as_source(tiny, tmp_path, arch, layout, edit, says):
+    """The layout is read from the manifest and the rank files' bytes are cut by it: one edited there (ep,
+    dtype, the MoE backend's padding) read the files back as other tensors, exit 0, and the re-sharded
+    output then verified. Each file's own record (its run, layout tag, tensors' dtypes and shapes) must agree."""
+    out = tmp_path / "out"
+    save(str(tiny(arch)), out, max_part_size=MAX, **layout)
+    m = json.loads((out / "reshard.json").read_text())
+    m["layout"].update(edit)
+    (out / "reshard.json").write_text(json.dumps(m))
+    with pytest.raises(CorruptError, match=says):
+        save(str(out), tmp_path / "again", tp=1, max_part_size=MAX)
+    with pytest.raises(CorruptError, match=says):
+        merge(out, tmp_path / "hf")
+    assert not (tmp_path / "again").exists() and not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-moe-fp8"])
 def test_an_output_split_into_many_parts_merges_and_reshards(tiny, tmp_path, arch):
     """--max-part-size is not recorded: which file holds which tensor is read from the manifest, not

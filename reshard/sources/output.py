@@ -24,7 +24,7 @@ from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest, SideRecord
 from reshard.names import unlisted_rank_files
-from reshard.plan import Cols, Piece, Slice, Stack, build_plan, natural_key
+from reshard.plan import Cols, OutTensor, Piece, Slice, Stack, build_plan, natural_key
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import Group, OutputReader, Region, Regions
 
@@ -93,10 +93,12 @@ def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> 
     dtypes: dict[str, str] = {}
     stacks: dict[tuple[str, ...], list] = {}  # a Stack's sources -> [dtype, its parts]
     for f in manifest.files:
-        header, _, _ = view.header(f.name)
+        header, meta, _ = view.header(f.name)
+        _check_file_meta(view, f.name, meta, manifest)
         for t in (planned[f.rank][r.name] for r in f.tensors):
             if t.name not in header:
                 raise CorruptError(f"{view.where(f.name)}: tensor {t.name} is missing", "the output is damaged")
+            _check_as_planned(view, f.name, header[t.name], t, manifest)
             pos = header[t.name].offset
             for p in t.pieces:
                 if type(p) is Stack:  # a layer's experts on this rank (issue 28): kept as one part
@@ -121,6 +123,33 @@ def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> 
     ref = {**ref, "resharded_from": manifest.source, "from_run": manifest.run_id}
     ckpt = Checkpoint(root, config, tensors, [], ref, manifest=manifest, missing=sorted(set(original) - set(tensors)))
     return ckpt, Regions(plain, stacked)
+
+
+_EDITED = "run `reshard verify` on it (the manifest was edited, or the files are another output's), or reshard the original checkpoint"
+
+
+def _check_file_meta(view: FolderView, name: str, meta: dict, manifest: Manifest) -> None:
+    """A rank file's own record of its run and layout (its safetensors metadata) is the manifest's."""
+    run, tag = meta.get("reshard_run"), meta.get("reshard_layout")
+    if run is not None and run != manifest.run_id:
+        raise CorruptError(
+            f"{view.where(name)} was written by run {run}, the manifest by run {manifest.run_id}", _EDITED
+        )
+    if tag is not None and tag != manifest.layout.tag():
+        raise CorruptError(
+            f"{view.where(name)} was written for layout {tag}, the manifest says {manifest.layout.tag()}", _EDITED
+        )
+
+
+def _check_as_planned(view: FolderView, name: str, held: TensorInfo, t: OutTensor, manifest: Manifest) -> None:
+    """A rank file's tensor is of the dtype and shape the manifest's layout plans for it: a layout edited in
+    the manifest (another dtype, --ep, MoE backend) would read the bytes back as other tensors."""
+    if held.dtype != t.dtype or tuple(held.shape) != tuple(t.shape):
+        raise CorruptError(
+            f"{view.where(name)}: tensor {t.name} is {held.dtype} {list(held.shape)}, the manifest's layout "
+            f"({manifest.layout}) gives {t.dtype} {list(t.shape)}",
+            _EDITED,
+        )
 
 
 def _groups(
