@@ -226,3 +226,37 @@ def test_json_says_whether_a_piece_completed_the_output(tiny, tmp_path):
     assert code == 0 and json.loads(first)["complete"] is False
     code, last, _ = run("save", str(src), str(out), "--tp", "2", "--ranks", "1", "--json")
     assert code == 0 and json.loads(last)["complete"] is True and (out / "reshard.json").is_file()
+
+
+def test_pieces_of_two_copies_of_the_checkpoint_are_refused(tmp_path):
+    """Two machines' copies of the checkpoint at one path, one of them another model: the job's run id is
+    the same (it names the path, arguments and tensor shapes, not bytes), but the pieces hashed their
+    source files (--source-sha256) and those differ: exit 7, not an output mixing two models that verifies."""
+    import hashlib
+    import shutil
+
+    from tests.fixtures.cli import run
+    from tests.fixtures.tiny import make_tiny
+
+    src, joined = tmp_path / "m", tmp_path / "joined"
+    pieces = []
+    for seed, rank in ((0, "0"), (1, "1")):
+        if src.exists():
+            shutil.rmtree(src)
+        make_tiny("llama", src, seed=seed)
+        sums = tmp_path / f"sums{seed}"
+        sums.write_text(
+            "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in src.glob("*.safetensors"))
+        )
+        piece = tmp_path / f"piece{seed}"
+        code, _, err = run("save", str(src), str(piece), "--tp", "2", "--ranks", rank, "--source-sha256", str(sums))
+        assert code == 0, err
+        pieces.append(piece)
+    joined.mkdir()
+    for piece in pieces:
+        for f in piece.iterdir():
+            if not (joined / f.name).exists():
+                shutil.copy(f, joined / f.name)
+    code, _, err = run("assemble", str(joined))
+    assert code == 7 and "pieces of two different sources: model.safetensors has sha256" in err, err
+    assert not (joined / "reshard.json").exists()

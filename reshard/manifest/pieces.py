@@ -9,7 +9,16 @@ from pathlib import Path
 
 from reshard.errors import CorruptError, OutputError, SourceError
 from reshard.format import read_header
-from reshard.manifest import FileRecord, Manifest, ManifestProblem, parse, piece_paths, read_json, write_manifest
+from reshard.manifest import (
+    FileRecord,
+    Manifest,
+    ManifestProblem,
+    parse,
+    piece_paths,
+    read_json,
+    write_manifest,
+)
+from reshard.manifest.schema import SourceFileRecord
 from reshard.names import PIECE_MANIFEST_GLOB, unlisted_rank_files
 from reshard.serve import serve_in
 
@@ -77,6 +86,7 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
                 f"{out_dir}: pieces saved with different --checksum ({first.checksum}, {p.checksum} in {path.name})",
                 "rerun the pieces with one --checksum",
             )
+    source_files = _one_source(out_dir, pieces)
     try:
         entries = _entries(out_dir, pieces)
         missing = [n for n in first.all_files or () if n not in entries]
@@ -95,6 +105,7 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
         total_bytes=sum(f.size for f in files),
         ranks=None,
         all_files=None,
+        source_files=source_files,
         serve=serve_in(first.serve, str(out_dir)),
         serve_reshard=serve_in(first.serve_reshard, str(out_dir)) if first.serve_reshard else first.serve_reshard,
     )
@@ -102,6 +113,32 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
     for p, _ in pieces:
         p.unlink()
     return whole
+
+
+def _one_source(out_dir: Path, pieces: list[tuple[Path, Manifest]]) -> tuple[SourceFileRecord, ...] | None:
+    """The pieces read one source: each source file of one size, and of one sha256 where pieces hashed it
+    (the run id names the job's arguments and tensors, not their bytes: a piece made on a machine whose
+    copy of the checkpoint differs would mix two models). The record of each file is its checked one."""
+    seen: dict[str, tuple[Path, SourceFileRecord]] = {}
+    for path, p in pieces:
+        for f in p.source_files or ():
+            was = seen.get(f.name)
+            if was is not None and was[1].size != f.size:
+                raise _two_sources(out_dir, f.name, f"{was[1].size} bytes", was[0], f"{f.size}", path)
+            if was is not None and None not in (f.sha256, was[1].sha256) and f.sha256 != was[1].sha256:
+                raise _two_sources(out_dir, f.name, f"sha256 {was[1].sha256}", was[0], f"{f.sha256}", path)
+            if was is None or (was[1].sha256 is None and f.sha256 is not None):
+                seen[f.name] = (path, f)
+    if all(p.source_files is None for _, p in pieces):
+        return None
+    return tuple(f for _, f in seen.values())
+
+
+def _two_sources(out_dir: Path, name: str, one: str, where: Path, other: str, there: Path) -> CorruptError:
+    return CorruptError(
+        f"{out_dir}: pieces of two different sources: {name} has {one} in {where.name}, {other} in {there.name}",
+        "make every --ranks piece from the same copy of the checkpoint (check it with --source-sha256)",
+    )
 
 
 def _check_unlisted(out_dir: Path, first: Manifest) -> None:
