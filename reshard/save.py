@@ -31,7 +31,7 @@ from reshard.execute import Progress, WriteOptions, run_executor
 from reshard.io.writer import Written
 from reshard.layout import Layout
 from reshard.manifest import Manifest, build_manifest, side_file_entries, write_manifest
-from reshard.manifest.pieces import assemble, same_job
+from reshard.manifest.pieces import assemble, read_pieces, same_job
 from reshard.names import MANIFEST, piece_manifest_name
 from reshard.optional import import_torch
 from reshard.outdir import make_dir, write_error
@@ -116,10 +116,10 @@ def save(
                 tag, need = target.tag(run_id), sum(f.data_bytes for f in files)
                 run = Run(tag, src.checkpoint.root, overwrite, need, plan, options.max_part_size)
                 if dest.local is not None:  # before "not empty": --overwrite would not help a piece there
-                    target.check(dest.local)
+                    target.check(dest.local, run_id)
                 staging = dest.stage(held, run)
                 if dest.local is not None:  # again, with the lock held
-                    target.check(dest.local)
+                    target.check(dest.local, run_id)
                 if options.write.device != "cpu":
                     _check_device(options.write.device)
                 return staging
@@ -293,7 +293,7 @@ class Target:
         """OUT_DIR may be written although it is not empty (and without --overwrite)."""
         return False
 
-    def check(self, out_dir: Path) -> None:
+    def check(self, out_dir: Path, run_id: str) -> None:
         """Refuse OUT_DIR (with the lock held, before anything is written) where this target may not go."""
 
     def publish(self, plan: Plan, manifest: Manifest, staging: Staging, dest: Destination) -> SaveResult:
@@ -327,13 +327,21 @@ class Piece(Target):
     def joins(self, out_dir: Path, run_id: str) -> bool:
         return same_job(out_dir, run_id)
 
-    def check(self, out_dir: Path) -> None:
-        """A piece never touches a complete output (even with --overwrite): it could only make it
-        incomplete until every other piece is rerun."""
+    def check(self, out_dir: Path, run_id: str) -> None:
+        """A piece never touches a complete output, nor another job's pieces (even with --overwrite): it could
+        only make the one incomplete until every other piece is rerun, and replace the other's copied files."""
         if (out_dir / MANIFEST).exists():
             raise OutputError(
                 f"OUT_DIR {out_dir} holds a complete output ({MANIFEST}); a --ranks piece never replaces one",
                 "write the pieces into an empty folder, then `reshard assemble` it (--overwrite does not change this)",
+            )
+        other = [p for p in read_pieces(out_dir) if p.run_id != run_id] if out_dir.is_dir() else []
+        if other:
+            raise OutputError(
+                f"OUT_DIR {out_dir} holds --ranks pieces of another job (run {other[0].run_id}); a piece never "
+                "joins another job's",
+                "write this job's pieces into another folder, or remove that job's piece manifests and the files "
+                "they list first (--overwrite does not change this)",
             )
 
     def publish(self, plan: Plan, manifest: Manifest, staging: Staging, dest: Destination) -> PieceSaved:

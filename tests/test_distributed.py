@@ -53,7 +53,7 @@ def test_rank_pieces_assemble_into_the_whole(tiny, tmp_path):
 def test_pieces_of_another_job_are_refused(tiny, tmp_path):
     out = tmp_path / "out"
     save(str(tiny("llama")), out, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="0")
-    with pytest.raises(OutputError, match="not empty"):
+    with pytest.raises(OutputError, match="holds --ranks pieces of another job"):
         save(str(tiny("llama")), out, tp=2, dtype="float16", max_part_size=DEFAULT_MAX_PART, ranks="1")
 
 
@@ -260,3 +260,16 @@ def test_pieces_of_two_copies_of_the_checkpoint_are_refused(tmp_path):
     code, _, err = run("assemble", str(joined))
     assert code == 7 and "pieces of two different sources: model.safetensors has sha256" in err, err
     assert not (joined / "reshard.json").exists()
+
+
+def test_a_piece_never_joins_another_jobs_pieces_even_with_overwrite(tiny, tmp_path):
+    """`--ranks 3 --overwrite` into a folder of another job's pieces: refused before anything is written
+    (it was exit 7 after writing its rank file, its piece manifest and another model's config.json)."""
+    from tests.fixtures.cli import run
+
+    out = tmp_path / "out"
+    save(str(tiny("qwen3-moe")), out, tp=4, max_part_size=DEFAULT_MAX_PART, ranks="0-2")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "4", "--ranks", "3", "--overwrite")
+    assert code == 5 and "holds --ranks pieces of another job" in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
