@@ -31,6 +31,7 @@ import errno
 import os
 import shutil
 import signal
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -87,7 +88,7 @@ def staged(
         except OSError as e:
             raise write_error(out_dir, e) from e
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_tree(folder)
 
 
 # ---- staging and the swap ------------------------------------------------------------------------
@@ -102,10 +103,10 @@ def recover(out_dir: Path) -> None:
         os.rename(olds.pop(), out)
         fsync_dir(out.parent)
     for leftover in [*olds, *siblings(out_dir, STAGING)]:
-        shutil.rmtree(leftover, ignore_errors=True)
+        remove_tree(leftover)
     if out.is_dir():  # staging folders of a mount point; temporary folders of older reshard versions
         for old in [*out.glob(f"{STAGING}*"), *out.glob(f"{TMP_PREFIX}*")]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_tree(old)
 
 
 def staging_dir(out_dir: Path, tag: str, *, inside: bool = False) -> Path:
@@ -137,7 +138,7 @@ def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced:
             staged = old
         fsync_dir(out.parent)
         _claim(out, out, new)
-    shutil.rmtree(staged, ignore_errors=True)
+    remove_tree(staged)
 
 
 def _publish_inside(staged: Path, out: Path, *, ours: Callable[[str], bool], synced: Iterable[str]) -> None:
@@ -145,18 +146,24 @@ def _publish_inside(staged: Path, out: Path, *, ours: Callable[[str], bool], syn
     reshard's old files, then the new files are moved in, the manifest last. Signals wait meanwhile;
     a kill leaves a folder without a manifest, which the next save repairs."""
     _fsync_tree(staged, skip=set(synced))
-    names = sorted(p.name for p in staged.iterdir() if p.name != MANIFEST)
+    names = set(p.name for p in staged.iterdir() if p.name != MANIFEST)
     manifest = staged / MANIFEST
     new = manifest.stat().st_ino if manifest.exists() else None
+    # the old files are moved aside into the staging folder (renames: the window without a manifest does
+    # not grow with the output's size, as freeing GBs of rank files in it did) and freed after it
+    aside = staged / f"{OLD}{out.name}"
+    aside.mkdir()
     with signals_held():
         (out / MANIFEST).unlink(missing_ok=True)
         fsync_dir(out)
         for p in sorted(out.iterdir()):
-            if ours(p.name) and not p.name.startswith(HIDDEN_PREFIX) and not (staged / p.name).exists():
-                _remove(p)
-        for name in names:
-            if (out / name).is_dir() and not (out / name).is_symlink():
-                shutil.rmtree(out / name)
+            if p.name.startswith(HIDDEN_PREFIX):
+                continue
+            if p.name in names or (ours(p.name) and not (staged / p.name).exists()):
+                if p.is_dir() and not p.is_symlink():  # a folder moves to another only where it may be written
+                    _own_writable(p)
+                os.replace(p, aside / p.name)
+        for name in sorted(names):
             os.replace(staged / name, out / name)
         fsync_dir(out)
         if new is not None:
@@ -165,14 +172,26 @@ def _publish_inside(staged: Path, out: Path, *, ours: Callable[[str], bool], syn
             _claim(out, out / MANIFEST, new)
         else:
             _claim(out, out, out.stat().st_ino)
-    shutil.rmtree(staged, ignore_errors=True)
+    remove_tree(staged)
 
 
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    else:
-        p.unlink(missing_ok=True)
+def remove_tree(path: Path) -> None:
+    """Remove a folder reshard made or replaces (a staging or old folder, a copied folder), best effort:
+    its folders made writable first, so that one copied read-only from a source (`chmod -R a-w`, mode 555),
+    or made so during a run, does not stay behind (rmtree cannot empty a folder it may not write)."""
+    with contextlib.suppress(OSError):
+        _own_writable(path)
+        for root, dirs, _ in os.walk(path):  # top-down: each folder opened up before it is entered
+            for d in dirs:
+                with contextlib.suppress(OSError):
+                    _own_writable(Path(root, d))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _own_writable(p: Path) -> None:
+    st = os.lstat(p)
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o700 != 0o700:
+        os.chmod(p, stat.S_IMODE(st.st_mode) | 0o700)
 
 
 # ---- what was published, checked after the fact -----------------------------------------------------
@@ -302,7 +321,7 @@ def move_into(staged: Path, out_dir: Path, names: Iterable[str], *, last: Path) 
         for name in names:
             dst = out / name
             if dst.is_dir() and not dst.is_symlink():
-                shutil.rmtree(dst)
+                remove_tree(dst)
             (staged / name).replace(dst)
         fsync_dir(out)
         inode = last.stat().st_ino

@@ -67,7 +67,7 @@ _FIX = "replace it with the file itself, or remove it from the source folder"
 
 def copy_side_files(src: Path, names: list[str], dst: Path) -> None:
     """Copy `names` (files and folders) from `src` into `dst` as regular files, keeping times and
-    modes; every file checked by `check_side_file` first. Raises SourceError for a refused or
+    modes (a folder's with the owner's rwx added); every file checked by `check_side_file` first. Raises SourceError for a refused or
     unreadable source file, OSError for a failed write."""
     roots = allowed_roots(src)
     for name in names:
@@ -86,6 +86,9 @@ def _copy(src: Path, path: Path, to: Path, roots: list[Path], above: tuple[Path,
                 continue
             _copy(src, path / child.name, to / child.name, roots, (*above, here))
         shutil.copystat(real, to)
+        # always the owner's to write: a copied folder read-only (a `chmod -R a-w` source, mode 555) could not
+        # be moved into OUT_DIR nor removed by the next save, and the previous output was lost to it
+        os.chmod(to, stat.S_IMODE(os.stat(to).st_mode) | 0o700)
         return
     try:
         fd = open_regular(real, follow=False)  # swapped for a link or a FIFO since the check: refused

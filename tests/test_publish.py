@@ -151,3 +151,52 @@ def test_merge_overwrite_keeps_the_previous_checkpoint_on_failure(tiny, tmp_path
     assert run("merge", str(out), str(hf), "--overwrite")[0] == 130
     assert snapshot(hf) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+
+
+def _as_a_user() -> list[str] | None:
+    """A command prefix without root's permission overrides (a folder's mode then binds, as for a user), or
+    None where this cannot be had."""
+    if os.geteuid() != 0:
+        return []
+    import shutil
+
+    if not shutil.which("setpriv"):
+        return None
+    probe = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--inh-caps", "-all", "--"]
+    ok = subprocess.run([*probe, "true"], capture_output=True).returncode == 0
+    return probe if ok else None
+
+
+@pytest.mark.parametrize("where", ["beside", "inside"])
+def test_a_read_only_folder_copied_from_the_source_never_costs_the_previous_output(tiny, tmp_path, where):
+    """A source with a read-only subfolder (`chmod -R a-w`, or a download's `original/` at 555): saved over
+    and over into the same OUT_DIR, every run publishes and leaves nothing behind. Beside: the old OUT_DIR
+    stayed as a hidden folder, one more per run. Inside (OUT_DIR published in place: a mount point, or the
+    shell's current folder): moving the copied folder in failed (EACCES) after the old manifest was gone,
+    every run, and the previous output was lost."""
+    import shutil
+
+    prefix = _as_a_user()
+    if prefix is None:
+        pytest.skip("cannot drop root's permission overrides here (setpriv)")
+    src = tmp_path / "src"
+    shutil.copytree(tiny("llama"), src)
+    (src / "extra").mkdir()
+    (src / "extra" / "notes.txt").write_text("hi")
+    (src / "extra").chmod(0o555)
+    out = tmp_path / "parent" / "out"
+    out.mkdir(parents=True)
+    env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    try:
+        for tp in ("2", "4", "2"):
+            args = [*prefix, sys.executable, "-m", "reshard", "save", str(src), "." if where == "inside" else str(out)]
+            p = subprocess.run([*args, "--tp", tp, "--overwrite"], cwd=out, env=env, capture_output=True, text=True)
+            assert p.returncode == 0, p.stderr
+            assert run("verify", str(out))[0] == 0
+            assert (out / "extra" / "notes.txt").read_text() == "hi"
+            assert sorted(p.name for p in out.parent.iterdir()) == ["out"], list(out.parent.iterdir())
+            assert not [p.name for p in out.iterdir() if p.name.startswith(".reshard")]
+    finally:
+        for p in [tmp_path, *tmp_path.rglob("*")]:
+            if p.is_dir() and not p.is_symlink():
+                p.chmod(0o755)
