@@ -153,6 +153,9 @@ def merge(
     }
 
 
+MTP_PREFIX, MTP_LAYERS = "mtp.", "mtp_num_hidden_layers"  # Qwen3-Next's draft layers, and its config's count
+
+
 def _spec_layers_patch(ckpt: Checkpoint) -> dict:
     """The output holds no speculative (MTP) layers (vLLM's main model skips them), so neither does
     the merged checkpoint: its config.json must not announce them."""
@@ -160,7 +163,11 @@ def _spec_layers_patch(ckpt: Checkpoint) -> dict:
         _, arch = get_architecture(ckpt.config)
     except ReshardError:
         return {}
-    n = ckpt.config.get("num_hidden_layers")
-    if not isinstance(n, int) or not any(m.startswith(f"model.layers.{n}.") for m in ckpt.missing):
-        return {}
-    return {key: 0 for key in arch.spec_layers_key if ckpt.config.get(key)}
+    text = arch.text(ckpt.config)
+    n = text.get("num_hidden_layers")
+    patch = {}
+    if isinstance(n, int) and any(m.startswith(f"model.layers.{n}.") for m in ckpt.missing):  # DeepSeek, GLM
+        patch = {key: 0 for key in arch.spec_layers_key if text.get(key)}
+    if text.get(MTP_LAYERS) and any(m.startswith(MTP_PREFIX) for m in ckpt.missing):  # Qwen3-Next, Qwen3.5
+        patch[MTP_LAYERS] = 0
+    return patch

@@ -216,6 +216,23 @@ def test_merge_of_deepseek_says_once_what_it_skipped_and_fixes_the_config(tiny, 
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
 
 
+@pytest.mark.parametrize("arch", ["qwen3-next", "qwen3.5-moe"])
+def test_merge_of_qwen_next_drops_its_mtp_layers_from_the_config_too(tiny, tmp_path, arch):
+    """Its draft layers (`mtp.*`) are not in the output: the merged config.json must not announce them
+    (mtp_num_hidden_layers stayed 1, in text_config for Qwen3.5)."""
+    from tests.fixtures.cli import run
+
+    src = tiny(arch)
+    config = json.loads((src / "config.json").read_text())
+    assert config.get("text_config", config)["mtp_num_hidden_layers"] == 1
+    save(str(src), tmp_path / "out", tp=2, max_part_size=MAX)
+    code, _, err = run("merge", str(tmp_path / "out"), str(tmp_path / "hf"))
+    assert code == 0, err
+    merged = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert merged.get("text_config", merged)["mtp_num_hidden_layers"] == 0
+    assert not [k for k in load_dir(tmp_path / "hf", "model*.safetensors") if k.startswith("mtp.")]
+
+
 def test_merge_errors_name_hf_dir(tiny, tmp_path):
     """merge writes HF_DIR (its OUT_DIR is the source): its refusals say HF_DIR."""
     from tests.fixtures.cli import run
