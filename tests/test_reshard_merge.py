@@ -246,3 +246,15 @@ def test_merge_errors_name_hf_dir(tiny, tmp_path):
     assert code == 5 and f"HF_DIR {hf} is not empty" in err and "replace the weights there" in err, err
     code, _, err = run("merge", str(out), str(out / "inside"))
     assert code == 5 and "HF_DIR" in err and "is inside the source folder" in err, err
+
+
+def test_an_output_saved_without_checksums_says_so_when_read_back(tiny, tmp_path):
+    from tests.fixtures.cli import run
+
+    save(str(tiny("llama")), tmp_path / "out", tp=2, max_part_size=MAX, checksum="none")
+    for args in (
+        ["merge", str(tmp_path / "out"), str(tmp_path / "hf")],
+        ["save", str(tmp_path / "out"), str(tmp_path / "again")],
+    ):
+        code, _, err = run(*args)
+        assert code == 0 and "saved with --checksum none: its files' sizes were checked, not their bytes" in err, err

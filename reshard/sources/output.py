@@ -43,6 +43,13 @@ class OutputSource(Source):
         check_complete(str(path), manifest)
         if checksums:
             check_files(path, manifest)
+            if manifest.checksum == NONE:
+                from reshard.console import stderr
+
+                stderr.print(
+                    f"note: {path} was saved with --checksum none: its files' sizes were checked, not their bytes "
+                    "(a damaged or swapped rank file is read as it is)"
+                )
         ref = {"path": str(path.resolve())}
         self._checkpoint, self.regions = read_output(view, manifest, path, ref)
 
