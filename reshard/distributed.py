@@ -153,7 +153,10 @@ def ranks_text(ranks: list[int]) -> str:
     return ranks_tag(ranks).replace("_", ",")
 
 
-def shared_run_id(source: dict, layout: Layout, source_tensors: dict, version: str) -> str:
-    """The same for every piece of one job, wherever it runs: a digest of what is being made."""
-    blob = json.dumps([version, source, dataclasses.asdict(layout), source_tensors], sort_keys=True).encode()
+def shared_run_id(source: dict, layout: Layout, source_tensors: dict, version: str, max_part_size: int) -> str:
+    """The same for every piece of one job, wherever it runs: a digest of what is being made (the part
+    size too: pieces split at another one list other files, and could never be assembled)."""
+    blob = json.dumps(
+        [version, source, dataclasses.asdict(layout), source_tensors, max_part_size], sort_keys=True
+    ).encode()
     return hash_bytes(blob, "sha256")[:32]  # sha256 whatever the files' checksum: run ids stay stable

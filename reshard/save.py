@@ -108,7 +108,7 @@ def save(
         tensors = _source_tensors(src.checkpoint)
         run_id = uuid.uuid4().hex
         if target.shared or procs.shared:  # every process / piece of one job must agree on it
-            run_id = shared_run_id(plan.source, plan.layout, tensors, __version__)
+            run_id = shared_run_id(plan.source, plan.layout, tensors, __version__, options.max_part_size)
         with contextlib.ExitStack() as held:  # process 0 holds OUT_DIR (its lock) until it has published
 
             def stage() -> Staging:

@@ -273,3 +273,12 @@ def test_a_piece_never_joins_another_jobs_pieces_even_with_overwrite(tiny, tmp_p
     code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "4", "--ranks", "3", "--overwrite")
     assert code == 5 and "holds --ranks pieces of another job" in err and err.count("\n") == 1, err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_pieces_split_at_another_part_size_are_another_job(tiny, tmp_path):
+    """A piece saved with another --max-part-size lists other files: it is another job (refused at once),
+    not a folder that waits forever for files no piece will write."""
+    out = tmp_path / "out"
+    save(str(tiny("llama")), out, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="0")
+    with pytest.raises(OutputError, match="holds --ranks pieces of another job"):
+        save(str(tiny("llama")), out, tp=2, max_part_size=100_000, ranks="1")
