@@ -282,3 +282,24 @@ def test_pieces_split_at_another_part_size_are_another_job(tiny, tmp_path):
     save(str(tiny("llama")), out, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="0")
     with pytest.raises(OutputError, match="holds --ranks pieces of another job"):
         save(str(tiny("llama")), out, tp=2, max_part_size=100_000, ranks="1")
+
+
+def test_assemble_finishes_removing_the_piece_manifests_of_an_assembled_folder(tiny, tmp_path):
+    """A kill between writing reshard.json and removing the piece manifests: assemble again removes them
+    (it said 'no piece manifest lists' a rank file and 'rerun the --ranks piece', which a complete output
+    refuses)."""
+    import shutil
+
+    from tests.fixtures.cli import run
+
+    out = tmp_path / "out"
+    save(str(tiny("llama")), tmp_path / "p0", tp=2, max_part_size=DEFAULT_MAX_PART, ranks="0")
+    kept = tmp_path / "kept.json"
+    shutil.copy(next((tmp_path / "p0").glob("reshard.ranks-*.json")), kept)
+    shutil.copytree(tmp_path / "p0", out)
+    save(str(tiny("llama")), out, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="1")  # the last piece assembles
+    assert (out / "reshard.json").exists() and not list(out.glob("reshard.ranks-*.json"))
+    shutil.copy(kept, out / "reshard.ranks-0.json")  # as a kill would have left it
+    code, _, err = run("assemble", str(out))
+    assert code == 0, err
+    assert not list(out.glob("reshard.ranks-*.json")) and run("verify", str(out))[0] == 0

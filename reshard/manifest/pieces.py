@@ -16,10 +16,11 @@ from reshard.manifest import (
     parse,
     piece_paths,
     read_json,
+    read_manifest,
     write_manifest,
 )
 from reshard.manifest.schema import SourceFileRecord
-from reshard.names import PIECE_MANIFEST_GLOB, unlisted_rank_files
+from reshard.names import MANIFEST, PIECE_MANIFEST_GLOB, unlisted_rank_files
 from reshard.serve import serve_in
 
 
@@ -74,6 +75,12 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
             "copy the folders `reshard save --ranks` wrote (files and piece manifests) into this one first",
         )
     first = pieces[0][1]
+    if (out_dir / MANIFEST).exists():  # assembled already, its piece manifests not all removed (a kill between)
+        whole = read_manifest(out_dir)
+        if all(p.run_id == whole.run_id for _, p in pieces):
+            for path, _ in pieces:
+                path.unlink()
+            return whole
     for path, p in pieces[1:]:
         if p.run_id != first.run_id:
             raise CorruptError(
