@@ -111,8 +111,9 @@ def merge(
             f"{out_dir} holds {len(lossy)} tensor(s) in a dtype that lost precision against the original "
             f"(e.g. {first['name']}: {first['original']} saved as {first['stored']}); merging cannot give the "
             "original checkpoint back",
-            "pass --allow-lossy to write it anyway (converted back to the original dtypes), or merge from an "
-            "output saved with --dtype auto",
+            "pass --allow-lossy to write it anyway (converted back to the original dtypes); the original values "
+            "are in the original checkpoint only: an output saved with another --dtype loses them, and vLLM holds "
+            "some tensors (FP8 KV-cache scales, zero points) in the model's dtype whatever --dtype says",
         )
     config_patch = _spec_layers_patch(ckpt)
     restored = {t.name for t in restored_tensors(ckpt)}
