@@ -200,3 +200,14 @@ def test_a_read_only_folder_copied_from_the_source_never_costs_the_previous_outp
         for p in [tmp_path, *tmp_path.rglob("*")]:
             if p.is_dir() and not p.is_symlink():
                 p.chmod(0o755)
+
+
+def test_verify_of_a_missing_out_dir_points_at_the_previous_output_kept_beside_it(tiny, tmp_path):
+    """A save killed between the two renames (no RENAME_EXCHANGE) leaves OUT_DIR missing and the previous
+    output at `.OUT.reshard-old-*`: verify says where it is, and the next save puts it back."""
+    out = tmp_path / "out"
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+    kept = tmp_path / ".out.reshard-old-x"
+    out.rename(kept)
+    code, _, err = run("verify", str(out))
+    assert code == 7 and f"a previous output is kept beside it at {kept}" in err, err

@@ -32,6 +32,7 @@ from reshard import vllm_versions
 from reshard.folderview import FolderView, LocalView
 from reshard.hashing import NONE
 from reshard.manifest import Manifest
+from reshard.names import OLD, siblings
 from reshard.serve import PLUGIN_LOAD_FORMAT, plain_line, serve_in
 from reshard.sources import open_source
 from reshard.store import is_bucket_url, parse_bucket_url
@@ -80,7 +81,14 @@ def verify(
         raise ValueError("deep needs against")
     report = Report(view.local or view.display, source=against)
     if view.local is not None and not view.local.is_dir():
-        report.add("missing", f"{view.local}: no such folder (check the path)", code=CORRUPT)
+        kept = siblings(view.local, OLD)  # a save killed between its two renames left the previous output here
+        said = (
+            f"no such folder, but a previous output is kept beside it at {kept[-1]} (a save was killed "
+            "mid-publish): rerun `reshard save`, which puts it back first, or rename it"
+            if kept
+            else "no such folder (check the path)"
+        )
+        report.add("missing", f"{view.local}: {said}", code=CORRUPT)
         return report
     if view.local is not None and not os.access(view.local, os.R_OK | os.X_OK):
         report.add(
