@@ -21,7 +21,12 @@ def run() -> None:
 
         as_command()  # this process is reshard's own: its metadata may be frozen (reshard.bulk)
     except KeyboardInterrupt:
-        message = "interrupted; nothing was published and a previous output is unchanged"
+        reads_only = sys.argv[1:2] in (["verify"], ["plan"])  # commands that write nothing
+        message = "interrupted" + (
+            f" ({sys.argv[1]} writes nothing)"
+            if reads_only
+            else "; nothing was published and a previous output is unchanged"
+        )
         if "--json" in sys.argv[1:]:  # as every failure under --json: one object on stdout (reshard.cli._fail)
             error = '{"code": 130, "kind": "interrupted", "message": "' + message + '"}'
             with contextlib.suppress(OSError):  # stdout closed by its reader: stderr still tells

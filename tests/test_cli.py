@@ -329,3 +329,35 @@ def test_sizes_a_save_cannot_keep_to_are_usage_errors(tiny, tmp_path, option, va
     code, out, _ = run("save", str(tiny("llama")), str(tmp_path / "out"), option, value, "--json")
     assert code == 2 and says in json.loads(out)["error"]["message"], out
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "command, says", [("verify", "interrupted (verify writes nothing)"), ("save", "nothing was published")]
+)
+def test_an_interrupt_while_the_modules_import_says_what_the_command_does(monkeypatch, capsys, command, says):
+    """Ctrl-C before the CLI is imported (reshard.__main__): exit 130 and one line; a verify or plan
+    wrote nothing, so it does not speak of a previous output."""
+    import importlib.abc
+
+    import reshard.__main__ as entry
+
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "reshard.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "reshard.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    monkeypatch.setattr(sys, "argv", ["reshard", command, "x"])
+    import signal
+
+    term = signal.getsignal(signal.SIGTERM)  # run() makes SIGTERM end a run as Ctrl-C does: put it back
+    try:
+        with pytest.raises(SystemExit) as e:
+            entry.run()
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert e.value.code == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
