@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.s3out import s3env  # noqa: F401 (fixture: reshard in-process pointed at the S3 server)
+from tests.fixtures.s3out import s3, s3env  # noqa: F401 (fixtures: reshard in-process pointed at the S3 server)
 from tests.fixtures.s3server import s3bucket, s3proxy, s3server  # noqa: F401 (fixtures: SeaweedFS, fault proxy)
 
 

@@ -5,35 +5,16 @@ touches another output's uploads, and what it cannot read is a one-line refusal 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures.cli import run
+from tests.fixtures.s3out import one_line, url
 from tests.fixtures.s3run import open_uploads, paused, prefix_state, reshard, s3_env
 
 pytest.importorskip("boto3")
-
-
-@pytest.fixture
-def s3(s3server, s3bucket, monkeypatch):
-    for k in [k for k in os.environ if k.startswith("AWS_")]:
-        monkeypatch.delenv(k)
-    for k, v in s3server.env().items():
-        monkeypatch.setenv(k, v)
-    return s3server.client(), s3bucket
-
-
-def url(bucket: str, prefix: str) -> str:
-    return f"s3://{bucket}/{prefix}"
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("reshard: error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 def _killed_in_commit(src: Path, bucket: str, prefix: str, s3server, tmp_path: Path) -> dict[str, str]:

@@ -23,31 +23,12 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.cli import run
+from tests.fixtures.s3out import one_line, url
 from tests.fixtures.s3run import objects, open_uploads, paused, prefix_state, reshard, s3_env
 
 pytest.importorskip("boto3")
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def s3(s3server, s3bucket, monkeypatch):
-    """(boto3 client, bucket) with this process's environment pointed at the server (in-process runs)."""
-    for k in [k for k in os.environ if k.startswith("AWS_")]:
-        monkeypatch.delenv(k)
-    for k, v in s3server.env().items():
-        monkeypatch.setenv(k, v)
-    return s3server.client(), s3bucket
-
-
-def url(bucket: str, prefix: str) -> str:
-    return f"s3://{bucket}/{prefix}"
-
-
-def one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("reshard: error: "), err
-    return lines[0]
 
 
 def split(raw: bytes) -> tuple[dict, bytes]:
