@@ -67,8 +67,8 @@ _FIX = "replace it with the file itself, or remove it from the source folder"
 
 def copy_side_files(src: Path, names: list[str], dst: Path) -> None:
     """Copy `names` (files and folders) from `src` into `dst` as regular files, keeping times and
-    modes (a folder's with the owner's rwx added); every file checked by `check_side_file` first. Raises SourceError for a refused or
-    unreadable source file, OSError for a failed write."""
+    modes (a folder's with the owner's rwx added); every file checked by `check_side_file` first.
+    Raises SourceError for a refused or unreadable source file, OSError for a failed write."""
     roots = allowed_roots(src)
     for name in names:
         _copy(src, src / name, dst / name, roots, ())

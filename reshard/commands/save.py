@@ -49,8 +49,8 @@ from reshard.vllm_versions import serve_note
     ),
     default="512MiB",
     show_default=True,
-    help="Bound on what a save holds in memory (at least 16MiB): the checkpoint's metadata (headers, plan) and tensor data "
-    "(read-ahead and write buffers, which get what the metadata leaves, at least a quarter); each open "
+    help="Bound on what a save holds in memory (at least 16MiB): the checkpoint's metadata (headers, plan) and "
+    "tensor data (read-ahead and write buffers, which get what the metadata leaves, at least a quarter); each open "
     "output file adds 8 MiB (to s3://, a part buffer of RESHARD_S3_PART_SIZE, 16 MiB by default, with "
     "RESHARD_S3_CONCURRENCY parts in flight).",
 )

@@ -132,7 +132,10 @@ def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> 
     return ckpt, Regions(plain, stacked)
 
 
-_EDITED = "run `reshard verify` on it (the manifest was edited, or the files are another output's), or reshard the original checkpoint"
+_EDITED = (
+    "run `reshard verify` on it (the manifest was edited, or the files are another output's), or reshard the "
+    "original checkpoint"
+)
 
 
 def _check_file_meta(view: FolderView, name: str, meta: dict, manifest: Manifest) -> None:
