@@ -211,3 +211,14 @@ def test_verify_of_a_missing_out_dir_points_at_the_previous_output_kept_beside_i
     out.rename(kept)
     code, _, err = run("verify", str(out))
     assert code == 7 and f"a previous output is kept beside it at {kept}" in err, err
+
+
+def test_verify_says_a_leftover_inside_a_relative_out_dir_is_inside(tiny, tmp_path, monkeypatch):
+    """A staging folder a killed in-place save left inside OUT_DIR, OUT_DIR given as a relative path:
+    verify's warning says it is inside the folder (it said beside)."""
+    out = tmp_path / "out"
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+    (out / ".reshard-new-x").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, stdout, _ = run("verify", "out")
+    assert code == 0 and ".reshard-new-x inside the folder: left by an interrupted save" in stdout, stdout

@@ -197,7 +197,7 @@ def check_structure(report: Report, folder: Folder) -> None:
         msg = f"{p.name}: temporary folder of an interrupted save (safe to remove)"
         report.add("leftover", msg, code=CORRUPT, file=p.name, warn=True)
     for p in [*siblings(out, STAGING), *siblings(out, OLD), *out.glob(f"{STAGING}*")]:
-        where = "inside the folder" if p.parent == out.resolve() else "beside the folder"
+        where = "inside the folder" if p.parent.resolve() == out.resolve() else "beside the folder"
         msg = f"{p.name} {where}: left by an interrupted save ({_du(p)}; safe to remove, or rerun save)"
         report.add("leftover", msg, code=CORRUPT, file=p.name, warn=True)
 
