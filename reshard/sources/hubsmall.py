@@ -20,9 +20,9 @@ from pathlib import Path
 
 from reshard.errors import SourceError
 from reshard.sources.hubhttp import HubRepo, hub_error, with_retries
+from reshard.sources.integrity import is_sha256
 
 _GIT_SHA1 = re.compile(r"[0-9a-f]{40}")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -32,7 +32,7 @@ def git_blob_sha1(data: bytes) -> str:
 
 def expected(lfs: str | None, blob_id: str | None) -> tuple[str, str] | None:
     """(the blob's name in the cache, how its bytes are checked) for a file the commit hashes so."""
-    if lfs and _SHA256.fullmatch(lfs):
+    if is_sha256(lfs):
         return lfs, "sha256"
     if blob_id and _GIT_SHA1.fullmatch(blob_id):
         return blob_id, "git"
