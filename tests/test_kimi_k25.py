@@ -8,8 +8,11 @@ head-count fallback, data mode, the INT4 release's unquantized tower, merge, re-
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +160,47 @@ def test_no_longer_refused_by_name():
 
     assert "KimiK25ForConditionalGeneration" not in REFUSED
     assert get_architecture({"architectures": ["KimiK25ForConditionalGeneration"]})[1].towers
+
+
+def test_encoder_variants_vllm_builds_from_settings(tiny, tmp_path):
+    """Settings the release leaves at vLLM's defaults (kimi_k25_vit.py's getattr), set otherwise: RMSNorms
+    (`norm_type: rmsnorm`, weights only), linears without biases (`attn_bias`, `linear_bias`), no patch
+    embedding bias, the `patchmergerv2` projector (bias-free linears, an RMSNorm after them, no pre-norm).
+    vLLM builds exactly these keys (tests/against_vllm: `kimi-k2.5-v2`); each rank holds the source's
+    tensors, split as the default variant's."""
+    src = tiny("kimi-k2.5-v2")
+    save(str(src), tmp_path / "out", tp=2, max_part_size=DEFAULT_MAX_PART)
+    hf = load_source(src, open_source(str(src)).checkpoint)
+    for r in range(2):
+        got = rank_tensors(tmp_path / "out", r)
+        tower = {k for k in got if k.startswith(("vision_tower.", "mm_projector."))}
+        assert not any(k.endswith(".bias") for k in tower), sorted(tower)
+        assert "mm_projector.pre_norm.weight" not in got
+        assert torch.equal(got["mm_projector.post_norm.weight"], hf["mm_projector.post_norm.weight"])
+        assert torch.equal(got[B + "norm0.weight"], hf[B + "norm0.weight"])
+        assert torch.equal(got[B + "wo.weight"], hf[B + "wo.weight"].chunk(2, dim=1)[r])
+        assert torch.equal(got[B + "mlp.fc0.weight"], hf[B + "mlp.fc0.weight"].chunk(2, dim=0)[r])
+
+
+@pytest.mark.parametrize(
+    "setting, value, lm_only, code, says",
+    [
+        ("norm_type", "groupnorm", False, 3, "vLLM's KimiK25ForConditionalGeneration does not build it"),
+        ("norm_type", "groupnorm", True, 3, "fails to start"),  # vLLM still builds the encoder it drops
+        ("mm_projector_type", "patchmergerv3", False, 3, '"patchmerger", "patchmergerv2"'),
+        ("pos_emb_type", None, False, 3, "vision_config.pos_emb_type = null"),
+        ("qkv_hidden_size", 32, False, 3, "reshard has no rule for this encoder variant"),
+        ("qkv_hidden_size", 32, True, 0, ""),  # the encoder is not written
+        ("qkv_hidden_size", 64, False, 0, ""),  # the hidden size: the same heads
+    ],
+)
+def test_encoder_settings_not_built_are_refused(tiny, tmp_path, setting, value, lm_only, code, says):
+    """A setting vLLM's model raises on (NotImplementedError) is exit 3 naming it, also with
+    --language-model-only; one reshard has no rule for only where the encoder is written."""
+    src = Path(shutil.copytree(tiny("kimi-k2.5"), tmp_path / "src"))
+    config = json.loads((src / "config.json").read_text())
+    config["vision_config"][setting] = value
+    (src / "config.json").write_text(json.dumps(config))
+    got, _, err = run("plan", str(src), "--tp", "2", *(["--language-model-only"] if lm_only else []))
+    assert got == code, err
+    assert says in err and (code == 0 or err.count("\n") == 1), err

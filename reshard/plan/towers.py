@@ -10,6 +10,7 @@ planned with the encoder's own sizes (`Context.tower`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 from reshard.errors import SourceError, UnsupportedError
@@ -100,6 +101,7 @@ def check_towers(ctx: Context, layout: Layout, asked: str | None = None) -> None
     so the same division must hold; where it does not, the serve line asks for data mode, which builds
     it whole (`tower_pins`), or the layout is refused where the model has no data mode or weights mode
     was `asked` for."""
+    _check_choices(ctx, layout)
     if layout.language_model_only:
         if asked == "data":
             return  # built whole: nothing to divide
@@ -138,6 +140,29 @@ def check_towers(ctx: Context, layout: Layout, asked: str | None = None) -> None
                 "heads across the TP ranks (--mm-encoder-tp-mode weights) and fails to build",
                 f"use --mm-encoder-tp-mode data (the encoder whole on every rank), --language-model-only, "
                 f"or a --tp that divides it: {divisors(heads)}",
+            )
+
+
+def _check_choices(ctx: Context, layout: Layout) -> None:
+    """An encoder setting of a value vLLM's model cannot build (it raises even under --language-model-only), or,
+    where the encoder is written, one the table has no rule for, is refused (exit 3)."""
+    for tower in ctx.arch.towers:
+        settings = tower.settings(ctx.ckpt.config)
+        for choice in tower.choices:
+            if choice.accepts(settings) or (choice.by != "vLLM" and layout.mm_encoder_tp_mode is None):
+                continue
+            built = ", ".join(json.dumps(v) for v in choice.values)
+            if choice.same_as:
+                built += f" or {tower.config}.{choice.same_as}'s value"
+            where = f"{tower.config}.{choice.key} = {json.dumps(settings.get(choice.key))}"
+            if choice.by == "vLLM":
+                raise UnsupportedError(
+                    f"{where}: vLLM's {ctx.arch.names[0]} does not build it (it builds {built}) and fails to start",
+                    "this checkpoint cannot be served by this vLLM release",
+                )
+            raise UnsupportedError(
+                f"{where}: reshard has no rule for this encoder variant of {ctx.arch.names[0]} (it writes {built})",
+                "pass --language-model-only to write the text model alone",
             )
 
 

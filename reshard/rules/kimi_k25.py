@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from reshard.rules.deepseek import DEEPSEEK_V2, MAPPER
 from reshard.rules.llama import HIDDEN
-from reshard.rules.spec import Blocks, Tower, WeightsMapper
+from reshard.rules.spec import Blocks, Choice, Tower, WeightsMapper
 from reshard.rules.styles import QKV, Column, Replicate, Row, Vocab, layer_norm
 
 LM = "language_model."
@@ -46,14 +46,47 @@ KIMI_K25_MAPPER = MAPPER | WeightsMapper(
     }
 )
 
-# transformers' Kimi_K25VisionConfig defaults (5.19), which vLLM builds where config.json lacks a key
+# transformers' Kimi_K25VisionConfig defaults (5.19), which vLLM builds where config.json lacks a key, then the
+# defaults of the settings vLLM's kimi_k25_vit.py reads with getattr (MoonViT3dPretrainedModel, the projector)
 VISION_DEFAULTS = (
     ("hidden_size", 1152),
     ("num_attention_heads", 16),
     ("num_hidden_layers", 27),
     ("intermediate_size", 4304),
+    ("norm_type", "layernorm"),
+    ("attn_bias", True),
+    ("linear_bias", True),
+    ("patch_embed_proj_bias", True),
+    ("mm_projector_type", "patchmerger"),
+    ("mlp_type", "mlp2"),
+    ("pos_emb_type", "divided_fixed"),
+    ("merge_type", "sd2_tpool"),
+    ("qkv_hidden_size", None),
 )
 VISION_UP = ("intermediate_size", "hidden_size")
+VISION_CHOICES = (
+    Choice("norm_type", ("layernorm", "rmsnorm")),  # _make_vision_norm
+    Choice("mlp_type", ("mlp2",)),
+    Choice("pos_emb_type", ("divided_fixed",)),
+    Choice("merge_type", ("sd2_tpool",)),
+    Choice("mm_projector_type", ("patchmerger", "patchmergerv2")),
+    # heads of qkv_hidden_size / heads rather than hidden_size / heads: no rule here yet
+    Choice("qkv_hidden_size", (None,), by="reshard", same_as="hidden_size"),
+)
+
+
+def _layer_norm(c: dict) -> bool:
+    return c.get("norm_type") != "rmsnorm"
+
+
+def _merger_v2(c: dict) -> bool:
+    return c.get("mm_projector_type") == "patchmergerv2"
+
+
+def _norm(name: str) -> tuple[Replicate, Replicate]:
+    """`_make_vision_norm`: an nn.LayerNorm (weight and bias), or with `norm_type: rmsnorm` an nn.RMSNorm (weight)."""
+    weight, bias = layer_norm(name)
+    return weight, replace(bias, when=_layer_norm)
 
 
 MOONVIT = Tower(
@@ -61,24 +94,29 @@ MOONVIT = Tower(
     top=(
         # Conv2dLayer [hidden, 3, p, p] with its bias
         Replicate(VT + "patch_embed.proj", shape=("hidden_size", None, None, None)),
-        Replicate(VT + "patch_embed.proj", param="bias", shape=HIDDEN),
+        Replicate(VT + "patch_embed.proj", param="bias", shape=HIDDEN, when="patch_embed_proj_bias"),
         # nn.Parameter [pos_emb_height, pos_emb_width, hidden]
         Replicate(VT + "patch_embed.pos_emb", shape=(None, None, "hidden_size")),
-        *layer_norm(VT + "encoder.final_layernorm"),
-        *layer_norm("mm_projector.pre_norm"),
-        Replicate("mm_projector.linear_1", bias=True, quant=True),  # ReplicatedLinear in every mode
-        Replicate("mm_projector.linear_2", bias=True, quant=True),
+        *_norm(VT + "encoder.final_layernorm"),
+        # KimiK25MultiModalProjector: patchmerger (the release's) or patchmergerv2, ReplicatedLinear in every mode
+        *(replace(r, when=lambda c: not _merger_v2(c)) for r in layer_norm("mm_projector.pre_norm")),
+        Replicate("mm_projector.linear_1", bias=True, quant=True, when=lambda c: not _merger_v2(c)),
+        Replicate("mm_projector.linear_2", bias=True, quant=True, when=lambda c: not _merger_v2(c)),
+        Replicate("mm_projector.linear_1", quant=True, when=_merger_v2),
+        Replicate("mm_projector.linear_2", quant=True, when=_merger_v2),
+        # nn.RMSNorm over the text model's hidden size (not a key of the encoder's settings)
+        Replicate("mm_projector.post_norm", shape=(None,), when=_merger_v2),
     ),
     blocks=(
         Blocks(
             VT + "encoder.blocks.{layer}.",
             (
-                *layer_norm("norm0"),
-                *layer_norm("norm1"),
-                QKV("wqkv", bias=True, fused=("q", "k", "v"), dims=(None, "hidden_size")),
-                Row("wo", bias=True),
-                Column("mlp.fc0", bias=True, dims=VISION_UP),
-                Row("mlp.fc1", bias=True, dims=("hidden_size", "intermediate_size")),
+                *_norm("norm0"),
+                *_norm("norm1"),
+                QKV("wqkv", bias="attn_bias", fused=("q", "k", "v"), dims=(None, "hidden_size")),
+                Row("wo", bias="attn_bias"),
+                Column("mlp.fc0", bias="linear_bias", dims=VISION_UP),
+                Row("mlp.fc1", bias="linear_bias", dims=("hidden_size", "intermediate_size")),
             ),
             "num_hidden_layers",
         ),
@@ -89,6 +127,7 @@ MOONVIT = Tower(
     heads_fallback=True,
     unquantized_with=("compressed-tensors",),
     defaults=VISION_DEFAULTS,
+    choices=VISION_CHOICES,
 )
 
 KIMI_K25 = replace(

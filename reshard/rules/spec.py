@@ -110,6 +110,31 @@ class Blocks:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """An encoder setting of which only some values are built: vLLM's model raises on another
+    (`NotImplementedError`, even under --language-model-only, where it still constructs the encoder), or
+    reshard's table has no rule for it (`by="reshard"`: refused only where the encoder is written).
+
+    Attributes:
+        key: the setting (in the encoder's config, its `Tower.defaults` applied).
+        values: the values built.
+        by: who cannot build another value: "vLLM" or "reshard".
+        same_as: another setting whose value is accepted too (Kimi's `qkv_hidden_size` equal to `hidden_size`).
+    """
+
+    key: str
+    values: tuple[object, ...]
+    by: str = "vLLM"
+    same_as: str | None = None
+
+    def accepts(self, settings: dict) -> bool:
+        value = settings.get(self.key)
+        if self.same_as is not None and value == settings.get(self.same_as):
+            return True
+        return any(value == v and type(value) is type(v) for v in self.values)
+
+
+@dataclass(frozen=True)
 class Tower:
     """A multimodal model's encoder (vision tower and its projector/merger), planned with its own sizes.
 
@@ -137,7 +162,9 @@ class Tower:
             without the quant config whatever its ignore list says (Kimi-K2.5's `_maybe_ignore_quant_config`:
             compressed-tensors); under other methods its layers must be on the ignore list.
         defaults: values of the encoder's settings where config.json leaves them out (the transformers
-            config class's defaults vLLM builds from), as (key, value) pairs.
+            config class's defaults vLLM builds from, or the model's own `getattr` defaults), as (key, value)
+            pairs.
+        choices: settings of which only some values are built (`Choice`); another is refused (exit 3).
     """
 
     config: str
@@ -152,6 +179,7 @@ class Tower:
     heads_fallback: bool = False
     unquantized_with: tuple[str, ...] = ()
     defaults: tuple[tuple[str, object], ...] = ()
+    choices: tuple[Choice, ...] = ()
 
     def settings(self, config: dict) -> dict:
         inner = config.get(self.config)

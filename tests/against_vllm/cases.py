@@ -426,10 +426,11 @@ STATE_CASES += [
     case("kimi-k2.5", 2, mm="data"),
     case("kimi-k2.5", 2, lm_only=True),
     case("kimi-k2.5-h3", 2),
+    case("kimi-k2.5-v2", 2),  # the encoder variants: RMSNorms, no biases, the patchmergerv2 projector
     case("kimi-k2.5-int4", 2),
     case("kimi-k2.5-int4", 2, ep=True),
 ]
-MOE += ["kimi-k2.5", "kimi-k2.5-h3", "kimi-k2.5-int4"]  # marks only
+MOE += ["kimi-k2.5", "kimi-k2.5-h3", "kimi-k2.5-v2", "kimi-k2.5-int4"]  # marks only
 
 # Eight ranks, the layout the README's pre-bake uses (--tp 8, with EP): KV heads replicated 4x (8 heads, 2 KV),
 # experts cut in 8 (Ip 4), experts dealt 1 per rank, and TP 4 x PP 2. Sources built above; one batch of
