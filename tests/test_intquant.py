@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from reshard.format import ITEMSIZE
 from reshard.merge import merge
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.verify import verify
+from tests.fixtures.cli import run
 from tests.fixtures.saving import rank_tensors, save
 from tests.test_reshard_merge import assert_same, load_dir
 
@@ -213,3 +215,39 @@ def test_packed_bytes_per_rank_add_up(ctq, tmp_path):
     )
     assert held == packed
     assert res.plan.total_bytes == sum(t.numel() * t.element_size() for sd in ranks for t in sd.values())
+
+
+def test_narrowed_targets_leave_the_rest_unquantized(ctq, tmp_path):
+    """vLLM quantizes the layers the config group's targets match and builds the rest unquantized
+    (CompressedTensorsConfig.get_scheme_dict): attention-only targets keep the MLP bf16; experts ignored by an
+    entry below their module (matched against expert 0's projections) keep the experts bf16. (vLLM's own
+    state_dict: tests/against_vllm, `-tgt-attn`, `-tgt-moe`, `-ign-moe`.)"""
+    save(str(ctq("llama", "ct-w4a16-asym-tgt-attn")), tmp_path / "a", tp=2, max_part_size=MAX)
+    sd = _rank(tmp_path / "a", 0)
+    assert "model.layers.0.self_attn.qkv_proj.weight_packed" in sd
+    assert sd["model.layers.0.mlp.gate_up_proj.weight"].dtype == torch.bfloat16
+    save(str(ctq("qwen3-moe", "ct-w4a16-asym-ign-moe")), tmp_path / "m", tp=2, max_part_size=MAX)
+    sd = _rank(tmp_path / "m", 0)
+    assert "model.layers.0.self_attn.qkv_proj.weight_packed" in sd
+    assert sd["model.layers.1.mlp.experts.routed_experts.w13_weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "targets, ignore, code, says",
+    [
+        (["Embedding"], None, 3, "compressed-tensors config group target 'Embedding'"),
+        ("Linear", None, 4, "targets must be a list of strings"),
+        # gate and up quantized, down not: vLLM's CompressedTensorsMoEMethod refuses mixed projections
+        (["Linear"], ["lm_head", "re:.*mlp.gate$", "re:.*experts\\.0\\.down_proj"], 3, "some of expert 0's"),
+    ],
+)
+def test_targets_vllm_does_not_build_are_refused(ctq, tmp_path, targets, ignore, code, says):
+    src = tmp_path / "src"
+    shutil.copytree(ctq("qwen3-moe", "ct-w4a16-asym"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = targets
+    if ignore is not None:
+        cfg["quantization_config"]["ignore"] = ignore
+    (src / "config.json").write_text(json.dumps(cfg))
+    got, _, err = run("plan", str(src), "--tp", "2")
+    assert got == code and says in err and err.count("\n") == 1, err

@@ -108,6 +108,12 @@ class Context:
         names = [self.arch.hf_name(p) for p in hf_prefixes]
         return self.quant.quantizes(names, experts=experts)
 
+    def quantized_experts(self, hf_prefix: str, names: tuple[str, str, str]) -> bool:
+        """The checkpoint's scheme applies to the experts list at `hf_prefix` (its experts' projections `names`)."""
+        if not self.quant:
+            return False
+        return self.quant.quantizes_experts(self.arch.hf_name(hf_prefix), names)
+
     def kv_found(self, target: str) -> dict[str, str]:
         """The attention layer `target`'s KV-cache parameters the checkpoint holds a tensor for."""
         found = {}

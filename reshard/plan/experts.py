@@ -24,7 +24,7 @@ from reshard.rules import Experts
 def experts(ctx: Context, m: Experts, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """Append the experts module `m` of the layer at `prefix` to every rank."""
     split = _split(ctx, m, prefix)
-    scheme = ctx.quant if ctx.quantized([split.base], experts=True) else None
+    scheme = ctx.quant if ctx.quantized_experts(split.base, m.names) else None
     split = _allocation(ctx, split, scheme)
     if scheme is not None and scheme.k_first:  # GPTQ / AWQ: the scheme lays out the weights too
         rank = scheme.expert_scales(ctx, split)

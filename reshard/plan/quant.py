@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from reshard.errors import SourceError, UnsupportedError
@@ -30,6 +30,8 @@ class Quant:
     static_activations: bool
     ignored: tuple[str, ...]
     kv_strategy: str | None = None  # compressed-tensors kv_cache_scheme: "tensor" or "attn_head"
+    # compressed-tensors: the config group's targets (layer names, `re:` patterns, or `Linear`)
+    targets: tuple[str, ...] = field(default=("Linear",), kw_only=True)
 
     method: ClassVar[str]  # "fp8" (Fp8Config) or "compressed-tensors" (float-quantized W8A8)
     strategy: ClassVar[str]  # "block", "tensor" or "channel"
@@ -80,6 +82,10 @@ class Quant:
             raise UnsupportedError(f"some but not all shards of {prefixes[0]} are quantized; vLLM refuses this")
         return not all(skipped)
 
+    def quantizes_experts(self, prefix: str, names: tuple[str, str, str]) -> bool:
+        """Whether the experts list at `prefix` (each expert's projections `names`: gate, up, down) is quantized."""
+        return self.quantizes([prefix], experts=True)
+
     def to_json(self) -> dict:
         out = {
             "method": self.method,
@@ -124,8 +130,47 @@ class _Fp8Config(Quant):
 
 
 class _CompressedTensors(Quant):
+    """vLLM's CompressedTensorsConfig.get_scheme_dict: a layer not ignored is quantized where the config group's
+    targets match it: its name (or every shard of a fused one) equal to a target or matching a `re:` one, or the
+    `Linear` target (contained in every vLLM linear class's name). An experts list takes the scheme of its expert
+    0's gate, up and down projections, checked one by one (CompressedTensorsMoEMethod.get_moe_method); `Linear`
+    targets them too (`_add_fused_moe_to_target_scheme_map`)."""
+
     method = "compressed-tensors"
     refines_moe_blocks = False  # its MoE method validates the checkpoint's blocks as they are
+
+    def __post_init__(self) -> None:
+        for t in self.targets:
+            if not t.startswith("re:") and "." not in t and t != "Linear":
+                raise UnsupportedError(
+                    f"compressed-tensors config group target {t!r}: reshard matches layer names, `re:` patterns "
+                    "and `Linear` (every linear layer)",
+                    "this checkpoint's targets are not supported",
+                )
+
+    def _targeted(self, name: str) -> bool:
+        return "Linear" in self.targets or any(
+            re.match(t[3:], name) if t.startswith("re:") else t == name for t in self.targets
+        )
+
+    def quantizes(self, prefixes: list[str], *, experts: bool = False) -> bool:
+        if not super().quantizes(prefixes, experts=experts):
+            return False  # ignored
+        targeted = [self._targeted(p) for p in prefixes]
+        if any(targeted) and not all(targeted):
+            raise UnsupportedError(
+                f"the compressed-tensors targets match some but not all shards of {prefixes[0]}; vLLM refuses this"
+            )
+        return all(targeted)
+
+    def quantizes_experts(self, prefix: str, names: tuple[str, str, str]) -> bool:
+        got = [not self.ignores(f"{prefix}.0.{n}") and self._targeted(f"{prefix}.0.{n}") for n in names]
+        if any(got) and not all(got):
+            raise UnsupportedError(
+                f"{prefix}: the compressed-tensors ignore list or targets quantize some of expert 0's "
+                f"{', '.join(names)} and not the others; vLLM refuses this (all MoE projections need the same scheme)"
+            )
+        return all(got)
 
     def kv_buffers(
         self, sources: Sources, target: str, dtype: str, found: dict[str, str], heads: KvHeads

@@ -3,7 +3,9 @@ FP8 and MXFP4 schemes; reshard.plan.intquant: compressed-tensors' integer ones).
 
 from __future__ import annotations
 
-from reshard.errors import UnsupportedError
+from dataclasses import replace
+
+from reshard.errors import SourceError, UnsupportedError
 from reshard.plan.gptq import awq_from_config, gptq_from_config
 from reshard.plan.intquant import int_compressed_tensors
 from reshard.plan.kvscales import kv_cache_scheme
@@ -67,12 +69,22 @@ def quant_from_config(config: dict) -> Quant | None:
 
 
 def _compressed_tensors(qc: dict) -> Quant:
-    """Compressed-tensors: FP8 (W8A8, float-quantized) here, integer weights in reshard.plan.intquant;
-    one config group targeting Linear layers."""
+    """Compressed-tensors: one config group (its targets: reshard.plan.quant._CompressedTensors), of FP8
+    weights (W8A8, float-quantized) here, integer weights in reshard.plan.intquant, NVFP4 in reshard.plan.nvfp4."""
     groups = list((qc.get("config_groups") or {}).values())
-    kv = kv_cache_scheme(qc.get("kv_cache_scheme"))
     if len(groups) != 1:
         raise UnsupportedError(f"compressed-tensors with {len(groups)} config groups is not supported")
+    targets = groups[0].get("targets")  # its type is checked with the rest of config.json (reshard.sources.validate)
+    if targets is None:
+        raise SourceError(
+            "config.json's compressed-tensors config group has no targets, which vLLM reads to find the layers it "
+            "quantizes"
+        )
+    return replace(_one_group(qc, groups), targets=tuple(targets))
+
+
+def _one_group(qc: dict, groups: list) -> Quant:
+    kv = kv_cache_scheme(qc.get("kv_cache_scheme"))
     weights = groups[0].get("weights") or {}
     inputs = groups[0].get("input_activations") or {}
     if weights.get("type") == "int":
