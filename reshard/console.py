@@ -39,7 +39,16 @@ def _result_width() -> int | None:
         return 1000
 
 
-stderr = _Console(stderr=True, highlight=False)
+def _log_file() -> bool:
+    """stderr is a file or pipe (a CI log): its lines are not wrapped, so that a note or warning stays one
+    line to grep whatever the length of the paths in it."""
+    try:
+        return not sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return True
+
+
+stderr = _Console(stderr=True, highlight=False, soft_wrap=_log_file())
 stdout = _Console(highlight=False, soft_wrap=True, width=_result_width())
 
 
