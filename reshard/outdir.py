@@ -156,8 +156,11 @@ def lock(out_dir: Path) -> Iterator[None]:
             pass
         os.close(fd)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as e:  # a disk already full (a rerun after a failed one) fails here first
+            raise write_error(out_dir, e) from e
         yield
     finally:
         with contextlib.suppress(OSError):

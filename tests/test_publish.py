@@ -222,3 +222,23 @@ def test_verify_says_a_leftover_inside_a_relative_out_dir_is_inside(tiny, tmp_pa
     monkeypatch.chdir(tmp_path)
     code, stdout, _ = run("verify", "out")
     assert code == 0 and ".reshard-new-x inside the folder: left by an interrupted save" in stdout, stdout
+
+
+def test_a_disk_already_full_is_exit_5_not_an_internal_error(tiny, tmp_path, monkeypatch):
+    """A rerun on a disk left full: the lock file's pid is the first write, and failed with exit 1 (internal error)."""
+    import errno
+
+    from reshard.names import LOCK
+    from tests.fixtures.cli import run
+
+    real = os.write
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(LOCK):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2")
+    assert code == 5 and "disk full while writing" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no lock left behind

@@ -139,3 +139,28 @@ def test_cached_share_asks_without_reading(data_file, how):
 def test_cached_share_of_an_empty_file_is_unknown(tmp_path):
     (tmp_path / "e").write_bytes(b"")
     assert cached_share(tmp_path / "e") is None
+
+
+@pytest.mark.parametrize("direct", ["0", "1"])
+def test_a_failing_source_disk_is_a_source_error(tiny, tmp_path, monkeypatch, direct):
+    """EIO (or a stale, disconnected mount) reading a source shard is exit 4 naming the shard, through the page
+    cache as with O_DIRECT: it was told as `cannot write OUT_DIR` (exit 5), blaming the output's disk."""
+    import errno
+
+    from tests.fixtures.cli import run
+
+    src = tiny("llama")
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors") and str(src) in os.readlink(
+            f"/proc/self/fd/{fd}"
+        ):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setenv("RESHARD_DIRECT_READS", direct)
+    monkeypatch.setattr(os, "preadv", preadv)
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and "cannot read" in err and ".safetensors: Input/output error" in err, err
+    assert not (tmp_path / "out").exists()

@@ -88,8 +88,17 @@ class FileReader(AlignedReader):
 
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         out = memoryview(buf)[:nbytes] if buf is not None else memoryview(bytearray(nbytes))
-        self._fill(self.fd(t.file), t, t.offset + start, out, nbytes)
+        try:
+            self._fill(self.fd(t.file), t, t.offset + start, out, nbytes)
+        except OSError as e:
+            raise self._read_error(t, e) from e
         return out
+
+    def _read_error(self, t: TensorInfo, e: OSError) -> SourceError:
+        return SourceError(
+            f"cannot read {self.root / t.file}: {e.strerror or e}",
+            "check the disk or mount the source is on, then rerun",
+        )
 
     def prepare(self, t: TensorInfo, start: int, nbytes: int) -> Prepared:
         """With O_DIRECT: the block-aligned span around the bytes, into page-aligned memory."""
@@ -110,14 +119,17 @@ class FileReader(AlignedReader):
         pos = t.offset + start
         if fd is None:  # the ordinary read, inline (most reads of a cached MoE checkpoint: ~200k)
             out = region[:nbytes]
-            if os.preadv(self.fds[t.file], [out], pos) < nbytes:
-                self._fill(self.fds[t.file], t, pos, out, nbytes)
+            try:
+                if os.preadv(self.fds[t.file], [out], pos) < nbytes:
+                    self._fill(self.fds[t.file], t, pos, out, nbytes)
+            except OSError as e:  # EIO, a stale or disconnected mount: the source, not OUT_DIR
+                raise self._read_error(t, e) from e
             return out
         try:
             self._fill(fd, t, a0, region, pos + nbytes - a0)
         except OSError as e:
             if e.errno != errno.EINVAL:
-                raise SourceError(f"cannot read {self.root / t.file}: {e.strerror}") from e
+                raise self._read_error(t, e) from e
             with self.lock:  # O_DIRECT refused for reads: buffered from now on
                 if self.direct_fds.get(t.file) == fd:
                     self.direct_fds[t.file] = None
