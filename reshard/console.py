@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import sys
@@ -125,6 +126,8 @@ def byte_progress(
             if downloads is not None:
                 got = downloads.done
                 line += f"; downloaded: {human_bytes(got)} ({human_bytes(got / secs)}/s)"
-            print(line, file=sys.stderr, flush=True)
+            # a log that cannot be written (a full disk, a collector gone: EPIPE) never ends the run
+            with contextlib.suppress(OSError, ValueError):
+                print(line, file=sys.stderr, flush=True)
 
     yield advance

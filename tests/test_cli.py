@@ -361,3 +361,18 @@ def test_an_interrupt_while_the_modules_import_says_what_the_command_does(monkey
     assert e.value.code == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_log_that_cannot_be_written_does_not_end_the_save(tiny, tmp_path):
+    """stderr on a full disk (or a log collector gone: EPIPE): the progress lines are dropped, the save completes.
+    The last progress line's failed write ended a finished save with exit 1 and threw its output away."""
+    out = tmp_path / "out"
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(
+            [sys.executable, "-m", "reshard", "save", str(tiny("llama")), str(out), "--tp", "2"],
+            stdout=subprocess.DEVNULL,
+            stderr=full,
+            env={**os.environ, "RESHARD_DISABLE_PROGRESS": "0"},
+            timeout=120,
+        )
+    assert p.returncode == 0 and (out / "reshard.json").is_file()
