@@ -2,8 +2,12 @@
 
 boto3 is the `s3` extra (`pip install 'reshard[s3]'`), imported only when an s3:// URL is used. The
 client reads the endpoint, region and credentials the standard way (AWS_ENDPOINT_URL, AWS_REGION,
-AWS_PROFILE, AWS_ACCESS_KEY_ID, ...). Requests are retried by botocore's standard mode with backoff
-(throttling such as 503 SlowDown, 5xx, dropped connections), RESHARD_S3_RETRIES times. A custom
+AWS_PROFILE, AWS_ACCESS_KEY_ID, ...). Each request is retried RESHARD_S3_RETRIES times (throttling such
+as 503 SlowDown, 5xx, dropped or refused connections) by botocore's legacy mode, waiting a random share of
+1, 2, 4, ... s before each retry (8 retries: up to 255 s, about 2 minutes on average), so that a save
+outlasts a store's restart. Not botocore's standard mode: its waits add up to 6 s on average, and one
+retry budget per client (about 35 retries) is spent within a second when the store drops every part in
+flight at once, failing the next request at its first error whatever RESHARD_S3_RETRIES says. A custom
 endpoint (an S3-compatible store) is addressed path-style, as such stores expect.
 """
 
@@ -45,7 +49,7 @@ def make_client() -> Any:
     from botocore.config import Config
 
     config = Config(
-        retries={"mode": "standard", "max_attempts": settings.S3_RETRIES.get() + 1},
+        retries={"mode": "legacy", "total_max_attempts": settings.S3_RETRIES.get() + 1},
         connect_timeout=settings.S3_TIMEOUT.get(),
         read_timeout=settings.S3_TIMEOUT.get(),
         max_pool_connections=settings.S3_CONCURRENCY.get() + 4,
