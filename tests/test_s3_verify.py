@@ -4,6 +4,7 @@ read with ranged GETs; vLLM's listing; the store's checksums (HEAD) by default, 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -190,3 +191,23 @@ def test_other_schemes_are_refused(s3env):
     code, _, err = run("verify", "gs://bucket/m/")
     assert code == 3
     _one_error_line(err, "gs://")
+
+
+@pytest.mark.parametrize(
+    "var, value, says",
+    [
+        ("AWS_PROFILE", "nosuch", "AWS_PROFILE: The config profile (nosuch)"),
+        ("AWS_ENDPOINT_URL", "not a url", "is not an endpoint URL"),
+    ],
+)
+@pytest.mark.parametrize("command", ["save", "verify"])
+def test_a_bad_aws_setting_is_a_usage_error(tiny, tmp_path, monkeypatch, var, value, says, command):
+    """An AWS_PROFILE the config files lack, or an AWS_ENDPOINT_URL that is not a URL: exit 2 naming it (it was
+    exit 1, an internal error, from botocore's ProfileNotFound / ValueError)."""
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv(var, value)
+    args = ["save", str(tiny("llama")), "s3://bucket1/out/"] if command == "save" else ["verify", "s3://bucket1/out/"]
+    code, _, err = run(*args)
+    assert code == 2 and says in err and err.count("\n") == 1, err

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from reshard import settings
-from reshard.errors import ReshardError, UnsupportedError
+from reshard.errors import ReshardError, UnsupportedError, UsageError
 
 S3_HINT = "pip install 'reshard[s3]'"
 
@@ -60,9 +60,21 @@ def make_client() -> Any:
         # it, and a store that does not confirm it fails the save (reshard.destination)
         s3={"addressing_style": "path" if path_style() else "auto", "payload_signing_enabled": False},
     )
-    session = boto3.session.Session()
-    region = session.region_name or ("us-east-1" if endpoint() else None)
-    return session.client("s3", config=config, region_name=region)
+    import botocore.exceptions as bx
+
+    try:
+        session = boto3.session.Session()
+        region = session.region_name or ("us-east-1" if endpoint() else None)
+        return session.client("s3", config=config, region_name=region)
+    except bx.ProfileNotFound as e:  # AWS_PROFILE naming a profile the AWS config files lack
+        raise UsageError(
+            f"AWS_PROFILE: {e}", "set AWS_PROFILE to a profile of ~/.aws/config (or AWS_CONFIG_FILE), or unset it"
+        ) from e
+    except ValueError as e:  # botocore: "Invalid endpoint: ..."
+        raise UsageError(
+            f"AWS_ENDPOINT_URL {endpoint()!r} is not an endpoint URL ({e})",
+            "set it to the store's URL, e.g. http://127.0.0.1:8333",
+        ) from e
 
 
 def error_code(e: BaseException) -> str:
@@ -101,8 +113,8 @@ def store_error(e: BaseException, url: str, doing: str, cls: type[ReshardError])
         )
     if isinstance(e, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
         return cls(
-            f"cannot reach the object store at {where} ({doing}): {e}",
-            "check AWS_ENDPOINT_URL and the network",
+            f"cannot reach the object store at {where} ({doing}) after {settings.S3_RETRIES.get()} retries: {e}",
+            "check AWS_ENDPOINT_URL and the network; RESHARD_S3_RETRIES allows more",
         )
     if isinstance(e, (bx.ConnectionClosedError, bx.ReadTimeoutError, bx.ConnectionError)):
         retries = settings.S3_RETRIES.get()
