@@ -96,6 +96,22 @@ def _stacked(ctx: Context, m: Merged | QKV) -> tuple[str, ...]:
 # ---- the walk ----------------------------------------------------------------------------------
 
 
+def _check_fused_late(ctx: Context, target: str, stored: bool) -> None:
+    """vLLM decides a module the model fuses late (`Architecture.fused_late`) by its fused name alone; a
+    checkpoint storing it otherwise (its slots named on the ignore list, the fused name not) is refused."""
+    built = ctx.quantized([target])
+    if built == stored:
+        return
+    how = {True: "quantized", False: "unquantized"}
+    raise UnsupportedError(
+        f"{target}: vLLM's {ctx.arch.names[0]} decides this layer's quantization by its fused name (it registers "
+        f"{target.rsplit('.', 1)[-1]} as fused only after reading the quantization config), which builds it "
+        f"{how[built]}, while the checkpoint stores it {how[stored]}: vLLM cannot load this checkpoint as it is",
+        f"name the fused module ({target}) in the quantization config as its parts are named (ignore, "
+        "modules_to_not_convert or modules_in_block_to_quantize)",
+    )
+
+
 def _linear(ctx: Context, lay: LinearLayout, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """Append the module of the layer at `prefix` (its weight, scales and bias) to every rank."""
     m = lay.rule
@@ -104,6 +120,8 @@ def _linear(ctx: Context, lay: LinearLayout, prefix: str, per_tp: list[list[OutT
     if lay.param != "weight":
         raise AssertionError(f"{target}: only plain parameters may be named {lay.param!r}")
     scheme = ctx.quant if m.quant and ctx.quantized(slots) else None
+    if m.quant and ctx.quant and target.rsplit(".", 1)[-1] in ctx.arch.fused_late:
+        _check_fused_late(ctx, target, scheme is not None)
     if scheme is not None and scheme.k_first:
         k_first(ctx, lay, prefix, per_tp)
         return

@@ -47,6 +47,7 @@ QWEN3_MOE = Architecture(
     is_moe_layer=sparse_layer,
     top_on_every_stage=True,
     moe_on_every_stage=True,  # Qwen3MoeForCausalLM: "No Qwen3MoE layer found in the model.layers."
+    fused_late=("gate_up_proj",),  # qwen3_moe.py: added to packed_modules_mapping in __init__ (mlp_only_layers)
 )
 
 SHARED = "mlp.experts._shared_experts._layer."

@@ -230,6 +230,11 @@ class Architecture:
             left out.
         moe_on_every_stage: vLLM's model class fails to build a pipeline stage that holds no MoE
             layer ("No ... layer found in model.layers", its MixtureOfExperts set-up).
+        fused_late: modules (their vLLM names' last part) the model registers as fused only after its
+            quantization config copied the mapping (SupportsQuant.__new__ runs before __init__ adds them:
+            Qwen3-MoE's dense `gate_up_proj`). In a fresh vLLM process the quantization of such a module
+            is decided by its fused name alone, not its checkpoint slots'; where the two disagree, vLLM
+            builds it otherwise than the checkpoint stores it, and the checkpoint is refused.
     """
 
     names: tuple[str, ...]
@@ -255,6 +260,7 @@ class Architecture:
     towers: tuple[Tower, ...] = ()
     tie_default: bool = False
     moe_on_every_stage: bool = False
+    fused_late: tuple[str, ...] = ()
 
     def text(self, config: dict) -> dict:
         """The settings of the language model: config.json, or its text_config over it."""
