@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+from pathlib import Path
 
 import blake3
 import pytest
@@ -16,6 +18,7 @@ from reshard.manifest import ManifestProblem, parse
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.sources import open_source
 from reshard.verify import verify
+from tests.fixtures.cli import run
 from tests.fixtures.saving import save
 
 RANK1 = "model-rank-1-part-0.safetensors"
@@ -54,7 +57,12 @@ def test_the_manifest_names_its_algorithm(clean):
     assert parse(m).checksum == "sha256" and parse(m).files[0].digest == "ab"
     with pytest.raises(ManifestProblem, match="md5"):
         parse({**m, "checksum": "md5"})
-    assert parse({**m, "checksum": "none"}).files[0].digest is None
+    with pytest.raises(ManifestProblem, match="holds a blake3 digest, but checksum is none"):
+        parse({**m, "checksum": "none"})  # digests left in: a manifest edited to skip the checks
+    bare = {
+        key: [{k: v for k, v in f.items() if k not in ALGORITHMS} for f in m[key]] for key in ("files", "copied_files")
+    }
+    assert parse({**m, **bare, "checksum": "none"}).files[0].digest is None
 
 
 @pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
@@ -164,3 +172,17 @@ def test_pieces_with_different_checksums_are_not_assembled(tiny, tmp_path):
     save(str(src), out, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="0", checksum="sha256")
     with pytest.raises(Exception, match="different --checksum"):
         save(str(src), out, tp=2, max_part_size=DEFAULT_MAX_PART, ranks="1", checksum="blake3")
+
+
+def test_a_manifest_edited_to_checksum_none_is_malformed(clean, tmp_path):
+    """`"checksum": "none"` over a manifest that still holds its digests, and a flipped byte: verify passed it
+    with a warning that the folder was saved without checksums (it was not). Now exit 7, malformed."""
+    out = Path(shutil.copytree(clean[1], tmp_path / "edited"))
+    m = json.loads((out / "reshard.json").read_text())
+    (out / "reshard.json").write_text(json.dumps({**m, "checksum": "none"}))
+    rank = out / m["files"][0]["name"]
+    data = bytearray(rank.read_bytes())
+    data[-1] ^= 0xFF
+    rank.write_bytes(bytes(data))
+    code, _, err = run("verify", str(out))
+    assert code == 7 and "checksum is none" in err, err

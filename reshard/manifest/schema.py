@@ -255,6 +255,7 @@ def _file(i: int, e: object, seen: set[str], algorithm: str) -> FileRecord:
         need(type(e.get(k)) is int and 0 <= e[k] <= most, f"files[{i}].{k} is {e.get(k)!r}")
     digest = e.get(algorithm) if algorithm != NONE else None
     need(algorithm == NONE or isinstance(digest, str), f"files[{i}].{algorithm} is {e.get(algorithm)!r}")
+    _no_digest_under_none(e, algorithm, f"files[{i}]")
     ts = e.get("tensors")
     ok = isinstance(ts, list) and all(
         isinstance(t, dict)
@@ -275,7 +276,14 @@ def _side(i: int, e: object, algorithm: str) -> SideRecord:
     ok = ok and 0 <= e["size"] <= MAX_SIZE  # type: ignore[index]
     digest = e.get(algorithm) if ok and algorithm != NONE else None  # type: ignore[union-attr]
     need(ok and (algorithm == NONE or isinstance(digest, str)), f"copied_files[{i}] is malformed ({str(e)[:200]})")
+    _no_digest_under_none(e, algorithm, f"copied_files[{i}]")  # type: ignore[arg-type]
     return SideRecord(_inside(e["name"], f"copied_files[{i}].name"), e["size"], digest)  # type: ignore[index]
+
+
+def _no_digest_under_none(e: dict, algorithm: str, what: str) -> None:
+    """A manifest saying `checksum: none` holds no digest: one that does was edited to skip the checks."""
+    held = [a for a in ALGORITHMS if a != NONE and a in e]
+    need(algorithm != NONE or not held, f"{what} holds a {held[0] if held else ''} digest, but checksum is none")
 
 
 def _inside(name: str, what: str) -> str:
