@@ -19,7 +19,6 @@ from pathlib import Path
 TP_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 PP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 RANK_FILE_GLOBS = ("model-rank-*.safetensors", "model-pp-*.safetensors")
-RANK_FILE_PREFIXES = ("model-rank-", "model-pp-")
 
 _TP_FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 _PP_FILE = re.compile(r"^model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors$")
@@ -114,8 +113,9 @@ def unlisted_rank_files(names: Iterable[str], listed: Collection[str], *, tp: in
 
 
 def is_rank_file_name(name: str) -> bool:
-    """Anything that starts like a rank file (what `--overwrite` replaces and copies skip)."""
-    return name.startswith(RANK_FILE_PREFIXES)
+    """A name vLLM's rank-file glob of some layout matches (what `--overwrite` replaces and copies skip): not
+    any name that starts like one (a user's `model-rank-README.md` is kept)."""
+    return any(fnmatch.fnmatchcase(name, g) for g in RANK_FILE_GLOBS)
 
 
 def hf_shard_name(index: int, count: int) -> str:

@@ -242,3 +242,15 @@ def test_a_disk_already_full_is_exit_5_not_an_internal_error(tiny, tmp_path, mon
     code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2")
     assert code == 5 and "disk full while writing" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no lock left behind
+
+
+def test_overwrite_keeps_files_of_the_users_that_only_start_like_rank_files(previous, tiny):
+    """--overwrite replaces what vLLM's rank-file globs would load, not every name starting `model-rank-`."""
+    out, _ = previous
+    (out / "model-rank-README.md").write_text("mine\n")
+    (out / "model-pp-notes.txt").write_text("mine\n")
+    (out / "model-rank-9-part-0.safetensors").write_bytes(b"stale")  # vLLM would load it: replaced
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2", "--overwrite")[0] == 0
+    assert (out / "model-rank-README.md").read_text() == (out / "model-pp-notes.txt").read_text() == "mine\n"
+    assert not (out / "model-rank-9-part-0.safetensors").exists()
+    assert run("verify", str(out))[0] == 0
