@@ -13,6 +13,7 @@ SCHEME = "s3://"
 _OTHER_SCHEMES = ("gs://", "gcs://", "az://", "abfs://", "abfss://", "r2://", "oss://")
 # S3's rules for bucket names (3-63 characters, lower case, digits, dots, hyphens)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_RANK_IN_PREFIX = re.compile(r"model-(rank-\d+|pp-\d+-tp-\d+)-part-")  # vLLM's s3_glob: fnmatch of whole keys
 
 
 @dataclass(frozen=True)
@@ -75,4 +76,10 @@ def parse_bucket_url(spec: str) -> BucketURL:
     parts = prefix.split("/")
     if any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 for c in prefix):
         raise UnsupportedError(f"{spec}: the prefix holds empty, '.' or '..' parts or control characters")
+    if _RANK_IN_PREFIX.search(prefix):
+        raise UnsupportedError(
+            f"{spec}: the prefix holds a rank file's name, and vLLM matches its rank-file pattern "
+            "(`*model-rank-R-part-*.safetensors`) against whole keys: a rank would load every rank's files under it",
+            "choose a prefix without `model-rank-N-part-` or `model-pp-N-tp-N-part-` in it",
+        )
     return BucketURL(bucket, prefix + "/")
