@@ -169,6 +169,8 @@ def _main(argv: list[str] | None) -> None:
     except Exception as e:
         if debug:
             traceback.print_exc()
+        if isinstance(e, MemoryError) or "can't start new thread" in str(e):  # a ulimit -v, a container's limit
+            _fail(OUT_OF_MEMORY, ExitCode.BAD_OUTPUT, as_json, "OutputError")
         msg = f"internal error: {type(e).__name__}: {e} (rerun with RESHARD_DEBUG=1 and report it)"
         _fail(msg, ExitCode.INTERNAL, as_json, "InternalError")
     try:
@@ -198,6 +200,10 @@ def _interrupted(as_json: bool, command: str) -> None:
     _fail(msg, ExitCode.INTERRUPTED, as_json, "interrupted")
 
 
+OUT_OF_MEMORY = (
+    "out of memory: the process may not take what this run needs (a `ulimit -v`, or the container's limit) "
+    "(lower --max-memory, default 512MiB, or raise the limit)"
+)
 USAGE_KIND = "UsageError"  # every exit 2 (click's, a bad RESHARD_* value, ...): one kind a CI job can match
 _KINDS = (UsageError, UnsupportedError, SourceError, OutputError, CorruptError)  # one kind per exit code
 

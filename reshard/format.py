@@ -14,7 +14,7 @@ import os
 import stat
 import struct
 from pathlib import Path, PurePosixPath
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from reshard.errors import SourceError
 
@@ -141,6 +141,17 @@ def open_regular(path: Path | str, *, follow: bool = True, dir_fd: int | None = 
         raise NotRegular(errno.EINVAL, f"not a regular file ({kind(mode)})", str(path))
     os.set_blocking(fd, True)
     return fd
+
+
+def read_at_most(f: BinaryIO, limit: int) -> bytes:
+    """Up to `limit` + 1 bytes of `f` (one more than allowed: the caller sees it was longer), read in 1 MiB steps:
+    `f.read(limit + 1)` reserves the whole limit first (256 MiB for a 700-byte config.json, a MemoryError
+    under a `ulimit -v`)."""
+    chunks, total = [], 0
+    while total <= limit and (b := f.read(min(1 << 20, limit + 1 - total))):
+        chunks.append(b)
+        total += len(b)
+    return b"".join(chunks)
 
 
 def open_inside(folder: Path, name: str) -> int:

@@ -233,6 +233,11 @@ def write_error(out_dir: Path, e: OSError) -> OutputError:
         return OutputError(f"disk full while writing {out_dir}", "free space or choose another OUT_DIR")
     if e.errno in (errno.EMFILE, errno.ENFILE):
         return too_many_files()
+    if e.errno == errno.ENOMEM:  # the read and write buffers' mmap under a `ulimit -v` or a container's limit
+        return OutputError(
+            f"out of memory while writing {out_dir}: the process may not take what this run needs",
+            "lower --max-memory (default 512MiB), or raise the limit (`ulimit -v`, the container's)",
+        )
     return OutputError(f"cannot write {out_dir}: {e.strerror or e}")
 
 

@@ -376,3 +376,25 @@ def test_a_log_that_cannot_be_written_does_not_end_the_save(tiny, tmp_path):
             timeout=120,
         )
     assert p.returncode == 0 and (out / "reshard.json").is_file()
+
+
+@pytest.mark.parametrize("fault", ["ENOMEM", "MemoryError"])
+def test_out_of_memory_says_so(tiny, tmp_path, monkeypatch, fault):
+    """Memory refused (a `ulimit -v`, a container's limit): the buffers' mmap fails with ENOMEM, Python raises
+    MemoryError. Exit 5 saying out of memory and what to lower, not `cannot write OUT: Cannot allocate memory`
+    or exit 1 (an internal error)."""
+    import errno
+    import mmap
+
+    from reshard.io import memory
+
+    def refuse(*args, **kwargs):
+        if fault == "ENOMEM":
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        raise MemoryError
+
+    monkeypatch.setattr(memory.mmap, "mmap", refuse)
+    code, _, err = run("save", str(tiny("llama")), str(tmp_path / "out"), "--tp", "2")
+    monkeypatch.setattr(memory.mmap, "mmap", mmap.mmap)
+    assert code == 5 and "out of memory" in err and "--max-memory" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

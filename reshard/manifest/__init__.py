@@ -15,7 +15,7 @@ from pathlib import Path
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS, __version__
 from reshard.bulk import paused_gc
 from reshard.errors import CorruptError, OutputError
-from reshard.format import fsync_dir, open_regular
+from reshard.format import fsync_dir, open_regular, read_at_most
 from reshard.hashing import hash_file
 from reshard.manifest.schema import (
     FORMAT,
@@ -151,7 +151,7 @@ def read_json(path: Path, *, follow: bool = True) -> object:
     `follow` False a symlink too: a manifest must lie in its folder) of at most MAX_MANIFEST bytes.
     Raises OSError (FileNotFoundError when absent) or ValueError saying what is wrong."""
     with os.fdopen(open_regular(path, follow=follow), "rb") as f:
-        raw = f.read(MAX_MANIFEST + 1)
+        raw = read_at_most(f, MAX_MANIFEST)
     if len(raw) > MAX_MANIFEST:
         raise ValueError(f"larger than {MAX_MANIFEST} bytes")
     try:

@@ -10,7 +10,7 @@ from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.folderview import FolderView
-from reshard.format import TensorInfo, kind, open_regular, read_header
+from reshard.format import TensorInfo, kind, open_regular, read_at_most, read_header
 from reshard.names import CONFIG, HF_QUANT_CONFIG, INDEX, SINGLE
 from reshard.sources.integrity import Expected, Fix, check_files, local_expected
 from reshard.sources.validate import check_config, check_index
@@ -88,7 +88,7 @@ def read_json(path: Path) -> object:
     """A source's JSON file: regular (a FIFO is refused, not waited on), read up to MAX_JSON bytes
     (a longer one fails to parse). Raises OSError, ValueError, RecursionError."""
     with os.fdopen(open_regular(path), "rb") as f:
-        raw = f.read(MAX_JSON)
+        raw = read_at_most(f, MAX_JSON - 1)  # at most MAX_JSON bytes: a longer one fails to parse
     if raw.startswith(b"\xef\xbb\xbf"):  # json.loads of bytes takes it; transformers' reader, as vLLM's, does not
         raise ValueError("it starts with a UTF-8 byte-order mark, which transformers and vLLM cannot read: remove it")
     return json.loads(raw)
