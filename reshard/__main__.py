@@ -16,6 +16,8 @@ def run() -> None:
         import signal
 
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
+        if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # SIGHUP too (a closed terminal; not under nohup)
+            signal.signal(signal.SIGHUP, signal.default_int_handler)
         from reshard.bulk import as_command
         from reshard.cli import main
 
@@ -42,6 +44,7 @@ def run() -> None:
         # process with -15 in place of the run's exit code.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

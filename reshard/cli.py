@@ -129,6 +129,8 @@ def _on_signal(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _on_signal)  # SIGTERM ends a run as Ctrl-C does
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # a terminal or ssh closed (not under nohup)
+        signal.signal(signal.SIGHUP, _on_signal)
     before = signal.signal(signal.SIGINT, _on_signal)
     try:
         _main(argv)

@@ -286,12 +286,12 @@ def _exchange(a: Path, b: Path) -> bool:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Ctrl-C / SIGTERM wait until the swap is done (they are acted on right after).
+    """Ctrl-C / SIGTERM / SIGHUP wait until the swap is done (they are acted on right after).
 
     Python runs signal handlers in the main thread whichever thread the kernel gave the signal to
     (a pool thread of an upload, a library's own thread), so masking the main thread alone does not
     hold them: the handlers themselves are swapped for one that notes the signal."""
-    sigs = (signal.SIGINT, signal.SIGTERM)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     if threading.current_thread() is not threading.main_thread():
         yield  # handlers can only be set from the main thread (and only it gets the exceptions)
         return

@@ -254,11 +254,12 @@ def test_help_explains_commands():
     assert code == 0 and "--max-part-size" in out and "--ep" in out
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_during_the_run_is_one_error_line(tmp_path, sig):
-    """A real Ctrl-C or SIGTERM while a save waits (here: a torchrun rendezvous no other process
-    joins, which waited in C++ and ignored both): exit 130, and stderr is that one line, with no
-    blank line before it (click's, for a terminal's `^C` echo) when stderr is not a terminal."""
+    """A real Ctrl-C, SIGTERM or SIGHUP (a closed terminal or ssh session) while a save waits (here: a
+    torchrun rendezvous no other process joins, which waited in C++ and ignored both): exit 130, and stderr is
+    that one line, with no blank line before it (click's, for a terminal's `^C` echo) when stderr is not a
+    terminal. (SIGHUP ended the process with 129 and left its staging folder and lock behind.)"""
     import signal
     import socket
     import time
@@ -271,7 +272,14 @@ def test_a_signal_during_the_run_is_one_error_line(tmp_path, sig):
     src = tmp_path / "src"
     src.mkdir()
     args = [sys.executable, "-m", "reshard", "save", str(src), str(tmp_path / "out"), "--tp", "2"]
-    p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        args,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),  # not ignored, as under nohup
+    )
     time.sleep(4)  # torch imported, waiting for rank 1
     p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=60)
@@ -352,12 +360,13 @@ def test_an_interrupt_while_the_modules_import_says_what_the_command_does(monkey
     monkeypatch.setattr(sys, "argv", ["reshard", command, "x"])
     import signal
 
-    term = signal.getsignal(signal.SIGTERM)  # run() makes SIGTERM end a run as Ctrl-C does: put it back
+    held = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}  # run() sets them: put them back
     try:
         with pytest.raises(SystemExit) as e:
             entry.run()
     finally:
-        signal.signal(signal.SIGTERM, term)
+        for s, handler in held.items():
+            signal.signal(s, handler)
     assert e.value.code == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
