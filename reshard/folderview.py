@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from reshard import settings
+from reshard.errors import CorruptError
 from reshard.format import TensorInfo, kind, open_inside, open_regular, read_header
 from reshard.hashing import hash_fd
 from reshard.io.direct import wants_direct
@@ -80,7 +81,12 @@ class LocalView(FolderView):
 
     def names(self) -> Iterable[str]:
         assert self.local is not None
-        return [p.name for p in self.local.iterdir()]
+        try:
+            return [p.name for p in self.local.iterdir()]
+        except OSError as e:  # EIO, a stale or disconnected mount: as a file of it that cannot be read
+            raise CorruptError(
+                f"cannot list {self.local}: {e.strerror or e}", "check the disk or mount it is on, then rerun"
+            ) from e
 
     def exists(self, name: str) -> bool:
         assert self.local is not None

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint
+from reshard.errors import SourceError
 from reshard.names import CONFIG, INDEX, MANIFEST, WEIGHT_SUFFIXES, is_rank_file_name
 from reshard.plan import Plan
 from reshard.sidecopy import copy_side_files
@@ -23,7 +24,14 @@ def side_files(root: Path) -> list[str]:
     """Non-weight files vLLM's example copies next to the rank files: config, tokenizer, generation
     config, ... (not weights, indexes, manifests or hidden files)."""
     out = []
-    for p in sorted(root.iterdir()):
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as e:  # EIO, a stale or disconnected mount
+        raise SourceError(
+            f"cannot read {e.filename or root}: {e.strerror or e}",
+            "check the disk or mount the source is on, then rerun",
+        ) from e
+    for p in entries:
         if p.name.startswith(".") or p.name in (INDEX, MANIFEST) or p.name.endswith(WEIGHT_SUFFIXES):
             continue
         if is_rank_file_name(p.name):

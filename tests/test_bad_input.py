@@ -319,3 +319,27 @@ def test_bytes_after_the_last_tensor_exit_4(tiny, tmp_path):
     code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
     assert code == 4 and "3 bytes after its last tensor" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command, code", [("plan", 4), ("save", 4), ("verify", 7)])
+def test_a_folder_that_cannot_be_listed_is_named(tiny, tmp_path, monkeypatch, command, code):
+    """Listing the source (or the output verified) failing (EIO, a stale or disconnected mount): the exit code
+    of a folder that cannot be read, naming it; it was exit 1, an internal error."""
+    import errno
+
+    src = tiny("llama")
+    out = tmp_path / "out"
+    if command == "verify":
+        assert run("save", str(src), str(out), "--tp", "2")[0] == 0
+    bad = out if command == "verify" else src
+    real = Path.iterdir
+
+    def iterdir(self):
+        if self == bad:
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    args = {"plan": ["plan", str(src)], "save": ["save", str(src), str(out)], "verify": ["verify", str(out)]}[command]
+    got, _, err = run(*args, "--tp", "2")
+    assert got == code and f"{bad}: Transport endpoint is not connected" in err and err.count("\n") == 1, err

@@ -59,7 +59,22 @@ class LocalSource(Source):
 
 
 def read_local(root: Path, ref: dict) -> Checkpoint:
-    """config.json, the index and every shard's header of the checkpoint in `root`."""
+    """config.json, the index and every shard's header of the checkpoint in `root`. An I/O error of the
+    folder itself (EIO, a stale or disconnected mount: listing it, a file's status) is exit 4 too."""
+    try:
+        return _read_local(root, ref)
+    except OSError as e:
+        raise unreadable(root, e) from e
+
+
+def unreadable(root: Path, e: OSError) -> SourceError:
+    where = f"{e.filename}" if e.filename else str(root)
+    return SourceError(
+        f"cannot read {where}: {e.strerror or e}", "check the disk or mount the source is on, then rerun"
+    )
+
+
+def _read_local(root: Path, ref: dict) -> Checkpoint:
     config = read_config(root)
     files = weight_files(root)
     tensors: dict[str, TensorInfo] = {}
