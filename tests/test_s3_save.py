@@ -288,6 +288,8 @@ def test_more_than_1000_keys_is_refused_with_a_max_part_size_that_fits(tiny, s3)
         # vLLM's pattern for rank 0, *model-rank-0-part-*.safetensors, would match rank 1's keys under it
         ("s3://bucket1/m/model-rank-0-part-0.safetensors/", "the prefix holds a rank file's name"),
         ("s3://bucket1/model-pp-1-tp-0-part-0/", "the prefix holds a rank file's name"),
+        ("s3://bucket1/a\\b/", "the prefix holds a backslash"),  # SeaweedFS: keys a/b/..., listed under a\\b/: none
+        ("s3://bucket1/" + "x" * 1000 + "/", "a key would pass S3's 1024 bytes"),
     ],
 )
 def test_other_schemes_and_a_bucket_root_are_refused(tiny, s3, where, says):

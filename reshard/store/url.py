@@ -13,6 +13,7 @@ SCHEME = "s3://"
 _OTHER_SCHEMES = ("gs://", "gcs://", "az://", "abfs://", "abfss://", "r2://", "oss://")
 # S3's rules for bucket names (3-63 characters, lower case, digits, dots, hyphens)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+MAX_PREFIX = 900  # S3 keys are at most 1024 bytes: room for the longest name reshard writes under a prefix
 _RANK_IN_PREFIX = re.compile(r"model-(rank-\d+|pp-\d+-tp-\d+)-part-")  # vLLM's s3_glob: fnmatch of whole keys
 
 
@@ -76,6 +77,17 @@ def parse_bucket_url(spec: str) -> BucketURL:
     parts = prefix.split("/")
     if any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 for c in prefix):
         raise UnsupportedError(f"{spec}: the prefix holds empty, '.' or '..' parts or control characters")
+    if "\\" in prefix:  # stores differ: SeaweedFS stores `a\\b` as `a/b`, and the listing of `a\\b/` then finds nothing
+        raise UnsupportedError(
+            f"{spec}: the prefix holds a backslash, which S3-compatible stores treat unalike",
+            "use / or another character",
+        )
+    if len(prefix.encode()) > MAX_PREFIX:
+        raise UnsupportedError(
+            f"{spec}: the prefix is {len(prefix.encode())} bytes; with reshard's names under it a key would pass "
+            "S3's 1024 bytes",
+            f"choose a prefix of at most {MAX_PREFIX} bytes",
+        )
     if _RANK_IN_PREFIX.search(prefix):
         raise UnsupportedError(
             f"{spec}: the prefix holds a rank file's name, and vLLM matches its rank-file pattern "
