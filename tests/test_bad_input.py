@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -343,3 +344,25 @@ def test_a_folder_that_cannot_be_listed_is_named(tiny, tmp_path, monkeypatch, co
     args = {"plan": ["plan", str(src)], "save": ["save", str(src), str(out)], "verify": ["verify", str(out)]}[command]
     got, _, err = run(*args, "--tp", "2")
     assert got == code and f"{bad}: Transport endpoint is not connected" in err and err.count("\n") == 1, err
+
+
+def test_a_shard_written_to_during_the_run_is_refused(tiny, tmp_path, monkeypatch):
+    """A source file written to while the save reads it (a second download over it, an editor): the output
+    would hold a mix, and a --source-sha256 check recorded as verified would be false. Exit 4, nothing published.
+    (The change is simulated once the reads start: a new modification time.)"""
+    from reshard.sources.local import LocalSource
+
+    src = Path(shutil.copytree(tiny("llama"), tmp_path / "src"))
+    shard = next(src.glob("*.safetensors"))
+    real = LocalSource.open_reader
+
+    def open_reader(self):
+        reader = real(self)
+        st = shard.stat()
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        return reader
+
+    monkeypatch.setattr(LocalSource, "open_reader", open_reader)
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and f"{shard} changed while this run read it" in err, err
+    assert not (tmp_path / "out").exists()

@@ -36,6 +36,7 @@ class LocalSource(Source):
         self.expected = expected
         self.sha256_file = sha256_file
         self.fix = fix
+        self._seen = {name: self._identity(name) for name in self._checkpoint.files}  # as the headers were read
 
     def check(self) -> None:
         """Hash each file that has an expected sha256 (exit 4 on a mismatch); record them all."""
@@ -45,7 +46,17 @@ class LocalSource(Source):
         expected = self.expected
         if expected is None:
             expected = local_expected(self.root, ckpt.files, self.sha256_file)
-        ckpt.checked = check_files(self.root, ckpt.files, ckpt.file_sizes, expected, self.fix)
+        fixed: list[str] = []
+        fix = self.fix
+
+        def fix_noted(name: str, got: str, want: str) -> None:
+            assert fix is not None
+            fix(name, got, want)
+            fixed.append(name)  # a checked copy put in its place (a Hub cache): that file, from now on
+
+        ckpt.checked = check_files(self.root, ckpt.files, ckpt.file_sizes, expected, fix and fix_noted)
+        for name in fixed:
+            self._seen[name] = self._identity(name)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -56,6 +67,24 @@ class LocalSource(Source):
 
         self.check()
         return FileReader(self.root)
+
+    def finish(self) -> None:
+        """After the bytes were read, before anything is published: a shard written to since its header was
+        read (in place: same size, another download over it) makes the output, and the sha256 the manifest
+        records as checked, not what the folder holds. Exit 4."""
+        for name, seen in self._seen.items():
+            if self._identity(name) != seen:
+                raise SourceError(
+                    f"{self.root / name} changed while this run read it (written to, or replaced)",
+                    "rerun once nothing writes the checkpoint (nothing was published)",
+                )
+
+    def _identity(self, name: str) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(self.root / name)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def read_local(root: Path, ref: dict) -> Checkpoint:
