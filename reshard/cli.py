@@ -14,7 +14,16 @@ import traceback
 import click
 
 from reshard import __version__, settings
-from reshard.errors import CorruptError, ExitCode, OutputError, ReshardError, SourceError, UnsupportedError, UsageError
+from reshard.errors import (
+    CorruptError,
+    ExitCode,
+    OutputError,
+    ReshardError,
+    SourceError,
+    StdoutUnwritable,
+    UnsupportedError,
+    UsageError,
+)
 
 
 class _StdoutClosed(Exception):
@@ -128,6 +137,8 @@ def _on_signal(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if sys.stdout is None:  # started with stdout closed (`>&-`): results go nowhere, the command still runs
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
     signal.signal(signal.SIGTERM, _on_signal)  # SIGTERM ends a run as Ctrl-C does
     if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # a terminal or ssh closed (not under nohup)
         signal.signal(signal.SIGHUP, _on_signal)
@@ -151,6 +162,8 @@ def _main(argv: list[str] | None) -> None:
         rc = cli.main(args=args, prog_name="reshard", standalone_mode=False)
     except _StdoutClosed:
         _end_quietly()
+    except StdoutUnwritable as e:
+        _unwritable(e, args)
     except (click.exceptions.Abort, KeyboardInterrupt, _Interrupted):
         with contextlib.suppress(Exception):
             if sys.stderr.isatty():
@@ -179,7 +192,18 @@ def _main(argv: list[str] | None) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         _end_quietly()
+    except OSError as e:
+        _unwritable(StdoutUnwritable(e), args)
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _unwritable(e: StdoutUnwritable, args: list[str]) -> None:
+    """stdout cannot be written: its result is lost, said on stderr (no --json object: stdout is the problem)."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second failure at exit's flush
+    writes = args[:1] in (["save"], ["merge"], ["assemble"])
+    done = " (the command itself had finished: `reshard verify` the output it wrote)" if writes else ""
+    _fail(f"cannot write the result to stdout: {e}{done}", ExitCode.BAD_OUTPUT, False, "OutputError")
 
 
 _READ_ONLY = frozenset(("verify", "plan"))  # commands that write nothing

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from reshard import settings
+from reshard.errors import StdoutUnwritable
 
 if TYPE_CHECKING:
     from reshard.checkpoint import Downloads
@@ -28,6 +29,16 @@ class _Console(Console):
         self.quiet = True
         if not self.stderr:
             raise BrokenPipeError(errno.EPIPE, "stdout closed")
+
+    def _check_buffer(self) -> None:  # rich's write of its buffer, which catches BrokenPipeError only
+        try:
+            super()._check_buffer()
+        except BrokenPipeError:
+            raise
+        except OSError as e:  # a full disk, EIO: a log that cannot be written never ends the run
+            self.quiet = True
+            if not self.stderr:
+                raise StdoutUnwritable(e) from e
 
 
 def _result_width() -> int | None:
@@ -58,8 +69,13 @@ def progress_disabled() -> bool:
 
 
 def emit_json(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, indent=1) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(obj, indent=1) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise StdoutUnwritable(e) from e
 
 
 def human_bytes(n: float) -> str:

@@ -55,3 +55,10 @@ class OutputError(ReshardError):
 
 class CorruptError(ReshardError):
     exit_code = ExitCode.CORRUPT
+
+
+class StdoutUnwritable(Exception):
+    """stdout cannot be written (a file on a full disk, EIO): the command's result cannot be delivered."""
+
+    def __init__(self, e: OSError) -> None:
+        super().__init__(e.strerror or str(e))

@@ -407,3 +407,26 @@ def test_out_of_memory_says_so(tiny, tmp_path, monkeypatch, fault):
     monkeypatch.setattr(memory.mmap, "mmap", mmap.mmap)
     assert code == 5 and "out of memory" in err and "--max-memory" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_result_that_cannot_be_written_to_stdout_is_one_line(tiny, tmp_path, json_flag):
+    """stdout a file on a full disk: exit 5, one line on stderr saying the save itself finished (its output
+    verifies), not exit 1 with tracebacks; stdout closed (`>&-`): the command runs, exit 0."""
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "reshard", "save", str(tiny("llama")), str(out), "--tp", "2", *json_flag]
+    env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1"}
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert p.returncode == 5, p.stderr
+    assert p.stderr.startswith("reshard: error: cannot write the result to stdout: No space left on device")
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert run("verify", str(out))[0] == 0
+    closed = subprocess.run(
+        [*args[:5], str(tmp_path / "two"), *args[6:]],
+        stdout=subprocess.DEVNULL,
+        env=env,
+        timeout=120,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert closed.returncode == 0 and run("verify", str(tmp_path / "two"))[0] == 0
