@@ -134,7 +134,12 @@ def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced:
             os.rename(staged, out)
         elif not _exchange(staged, out):
             os.rename(out, old)
-            os.rename(staged, out)
+            try:
+                os.rename(staged, out)
+            except OSError:  # OUT_DIR would be missing: the previous output back in its place
+                with contextlib.suppress(OSError):
+                    os.rename(old, out)
+                raise
             staged = old
         fsync_dir(out.parent)
         _claim(out, out, new)
@@ -144,7 +149,8 @@ def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced:
 def _publish_inside(staged: Path, out: Path, *, ours: Callable[[str], bool], synced: Iterable[str]) -> None:
     """OUT_DIR a mount point: the previous manifest goes first (OUT_DIR no longer verifies), then
     reshard's old files, then the new files are moved in, the manifest last. Signals wait meanwhile;
-    a kill leaves a folder without a manifest, which the next save repairs."""
+    a kill leaves a folder without a manifest, which the next save repairs; a failing move puts every
+    file moved back, the previous manifest last."""
     _fsync_tree(staged, skip=set(synced))
     names = set(p.name for p in staged.iterdir() if p.name != MANIFEST)
     manifest = staged / MANIFEST
@@ -153,19 +159,34 @@ def _publish_inside(staged: Path, out: Path, *, ours: Callable[[str], bool], syn
     # not grow with the output's size, as freeing GBs of rank files in it did) and freed after it
     aside = staged / f"{OLD}{out.name}"
     aside.mkdir()
+    moved: list[tuple[Path, Path]] = []  # each rename done, undone in reverse if one fails
+
+    def move(a: Path, b: Path) -> None:
+        os.replace(a, b)
+        moved.append((a, b))
+
     with signals_held():
-        (out / MANIFEST).unlink(missing_ok=True)
-        fsync_dir(out)
-        for p in sorted(out.iterdir()):
-            if p.name.startswith(HIDDEN_PREFIX):
-                continue
-            if p.name in names or (ours(p.name) and not (staged / p.name).exists()):
-                if p.is_dir() and not p.is_symlink():  # a folder moves to another only where it may be written
-                    _own_writable(p)
-                os.replace(p, aside / p.name)
-        for name in sorted(names):
-            os.replace(staged / name, out / name)
-        fsync_dir(out)
+        try:
+            if (out / MANIFEST).exists():  # first: OUT_DIR no longer verifies; put back last on a failure
+                move(out / MANIFEST, aside / MANIFEST)
+            fsync_dir(out)
+            for p in sorted(out.iterdir()):
+                if p.name.startswith(HIDDEN_PREFIX):
+                    continue
+                if p.name in names or (ours(p.name) and not (staged / p.name).exists()):
+                    if p.is_dir() and not p.is_symlink():  # a folder moves to another only where it may be written
+                        _own_writable(p)
+                    move(p, aside / p.name)
+            for name in sorted(names):
+                move(staged / name, out / name)
+            fsync_dir(out)
+        except OSError:  # the previous output back as it was, its manifest last (best effort)
+            for a, b in reversed(moved):
+                with contextlib.suppress(OSError):
+                    os.replace(b, a)
+            with contextlib.suppress(OSError):
+                fsync_dir(out)
+            raise
         if new is not None:
             os.replace(manifest, out / MANIFEST)
             fsync_dir(out)

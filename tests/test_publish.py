@@ -254,3 +254,39 @@ def test_overwrite_keeps_files_of_the_users_that_only_start_like_rank_files(prev
     assert (out / "model-rank-README.md").read_text() == (out / "model-pp-notes.txt").read_text() == "mine\n"
     assert not (out / "model-rank-9-part-0.safetensors").exists()
     assert run("verify", str(out))[0] == 0
+
+
+@pytest.mark.parametrize("where", ["beside", "inside"])
+def test_a_failing_rename_while_publishing_puts_the_previous_output_back(previous, tiny, monkeypatch, where):
+    """An I/O error moving the new output in (a filesystem without RENAME_EXCHANGE: NFS, CIFS; or OUT_DIR
+    published in place: a mount point, the current folder): exit 5 and OUT_DIR the previous output, byte for
+    byte. Beside, OUT_DIR was left missing (the old one renamed aside); inside, the old files moved aside were
+    deleted with the staging folder and OUT_DIR kept only some files, no manifest."""
+    import errno
+
+    from reshard import publish
+    from reshard.names import STAGING
+
+    out, before = previous
+    real_rename, real_replace = os.rename, os.replace
+
+    def failing(real):
+        def call(a, b, *args, **kwargs):
+            new = STAGING in Path(a).name or STAGING in Path(a).parent.name  # the staging folder, or a new file
+            if new and Path(b).parent in (out, out.parent):
+                raise OSError(errno.EIO, "Input/output error")
+            return real(a, b, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(publish, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "rename", failing(real_rename))
+    monkeypatch.setattr(os, "replace", failing(real_replace))
+    if where == "inside":
+        monkeypatch.chdir(out)
+    code, _, err = run("save", str(tiny("llama")), "." if where == "inside" else str(out), "--tp", "4", "--overwrite")
+    monkeypatch.setattr(os, "rename", real_rename)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert code == 5, err
+    assert snapshot(out) == before
+    assert run("verify", str(out))[0] == 0
