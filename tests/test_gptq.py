@@ -193,6 +193,8 @@ def test_gptq_moe_wna16_layout(gq, tmp_path, ep):
         (dict(bits=3), "3-bit weights"),
         (dict(checkpoint_format="gptq_v2"), "checkpoint_format 'gptq_v2'"),
         (dict(dynamic={r"+:.*\.1\..*": {"bits": 8}}), "dynamic rule"),
+        # vLLM builds a quantized ParallelLMHead (it was exit 4, "checkpoint lacks tensor 'lm_head.weight'")
+        (dict(lm_head=True), "quantized lm_head"),
     ],
 )
 def test_gptq_config_refusals(gq, tmp_path, qc, message):

@@ -327,6 +327,11 @@ def gptq_from_config(qc: dict) -> Quant:
             "GPTQ with act-order (desc_act: true) and groups: vLLM 0.32 refuses it",
             "use a checkpoint quantized with desc_act: false (or static groups)",
         )
+    if qc.get("lm_head"):  # vLLM builds ParallelLMHead with the GPTQ method (packed qweight, vocab-split)
+        raise UnsupportedError(
+            "GPTQ with a quantized lm_head (lm_head: true): reshard has no rule for vLLM's quantized ParallelLMHead yet",
+            "use a checkpoint whose lm_head is not quantized",
+        )
     skipped = []
     for pattern, over in dynamic.items():
         if pattern.startswith("-:"):
