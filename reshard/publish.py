@@ -180,6 +180,9 @@ def _publish_inside(staged: Path, out: Path, *, ours: Callable[[str], bool], syn
             for name in sorted(names):
                 move(staged / name, out / name)
             fsync_dir(out)
+            if new is not None:
+                move(manifest, out / MANIFEST)
+                fsync_dir(out)
         except OSError:  # the previous output back as it was, its manifest last (best effort)
             for a, b in reversed(moved):
                 with contextlib.suppress(OSError):
@@ -188,8 +191,6 @@ def _publish_inside(staged: Path, out: Path, *, ours: Callable[[str], bool], syn
                 fsync_dir(out)
             raise
         if new is not None:
-            os.replace(manifest, out / MANIFEST)
-            fsync_dir(out)
             _claim(out, out / MANIFEST, new)
         else:
             _claim(out, out, out.stat().st_ino)
