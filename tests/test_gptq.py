@@ -193,8 +193,8 @@ def test_gptq_moe_wna16_layout(gq, tmp_path, ep):
         (dict(bits=3), "3-bit weights"),
         (dict(checkpoint_format="gptq_v2"), "checkpoint_format 'gptq_v2'"),
         (dict(dynamic={r"+:.*\.1\..*": {"bits": 8}}), "dynamic rule"),
-        # vLLM builds a quantized ParallelLMHead (it was exit 4, "checkpoint lacks tensor 'lm_head.weight'")
-        (dict(lm_head=True), "quantized lm_head"),
+        # a quantized lm_head over a vocabulary vLLM pads (1000 -> 1024): vLLM fails to load it
+        (dict(lm_head=True), "quantized lm_head .lm_head: true. over vocab_size 1000"),
     ],
 )
 def test_gptq_config_refusals(gq, tmp_path, qc, message):
@@ -215,8 +215,10 @@ def test_gptq_channelwise_act_order_is_allowed(gq, tmp_path):
     [
         ("llama", "gptq", dict(tp=8), "per-rank input size 16 is not a multiple of the quantization group 32"),
         ("llama", "awq", dict(tp=8), "per-rank input size 16 is not a multiple of the quantization group 32"),
+        # its dense layer 0 (mlp_only_layers): a fresh vLLM process builds gate_up_proj unquantized, its name
+        # matching none of the checkpoint's quantized modules (gate_proj, up_proj): tests/test_quant_fused_late.py
+        ("qwen3-moe", "gptq", dict(tp=2), "by its fused name .* builds it unquantized, while the checkpoint stores"),
         # vLLM's fallback (MoeWNA16Method) asserts a group of at least 32 dividing I_p
-        ("qwen3-moe", "gptq", dict(tp=2), "no group of at least 32 divides the per-rank intermediate size 16"),
         ("qwen3-moe-wide", "gptq", dict(tp=4), "no group of at least 32 divides the per-rank intermediate size 16"),
         ("qwen3-moe-wide", "awq-g64", dict(tp=2), "32 is not a multiple of the group 64.*MoeWNA16Method"),
     ],
@@ -313,3 +315,27 @@ def test_verify_deep_names_a_damaged_side_by_side_tensor(gq, tmp_path):
     report = verify(tmp_path / "out", against=str(src), deep=True)
     assert report.exit_code != 0
     assert any(name in (x.message or "") for x in report.findings)
+
+
+def test_gptq_quantized_lm_head_is_split_over_the_vocabulary(gq, tmp_path):
+    """`lm_head: true` (GPTQModel): vLLM builds ParallelLMHead with the GPTQ method, its packed [hidden, vocab]
+    parameters split over the vocabulary as a column-parallel layer's output (vLLM's own state:
+    tests/against_vllm, `llama-v1024+gptq-lmhead`); the copied config lists lm_head among the quantized modules,
+    which vLLM reads to build it so from the output. It was exit 4, "checkpoint lacks tensor 'lm_head.weight'"."""
+    src = gq("llama-v1024", "gptq-lmhead")
+    save(str(src), tmp_path / "o", tp=2, max_part_size=MAX)
+    hf = load_file(str(src / "model.safetensors"))
+    for r in range(2):
+        sd = _rank(tmp_path / "o", r)
+        assert torch.equal(sd["lm_head.qweight"], hf["lm_head.qweight"][:, r * 512 : (r + 1) * 512])
+        assert torch.equal(sd["lm_head.scales"], hf["lm_head.scales"][:, r * 512 : (r + 1) * 512])
+        assert torch.equal(sd["lm_head.qzeros"], hf["lm_head.qzeros"][:, r * 64 : (r + 1) * 64])
+        assert "lm_head.weight" not in sd
+    config = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert "lm_head" in config["quantization_config"]["modules_in_block_to_quantize"]
+    tied = _copy(src, tmp_path / "tied")
+    cfg = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(UnsupportedError, match="tie_word_embeddings") as e:
+        save(str(tied), tmp_path / "o2", tp=2, max_part_size=MAX)
+    assert e.value.exit_code == 3

@@ -252,6 +252,10 @@ class Gptq(_KFirst):
     act_dtypes = ("BF16", "F16")  # AutoGPTQConfig
     strategy = "gptq"
     experts_bias = True
+    lm_head: bool = False  # `lm_head: true`: vLLM's ParallelLMHead built with the GPTQ method
+
+    def quantizes_lm_head(self) -> bool:
+        return self.lm_head
 
     @property
     def k_pack(self) -> int:  # type: ignore[override]
@@ -327,11 +331,6 @@ def gptq_from_config(qc: dict) -> Quant:
             "GPTQ with act-order (desc_act: true) and groups: vLLM 0.32 refuses it",
             "use a checkpoint quantized with desc_act: false (or static groups)",
         )
-    if qc.get("lm_head"):  # vLLM builds ParallelLMHead with the GPTQ method (packed qweight, vocab-split)
-        raise UnsupportedError(
-            "GPTQ with a quantized lm_head (lm_head: true): reshard has no rule for vLLM's quantized ParallelLMHead yet",
-            "use a checkpoint whose lm_head is not quantized",
-        )
     skipped = []
     for pattern, over in dynamic.items():
         if pattern.startswith("-:"):
@@ -344,7 +343,7 @@ def gptq_from_config(qc: dict) -> Quant:
             )
     blocks = qc.get("modules_in_block_to_quantize")
     layers = None if not blocks else tuple(_flatten(blocks))
-    return Gptq(None, False, tuple(skipped), None, bits, group, layers)
+    return Gptq(None, False, tuple(skipped), None, bits, group, layers, lm_head=bool(qc.get("lm_head")))
 
 
 def _flatten(x) -> list[str]:

@@ -86,6 +86,10 @@ class Quant:
         """Whether the experts list at `prefix` (each expert's projections `names`: gate, up, down) is quantized."""
         return self.quantizes([prefix], experts=True)
 
+    def quantizes_lm_head(self) -> bool:
+        """vLLM builds the (untied) lm_head with this scheme's linear method (GPTQ's `lm_head: true`)."""
+        return False
+
     def to_json(self) -> dict:
         out = {
             "method": self.method,

@@ -91,6 +91,9 @@ def heads(ctx: Context, m: Heads, prefix: str, per_tp: list[list[OutTensor]]) ->
 def vocab(ctx: Context, m: Vocab, prefix: str, per_tp: list[list[OutTensor]]) -> None:
     """Embedding / lm_head rows, padded to a multiple of 64 with zero rows, then split."""
     target = prefix + m.name
+    if ctx.quant is not None and ctx.quant.quantizes_lm_head() and prefix + m.hf == ctx.arch.lm_head:
+        _quantized_lm_head(ctx, m, prefix, per_tp)
+        return
     source = prefix + (m.tied if (m.tied and ctx.dims.tie) else m.hf)
     t = ctx.src(f"{source}.weight", target)
     v, h = ctx.dims.vocab, ctx.dims.hidden
@@ -108,6 +111,26 @@ def vocab(ctx: Context, m: Vocab, prefix: str, per_tp: list[list[OutTensor]]) ->
         if n - (b - a):
             pieces.append(Fill(0.0, (n - (b - a)) * h))
         per_tp[r].append(OutTensor(f"{target}.weight", ctx.dtype, (n, h), tuple(pieces)))
+
+
+def _quantized_lm_head(ctx: Context, m: Vocab, prefix: str, per_tp: list[list[OutTensor]]) -> None:
+    """GPTQ's `lm_head: true`: vLLM's ParallelLMHead with the GPTQ linear method, its packed [hidden, vocab]
+    parameters split over the vocabulary as a column-parallel layer's output; loaded only where the vocabulary
+    needs no padding (vLLM's loader fails otherwise: the padded rows have no packed counterpart)."""
+    v = ctx.dims.vocab
+    if ctx.dims.tie:
+        raise UnsupportedError(
+            f"{ctx.quant.method} with a quantized lm_head (lm_head: true) and tie_word_embeddings: vLLM ties the "
+            "lm_head to the unquantized embedding",
+            "use a checkpoint whose lm_head is not quantized, or not tied",
+        )
+    if padded_vocab(v) != v:
+        raise UnsupportedError(
+            f"a quantized lm_head (lm_head: true) over vocab_size {v}: vLLM pads the vocabulary to "
+            f"{padded_vocab(v)} and fails to load its packed weights",
+            "use a checkpoint whose lm_head is not quantized",
+        )
+    column(ctx, Column(m.name, m.hf, dims=("vocab_size", "hidden_size")), prefix, per_tp)
 
 
 def head_norm(ctx: Context, m: HeadNorm, prefix: str, per_tp: list[list[OutTensor]]) -> None:

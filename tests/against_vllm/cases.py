@@ -349,6 +349,9 @@ STATE_CASES += [
     case("llama+gptq", 2),
     case("llama+gptq", 4),
     case("llama+gptq", 1, pp=2),
+    # lm_head: true: vLLM's ParallelLMHead with the GPTQ method, split over a vocabulary it need not pad
+    case("llama-v1024+gptq-lmhead", 2),
+    case("llama-v1024+gptq-lmhead", 1, pp=2),
     case("qwen3+gptq-channel", 2),
     case("qwen3+gptq-b8", 2),
     case("llama+awq", 2),
