@@ -170,6 +170,19 @@ def expected_state(entries: list[FileRecord]) -> dict[str, tuple[str, tuple[int,
     return {t.name: (t.dtype, t.shape) for f in entries for t in f.tensors}
 
 
+def duplicates(entries: list[FileRecord]) -> list[str]:
+    """A tensor two of the rank's files hold (its reads would land in one parameter, the last one's bytes
+    winning, and race the checksums of both): `reshard verify` calls the folder malformed."""
+    seen: dict[str, str] = {}
+    out = []
+    for f in entries:
+        for t in f.tensors:
+            if t.name in seen and seen[t.name] != f.name:
+                out.append(f"{t.name} is in {seen[t.name]} and {f.name}")
+            seen.setdefault(t.name, f.name)
+    return out
+
+
 def state_problems(
     recorded: dict[str, tuple[str, tuple[int, ...]]],
     model: dict[str, tuple[str, tuple[int, ...]]],

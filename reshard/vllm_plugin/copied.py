@@ -18,8 +18,9 @@ from reshard.hashing import NONE, hash_fd
 from reshard.manifest import Manifest
 
 
-def copied_problems(folder: Path, manifest: Manifest, *, hashed: bool) -> list[str]:
-    """How the folder's copied files differ from what the manifest records (the first of each file)."""
+def copied_problems(folder: Path, manifest: Manifest, *, hashed: bool, always: tuple[str, ...] = ()) -> list[str]:
+    """How the folder's copied files differ from what the manifest records (the first of each file). Files
+    named in `always` (config.json, which built the engine: a few KB) are hashed even when `hashed` is off."""
     out = []
     for r in manifest.copied_files:
         try:
@@ -37,7 +38,12 @@ def copied_problems(folder: Path, manifest: Manifest, *, hashed: bool) -> list[s
             size = os.fstat(fd).st_size
             if size != r.size:
                 out.append(f"{r.name} has {size} bytes, the manifest says {r.size}: changed after the save")
-            elif hashed and manifest.checksum != NONE and r.digest and hash_fd(fd, manifest.checksum) != r.digest:
+            elif (
+                (hashed or r.name in always)
+                and manifest.checksum != NONE
+                and r.digest
+                and hash_fd(fd, manifest.checksum) != r.digest
+            ):
                 out.append(f"{r.name} changed after the save ({manifest.checksum} differs from the manifest's)")
         except OSError as e:
             out.append(f"{r.name}: cannot read ({e.strerror})")

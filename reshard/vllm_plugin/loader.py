@@ -30,6 +30,7 @@ from reshard.errors import ReshardError
 from reshard.format import DTYPE_NAMES
 from reshard.layout import DTYPES, Layout
 from reshard.manifest import read_manifest
+from reshard.names import CONFIG
 from reshard.vllm_plugin import checks
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 from reshard.vllm_plugin.copied import copied_message, copied_problems
@@ -82,13 +83,19 @@ class ReshardModelLoader(BaseModelLoader):
             except ReshardError as e:
                 raise ReshardLoadError(f"--load-format reshard: {e}") from None
             # first: an edited config.json built another model, whose mismatch would be told as a layout's
-            if problems := copied_problems(folder, manifest, hashed=self.options.checksums):
+            if problems := copied_problems(folder, manifest, hashed=self.options.checksums, always=(CONFIG,)):
                 raise ReshardLoadError(copied_message(folder, problems, checks.SHOWN))
         engine = self._engine(model_config)
         problems = checks.engine_problems(manifest, engine)
         if problems:
             raise ReshardLoadError(checks.mismatch_message(where, manifest, engine, problems))
         entries = checks.rank_entries(manifest, engine)
+        if twice := checks.duplicates(entries):
+            raise ReshardLoadError(
+                f"--load-format reshard: {where} is malformed (tp rank {engine.tp_rank}, pp rank {engine.pp_rank}): {twice[0]}"
+                f"{f' (and {len(twice) - 1} more)' if len(twice) > 1 else ''}. To fix: `reshard verify {where}`, "
+                "then save the folder again"
+            )
         _retie_word_embeddings(model, model_config)
         state = ShardedStateLoader._filter_subtensors(model.state_dict())
         model_state = {k: (dtype_code(v.dtype), tuple(v.shape)) for k, v in state.items()}

@@ -144,6 +144,12 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     config = json.loads((edited / "config.json").read_text())
     (edited / "config.json").write_text(json.dumps({**config, "rope_theta": 5.0}, indent=2))
     out["edited-config"] = edited
+    same = variant("edited-config-same-size")  # one digit of rope_theta changed: found by its checksum only
+    text = (same / "config.json").read_text()
+    at = text.index('"rope_theta": ') + len('"rope_theta": ')
+    digit = "2" if text[at] != "2" else "3"
+    (same / "config.json").write_text(text[:at] + digit + text[at + 1 :])
+    out["edited-config-same-size"] = same
     missing_key = variant("missing-key")
     _drop_key(missing_key, "model-rank-1-part-0.safetensors", MISSING)
     out["missing-key"] = missing_key
@@ -165,6 +171,8 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
         "other-backend": dict(folder=folders["fp8"], tp=2, moe_backend="deep_gemm"),
         "foreign-manifest": dict(folder=folders["foreign"], tp=2),
         "edited-config": dict(folder=folders["edited-config"], tp=2),
+        # {"checksums": false} skips the rank files' checksums, not config.json's, which built the engine
+        "edited-config-unchecked": dict(folder=folders["edited-config-same-size"], tp=2, extra={"checksums": False}),
         "missing-key": dict(folder=folders["missing-key"], tp=2),
         "missing-key-lax": dict(folder=folders["missing-key"], tp=2, extra={"strict": False}),
     }
@@ -203,6 +211,8 @@ def test_plugin_loads_and_refuses(folders: dict[str, Path]):
     for r in (0, 1):
         e = error("edited-config", r)
         assert "config.json has " in e and "changed after the save" in e and "built this engine from" in e, e
+        e = error("edited-config-unchecked", r)
+        assert "config.json changed after the save" in e and "built this engine from" in e, e
     # a folder lacking a parameter: refused by default (strict), naming it; {"strict": false} loads it,
     # the parameter named at WARNING on the rank that lacks it, nothing logged on the other
     e = error("missing-key", 1)
