@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.fixtures.s3run import open_uploads, reshard, s3_env
+from tests.fixtures.s3run import open_uploads, reshard, s3_env, synthetic_llama
 from tests.fixtures.s3server import S3Server, weed_binary
 
 MiB = 1 << 20
@@ -23,18 +23,9 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     """A 160 MB Llama-shaped checkpoint: at TP 2, two rank files of 16 parts of 5 MiB each."""
-    import scripts.make_synthetic as synthetic
-    from scripts.make_synthetic import ARCHS, write_checkpoint
-
-    synthetic.POOL_BYTES, pool = 8 * MiB, synthetic.POOL_BYTES
-    config = dict(ARCHS["llama"], num_hidden_layers=6, hidden_size=1024, intermediate_size=3072)
-    config.update(num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=16384)
-    out = tmp_path_factory.mktemp("big") / "src"
-    try:
-        write_checkpoint(out, config)
-    finally:
-        synthetic.POOL_BYTES = pool
-    return out
+    sizes = dict(num_hidden_layers=6, hidden_size=1024, intermediate_size=3072, num_attention_heads=8)
+    sizes.update(num_key_value_heads=4, head_dim=128, vocab_size=16384)
+    return synthetic_llama(tmp_path_factory.mktemp("big") / "src", **sizes)
 
 
 @pytest.mark.skipif(weed_binary() is None, reason="no SeaweedFS `weed` binary (`make test` installs it)")

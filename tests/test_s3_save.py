@@ -24,7 +24,7 @@ import pytest
 
 from tests.fixtures.cli import run
 from tests.fixtures.s3out import one_line, url
-from tests.fixtures.s3run import objects, open_uploads, paused, prefix_state, reshard, s3_env
+from tests.fixtures.s3run import objects, open_uploads, paused, prefix_state, reshard, s3_env, synthetic_llama
 
 pytest.importorskip("boto3")
 
@@ -91,19 +91,9 @@ def test_objects_equal_a_local_save(tiny, tmp_path, s3, arch, layout):
 @pytest.fixture(scope="session")
 def mid(tmp_path_factory):
     """A 21 MB Llama-shaped checkpoint (2 layers, hidden 512): a TP 1 rank file of several 5 MiB parts."""
-    import scripts.make_synthetic as synthetic
-    from scripts.make_synthetic import ARCHS, write_checkpoint
-
-    synthetic.POOL_BYTES, pool = 8 * MiB, synthetic.POOL_BYTES  # its random pools: 8 MiB are plenty here
-
-    config = dict(ARCHS["llama"], num_hidden_layers=2, hidden_size=512, intermediate_size=1536)
-    config.update(num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=4096)
-    out = tmp_path_factory.mktemp("mid") / "src"
-    try:
-        write_checkpoint(out, config)
-    finally:
-        synthetic.POOL_BYTES = pool
-    return out
+    sizes = dict(num_hidden_layers=2, hidden_size=512, intermediate_size=1536, num_attention_heads=8)
+    sizes.update(num_key_value_heads=4, head_dim=64, vocab_size=4096)
+    return synthetic_llama(tmp_path_factory.mktemp("mid") / "src", **sizes)
 
 
 def composite(data: bytes, part: int) -> str:
