@@ -30,8 +30,6 @@ class Quant:
     static_activations: bool
     ignored: tuple[str, ...]
     kv_strategy: str | None = None  # compressed-tensors kv_cache_scheme: "tensor" or "attn_head"
-    # compressed-tensors: the config group's targets (layer names, `re:` patterns, or `Linear`)
-    targets: tuple[str, ...] = field(default=("Linear",), kw_only=True)
 
     method: ClassVar[str]  # "fp8" (Fp8Config) or "compressed-tensors" (float-quantized W8A8)
     strategy: ClassVar[str]  # "block", "tensor" or "channel"
@@ -133,6 +131,7 @@ class _Fp8Config(Quant):
         return fp8_kv_params(sources, target, dtype, found)
 
 
+@dataclass(frozen=True)
 class _CompressedTensors(Quant):
     """vLLM's CompressedTensorsConfig.get_scheme_dict: a layer not ignored is quantized where the config group's
     targets match it: its name (or every shard of a fused one) equal to a target or matching a `re:` one, or the
@@ -142,6 +141,7 @@ class _CompressedTensors(Quant):
 
     method = "compressed-tensors"
     refines_moe_blocks = False  # its MoE method validates the checkpoint's blocks as they are
+    targets: tuple[str, ...] = field(default=("Linear",), kw_only=True)  # layer names, `re:` patterns or Linear
 
     def __post_init__(self) -> None:
         for t in self.targets:
