@@ -49,6 +49,13 @@ class SourceError(ReshardError):
     exit_code = ExitCode.BAD_SOURCE
 
 
+def unreadable_source(where: object, e: OSError) -> SourceError:
+    """An I/O error reading the source (EIO, a stale or disconnected mount), naming what could not be read."""
+    return SourceError(
+        f"cannot read {e.filename or where}: {e.strerror or e}", "check the disk or mount the source is on, then rerun"
+    )
+
+
 class OutputError(ReshardError):
     exit_code = ExitCode.BAD_OUTPUT
 

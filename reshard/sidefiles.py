@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint
-from reshard.errors import SourceError
+from reshard.errors import unreadable_source
 from reshard.names import CONFIG, INDEX, MANIFEST, WEIGHT_SUFFIXES, is_rank_file_name
 from reshard.plan import Plan
 from reshard.sidecopy import copy_side_files
@@ -27,10 +27,7 @@ def side_files(root: Path) -> list[str]:
     try:
         entries = sorted(root.iterdir())
     except OSError as e:  # EIO, a stale or disconnected mount
-        raise SourceError(
-            f"cannot read {e.filename or root}: {e.strerror or e}",
-            "check the disk or mount the source is on, then rerun",
-        ) from e
+        raise unreadable_source(root, e) from e
     for p in entries:
         if p.name.startswith(".") or p.name in (INDEX, MANIFEST) or p.name.endswith(WEIGHT_SUFFIXES):
             continue

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from reshard import settings
-from reshard.errors import SourceError
+from reshard.errors import SourceError, unreadable_source
 from reshard.format import TensorInfo
 from reshard.io.direct import ALIGN, wants_direct
 
@@ -95,10 +95,7 @@ class FileReader(AlignedReader):
         return out
 
     def _read_error(self, t: TensorInfo, e: OSError) -> SourceError:
-        return SourceError(
-            f"cannot read {self.root / t.file}: {e.strerror or e}",
-            "check the disk or mount the source is on, then rerun",
-        )
+        return unreadable_source(self.root / t.file, e)
 
     def prepare(self, t: TensorInfo, start: int, nbytes: int) -> Prepared:
         """With O_DIRECT: the block-aligned span around the bytes, into page-aligned memory."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.checkpoint import Checkpoint
-from reshard.errors import SourceError, UnsupportedError
+from reshard.errors import UnsupportedError, unreadable_source
 from reshard.names import REMOTE_CODE_SUFFIX, TOKENIZER_CONFIG
 
 AUTO_MAP = "auto_map"
@@ -38,10 +38,7 @@ def code_files(root: Path | None) -> tuple[str, ...]:
     try:
         return tuple(sorted(p.name for p in root.iterdir() if p.name.endswith(REMOTE_CODE_SUFFIX) and p.is_file()))
     except OSError as e:  # EIO, a stale or disconnected mount
-        raise SourceError(
-            f"cannot read {e.filename or root}: {e.strerror or e}",
-            "check the disk or mount the source is on, then rerun",
-        ) from e
+        raise unreadable_source(root, e) from e
 
 
 def _tokenizer_map(root: Path | None) -> dict:

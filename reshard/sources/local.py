@@ -8,7 +8,7 @@ from pathlib import Path
 
 from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Reader, Source
-from reshard.errors import SourceError
+from reshard.errors import SourceError, unreadable_source
 from reshard.folderview import FolderView
 from reshard.format import TensorInfo, kind, open_regular, read_at_most, read_header
 from reshard.names import CONFIG, HF_QUANT_CONFIG, INDEX, SINGLE
@@ -93,14 +93,7 @@ def read_local(root: Path, ref: dict) -> Checkpoint:
     try:
         return _read_local(root, ref)
     except OSError as e:
-        raise unreadable(root, e) from e
-
-
-def unreadable(root: Path, e: OSError) -> SourceError:
-    where = f"{e.filename}" if e.filename else str(root)
-    return SourceError(
-        f"cannot read {where}: {e.strerror or e}", "check the disk or mount the source is on, then rerun"
-    )
+        raise unreadable_source(root, e) from e
 
 
 def _read_local(root: Path, ref: dict) -> Checkpoint:
