@@ -232,7 +232,7 @@ def shape_of(t: TensorInfo) -> tuple[int, ...]:
 
 
 def _row_bytes(t: TensorInfo) -> int:
-    return t.nbytes // shape_of(t)[0]
+    return t.nbytes // max(1, shape_of(t)[0])  # a tensor of no rows has no bytes
 
 
 def bounds(p: Slice) -> tuple[tuple[int, ...], tuple[int, ...]]:

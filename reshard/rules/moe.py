@@ -34,6 +34,11 @@ def sparse_layer(config: dict, layer: int) -> bool:
     )
 
 
+def has_shared_expert(config: dict) -> bool:
+    """Qwen2-MoE / Qwen3-Next: a shared expert is built where its size is positive (its gate always is)."""
+    return int(config.get("shared_expert_intermediate_size") or 0) > 0
+
+
 QWEN3_MOE = Architecture(
     names=("Qwen3MoeForCausalLM",),
     hf_to_vllm=QWEN_MOE_MAPPER,
@@ -64,12 +69,18 @@ QWEN2_MOE = Architecture(
         Merged(
             SHARED + "gate_up_proj",
             "mlp.shared_expert.gate_up_proj",
+            when=has_shared_expert,
             dims=("shared_expert_intermediate_size", "hidden_size"),
         ),
         Row(
-            SHARED + "down_proj", "mlp.shared_expert.down_proj", dims=("hidden_size", "shared_expert_intermediate_size")
+            SHARED + "down_proj",
+            "mlp.shared_expert.down_proj",
+            when=has_shared_expert,
+            dims=("hidden_size", "shared_expert_intermediate_size"),
         ),
-        Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", shape=(1, "hidden_size")),
+        # the shared expert's gate: built whatever its size (qwen2_moe.py), an alias of the expert's expert_gate
+        Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", when=has_shared_expert, shape=(1, "hidden_size")),
+        Replicate("mlp.shared_expert_gate", when=lambda c: not has_shared_expert(c), shape=(1, "hidden_size")),
     ),
     is_moe_layer=sparse_layer,
     top_on_every_stage=True,  # checked with vLLM 0.32 (the reference doc's table omits Qwen2-MoE)

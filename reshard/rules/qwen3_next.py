@@ -26,7 +26,7 @@ belong to vLLM's draft model and are skipped by the main model, as here.
 from dataclasses import replace
 
 from reshard.rules.llama import ATTN, FROM_HIDDEN, HIDDEN, MLP, NORMS, TOP
-from reshard.rules.moe import sparse_layer
+from reshard.rules.moe import has_shared_expert, sparse_layer
 from reshard.rules.spec import Architecture, Mixers, WeightsMapper
 from reshard.rules.styles import QKV, Column, Experts, Merged, Replicate, Row, Vocab
 
@@ -114,10 +114,6 @@ QWEN35_LINEAR = (
 SHARED = "mlp.experts._shared_experts._layer."
 
 
-def _has_shared_expert(config: dict) -> bool:
-    return int(config.get("shared_expert_intermediate_size") or 0) > 0
-
-
 # Qwen3NextSparseMoeBlock: the router (GateLinear, no quant config) and the shared expert are handed
 # to the fused-MoE runner, whose aliases (mlp.experts.*) are the smallest state-dict keys
 SPARSE_MOE = (
@@ -126,17 +122,24 @@ SPARSE_MOE = (
     Merged(
         SHARED + "gate_up_proj",
         "mlp.shared_expert.gate_up_proj",
-        when=_has_shared_expert,
+        when=has_shared_expert,
         dims=("shared_expert_intermediate_size", "hidden_size"),
     ),
     Row(
         SHARED + "down_proj",
         "mlp.shared_expert.down_proj",
-        when=_has_shared_expert,
+        when=has_shared_expert,
         dims=("hidden_size", "shared_expert_intermediate_size"),
     ),
-    # ReplicatedLinear(hidden, 1, quant_config=None), also the shared expert's expert_gate
-    Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", when=_has_shared_expert, shape=(1, "hidden_size")),
+    # ReplicatedLinear(hidden, 1, quant_config=None), built whatever the shared expert's size (qwen3_next.py),
+    # the shared expert's expert_gate where there is one, else handed to the fused-MoE runner alone
+    Replicate(SHARED + "expert_gate", "mlp.shared_expert_gate", when=has_shared_expert, shape=(1, "hidden_size")),
+    Replicate(
+        "mlp.experts.shared_expert_gate",
+        "mlp.shared_expert_gate",
+        when=lambda c: not has_shared_expert(c),
+        shape=(1, "hidden_size"),
+    ),
 )
 
 QWEN3_NEXT = Architecture(
