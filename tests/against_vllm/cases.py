@@ -166,7 +166,11 @@ STATE_CASES += [
     # block FP8 (in_proj_ba, router and shared_expert_gate bf16); TP 2 refines the experts' blocks
     case("qwen3-next-fp8", 2),
     case("qwen3-next-fp8", 2, ep=True),
+    # no shared expert (size 0): its gate alone, handed to the fused-MoE runner (Qwen2-MoE: under mlp.)
+    case("qwen3-next-noshared", 2),
+    case("qwen2-moe-noshared", 2),
 ]
+MOE += ["qwen3-next-noshared", "qwen2-moe-noshared"]  # marks only
 
 # Generation: what the CPU build can run (no PP, no EP MoE, no refined-FP8 MoE).
 GEN_CASES: list[Case] = [case(a, 2) for a in DENSE if "fp8" not in a] + [
