@@ -14,8 +14,9 @@ from safetensors import safe_open
 from reshard.layout import Layout
 from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.sources import open_source
+from tests.fixtures.cli import run
 from tests.fixtures.reference import assert_streamed_files_equal_plan, load_source
-from tests.fixtures.saving import save
+from tests.fixtures.saving import rank_tensors, save
 
 LM = "language_model.model.layers."
 
@@ -79,3 +80,15 @@ def test_experts_read_once(tiny):
     (step,) = [s for s in schedule(plan, ckpt.tensors, 1000) if s.name == name]
     assert all(r.piece is None for r in step.reads)  # fed to every rank, not read per piece
     assert sum(r.nbytes for r in step.reads) == ckpt.tensors[LM + "1.feed_forward.experts.gate_up_proj"].nbytes
+
+
+def test_ep_places_fused_experts_unevenly_as_vllm_does(tiny, tmp_path):
+    """3 experts over 2 ranks with --ep: vLLM's linear expert map gives rank 0 experts 0 and 1, rank 1 expert 2
+    (the generic expert loader Llama-4 uses; vLLM's own state: tests/against_vllm, `llama4-e3` TP 2 + EP). It was
+    refused, with the reason of gpt-oss's loader (E // tp each), which still refuses it."""
+    src = tiny("llama4-e3")
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2", "--ep")
+    assert code == 0, err
+    got = [rank_tensors(tmp_path / "out", r) for r in range(2)]
+    w2 = next(k for k in got[0] if k.endswith("routed_experts.w2_weight"))
+    assert [g[w2].shape[0] for g in got] == [2, 1]

@@ -199,7 +199,7 @@ def test_tp_above_the_experts_is_refused_as_vllm_does(tiny):
     """vLLM's Qwen3MoeSparseMoeBlock (Qwen3-VL-MoE's text model) refuses a TP size above the number of experts."""
     code, _, err = run("plan", str(tiny("qwen3-vl-moe")), "--tp", "8", "--language-model-only")  # 4 experts
     assert code == 3 and "--tp 8 is greater than the number of experts 4" in err
-    code, _, err = run("plan", str(tiny("llama4")), "--tp", "8", "--ep")  # 4 experts, fused: equal shares only
+    code, _, err = run("plan", str(tiny("llama4")), "--tp", "8", "--ep")  # 4 experts, fused: a rank would hold none
     assert code == 3 and "Llama4ForConditionalGeneration's 4 experts do not divide among --tp 8 ranks" in err
 
 

@@ -4,7 +4,7 @@ interleaved, biases, bf16 or MXFP4) and Llama-4 (gate then up, bf16, no biases).
 Llama-4 (vLLM llama4.py `load_moe_expert_weights`): `gate_up_proj` [E, hidden, 2I] is transposed and
 cut in halves (gate, up), then loaded by the generic expert loader: w13 = [gate rows of the TP shard;
 up rows of it], w2 = `down_proj` [E, I, hidden] transposed, column shard; EP takes whole experts
-(vLLM's linear placement, remainder to the first ranks).
+(vLLM's linear placement, remainder to the first ranks: 3 experts over 2 ranks are 2 and 1).
 
 vLLM 0.32 `models/gpt_oss.py` loads them itself (`GptOssModel._load_weights_other` for bf16,
 `_load_weights_mxfp4` for the released MXFP4 checkpoints), not through the generic expert loader:
@@ -45,10 +45,16 @@ def fused_experts(ctx: Context, m: FusedExperts, prefix: str, per_tp: list[list[
     num, inter, hidden = d.num_experts, d.moe_intermediate, d.hidden
     if m.tp_at_most_experts:
         refuse_tp_above_experts(tp, num)
-    if ctx.ep and num % tp:
+    # Llama-4, Qwen3-VL-MoE load through the generic expert loader: vLLM's linear placement, uneven where it must
+    if ctx.ep and num % tp and (not m.halves or tp > num):
+        why = (
+            "some ranks would hold no expert (a layout not checked against vLLM)"
+            if m.halves
+            else f"vLLM's gpt-oss loader gives every rank experts [r * {num} // {tp}, (r + 1) * {num} // {tp}), "
+            "not the ones its expert map routes to it"
+        )
         raise UnsupportedError(
-            f"--ep: {ctx.arch.names[0]}'s {num} experts do not divide among --tp {tp} ranks, and reshard writes "
-            f"fused experts in equal shares only (vLLM's gpt-oss loader gives every rank {num} // {tp})",
+            f"--ep: {ctx.arch.names[0]}'s {num} experts do not divide among --tp {tp} ranks, and {why}",
             f"use a --tp that divides {num}: {divisors(num)}",
         )
     mx = ctx.quantized([gate_up.rsplit(".", 1)[0]], experts=True)

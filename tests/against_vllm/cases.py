@@ -211,9 +211,10 @@ STATE_CASES += [
     case("llama4", 2, ep=True),
     case("llama4", 2, pp=2),
     case("llama4-text", 2),  # Llama4ForCausalLM: the text model alone (model.*, no text_config)
+    case("llama4-e3", 2, ep=True),  # 3 fused experts over 2 ranks: vLLM's linear placement, 2 then 1
 ]
 GEN_CASES += [case("llama4", 2)]
-MOE.append("llama4")
+MOE += ["llama4", "llama4-e3"]
 MOE.append("gpt-oss")  # marks only (the generic MOE cases above are built already)
 
 # issue 15: GLM-4.5/4.6 MoE, MiniMax-M2 (bf16 and the released block FP8), Kimi-K2 (DeepSeek-V3 with
