@@ -83,6 +83,10 @@ def _merger_v2(c: dict) -> bool:
     return c.get("mm_projector_type") == "patchmergerv2"
 
 
+def _merger_v1(c: dict) -> bool:
+    return not _merger_v2(c)
+
+
 def _norm(name: str) -> tuple[Replicate, Replicate]:
     """`_make_vision_norm`: an nn.LayerNorm (weight and bias), or with `norm_type: rmsnorm` an nn.RMSNorm (weight)."""
     weight, bias = layer_norm(name)
@@ -99,9 +103,9 @@ MOONVIT = Tower(
         Replicate(VT + "patch_embed.pos_emb", shape=(None, None, "hidden_size")),
         *_norm(VT + "encoder.final_layernorm"),
         # KimiK25MultiModalProjector: patchmerger (the release's) or patchmergerv2, ReplicatedLinear in every mode
-        *(replace(r, when=lambda c: not _merger_v2(c)) for r in layer_norm("mm_projector.pre_norm")),
-        Replicate("mm_projector.linear_1", bias=True, quant=True, when=lambda c: not _merger_v2(c)),
-        Replicate("mm_projector.linear_2", bias=True, quant=True, when=lambda c: not _merger_v2(c)),
+        *(replace(r, when=_merger_v1) for r in layer_norm("mm_projector.pre_norm")),
+        Replicate("mm_projector.linear_1", bias=True, quant=True, when=_merger_v1),
+        Replicate("mm_projector.linear_2", bias=True, quant=True, when=_merger_v1),
         Replicate("mm_projector.linear_1", quant=True, when=_merger_v2),
         Replicate("mm_projector.linear_2", quant=True, when=_merger_v2),
         # nn.RMSNorm over the text model's hidden size (not a key of the encoder's settings)

@@ -77,7 +77,7 @@ def parse_bucket_url(spec: str) -> BucketURL:
     parts = prefix.split("/")
     if any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 for c in prefix):
         raise UnsupportedError(f"{spec}: the prefix holds empty, '.' or '..' parts or control characters")
-    if "\\" in prefix:  # stores differ: SeaweedFS stores `a\\b` as `a/b`, and the listing of `a\\b/` then finds nothing
+    if "\\" in prefix:  # stores differ: SeaweedFS keeps a backslash as a slash, and the listing then finds nothing
         raise UnsupportedError(
             f"{spec}: the prefix holds a backslash, which S3-compatible stores treat unalike",
             "use / or another character",
