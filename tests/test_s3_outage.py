@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.fixtures.s3run import open_uploads, reshard, s3_env, synthetic_llama
+from tests.fixtures.s3run import open_uploads, prefix_state, reshard, s3_env, synthetic_llama
 from tests.fixtures.s3server import S3Server, weed_binary
 
 MiB = 1 << 20
@@ -55,3 +55,26 @@ def test_a_store_restarted_mid_upload_is_outlasted(big, tmp_path):
         assert check.returncode == 0, check.stderr
     finally:
         server.stop()
+
+
+def test_a_withdrawal_delayed_past_the_commit_does_not_delete_the_new_manifest(tiny, s3server, s3proxy):
+    """The previous manifest's DELETE is held by the network past the client's timeout: botocore retries
+    it, the commit goes on and completes the new manifest, and then the first DELETE lands. Sent with
+    If-Match the old manifest's ETag, it deletes nothing (it deleted the new manifest: exit 0, and then
+    no output at the prefix)."""
+    s3, bucket = s3server.client(), s3server.bucket()
+    src, target = tiny("llama"), f"s3://{bucket}/late/"
+    assert reshard(["save", str(src), target, "--tp", "2"], s3_env(s3server)).returncode == 0
+    withdrawals = lambda: [e for e in s3proxy.log if e[0] == "DELETE" and e[1].endswith("/late/reshard.json")]  # noqa: E731
+    s3proxy.only = lambda method, path, query: method == "DELETE" and path.endswith("/late/reshard.json")
+    s3proxy.hold, s3proxy.hold_seconds = 1, 8.0
+    slow = s3_env(s3server, endpoint=s3proxy.endpoint, RESHARD_S3_TIMEOUT="1")
+    r = reshard(["save", str(src), target, "--tp", "4", "--overwrite"], slow)
+    assert r.returncode == 0, r.stderr
+    assert len(withdrawals()) == 1, "the held DELETE landed before the save ended: nothing was tested"
+    deadline = time.monotonic() + 30
+    while len(withdrawals()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(withdrawals()) == 2, s3proxy.log
+    state = prefix_state(s3, bucket, "late/")
+    assert state.verifies and state.manifest["layout"]["tp"] == 4, state.describe()

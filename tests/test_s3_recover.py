@@ -125,3 +125,27 @@ def test_an_output_inside_another_outputs_work_folder_is_refused(tiny, s3, prefi
     code, _, err = run("save", str(tiny("llama")), url(bucket, prefix), "--tp", "2")
     assert code == 3 and "where reshard keeps the lock and commit journal of col/" in one_line(err), err
     assert open_uploads(client, bucket) == []
+
+
+def test_a_manifest_replaced_during_the_run_is_not_deleted(tiny, s3, s3server, tmp_path):
+    """Another writer (a lock taken over as dead, a hand edit) put a manifest at the prefix while this run
+    uploaded: the commit's withdrawal is conditional on the manifest it read, so it deletes nothing,
+    publishes nothing and says so (exit 5); the other manifest stays and no upload is left open."""
+    client, bucket = s3
+    src = tiny("llama")
+    env = s3_env(s3server)
+    assert reshard(["save", str(src), url(bucket, "rp/"), "--tp", "2"], env).returncode == 0
+    marker = tmp_path / "stopped"
+    p = paused(["save", str(src), url(bucket, "rp/"), "--tp", "4", "--overwrite"], env, at="commit", marker=marker)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+    theirs = client.get_object(Bucket=bucket, Key="rp/reshard.json")["Body"].read().replace(b"{", b"{ ", 1)
+    client.put_object(Bucket=bucket, Key="rp/reshard.json", Body=theirs)
+    marker.unlink()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 5 and "changed while this run uploaded" in one_line(err), err
+    assert client.get_object(Bucket=bucket, Key="rp/reshard.json")["Body"].read() == theirs
+    state = prefix_state(client, bucket, "rp/")
+    assert state.uploads == [] and state.work == [], state.describe()

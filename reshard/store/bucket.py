@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import OutputError, ReshardError
-from reshard.store.client import is_missing, is_precondition, make_client, store_error
+from reshard.store.client import error_code, is_missing, is_precondition, make_client, store_error
 from reshard.store.url import BucketURL
 
 _DELETE_BATCH = 1000  # S3's limit per DeleteObjects
@@ -105,16 +105,39 @@ class Bucket:
                 raise self.fail(e, f"reading {key}") from e
         raise AssertionError("unreachable")
 
-    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
-        """A small object in one request, with its SHA256 for the store to check; `create_only`:
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> str:
+        """A small object in one request, with its SHA256 for the store to check; its ETag. `create_only`:
         raise Conflict if the key exists."""
         kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
         try:
-            self.client.put_object(Bucket=self.url.bucket, Key=key, Body=data, ChecksumAlgorithm="SHA256", **kwargs)
+            r = self.client.put_object(Bucket=self.url.bucket, Key=key, Body=data, ChecksumAlgorithm="SHA256", **kwargs)
         except Exception as e:
             if create_only and is_precondition(e):
                 raise Conflict(key) from e
             raise self.fail(e, f"writing {key}") from e
+        return str(r.get("ETag", ""))
+
+    def delete_if(self, key: str, etag: str) -> bool:
+        """Delete `key` only while it holds the object of `etag` (If-Match), so that a request the network
+        delays past the client's timeout, and lands after its retry and what followed it, cannot delete an
+        object written since; True when the key is empty now, False when another object is there. A store
+        that does not know conditional deletes (NotImplemented) gets a plain delete; one that ignores the
+        header deletes as a plain delete would."""
+        if not etag:
+            self.delete([key])
+            return True
+        try:
+            self.client.delete_object(Bucket=self.url.bucket, Key=key, IfMatch=etag)
+        except Exception as e:
+            if is_missing(e):  # AWS: If-Match on an absent key
+                return True
+            if error_code(e) == "NotImplemented":
+                self.delete([key])
+                return True
+            if not is_precondition(e):
+                raise self.fail(e, f"deleting {key}") from e
+            return self.head(key) is None  # SeaweedFS: 412 for an absent key too
+        return True
 
     def delete(self, keys: list[str]) -> None:
         """Delete `keys` (absent ones are fine)."""

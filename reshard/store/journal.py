@@ -22,6 +22,7 @@ class Journal:
     uploads: list[OpenUpload]  # the new output's files, completed (replacing keys)
     remove: list[str]  # the previous output's keys the new one does not replace
     manifest: OpenUpload  # completed last
+    manifest_etag: str = ""  # the previous manifest's ETag: only that object is deleted ("": any)
 
 
 def _not_str(key: object) -> str:
@@ -46,6 +47,7 @@ def read_journal(raw: bytes, url: BucketURL, key: str) -> Journal:
             [OpenUpload.from_json(o) for o in obj["uploads"]],
             [k if isinstance(k, str) else _not_str(k) for k in obj["remove"]],
             OpenUpload.from_json(obj["manifest"]),
+            str(obj.get("manifest_etag") or ""),
         )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise bad(f"{type(e).__name__}: {str(e)[:80]}") from None

@@ -15,11 +15,11 @@ S3 has no rename, so the local swap (reshard.publish) becomes a commit of open u
    output left are aborted (not those of an output nested under the prefix: its own lock marks it).
 4. The rank files, side files and manifest are uploaded as open multipart uploads (reshard.store.upload):
    readers still see the previous output, or nothing.
-5. `commit`, signals held: the journal is written; the previous manifest deleted (that output no
-   longer verifies); every upload completed, several at once (new keys only if absent), each
-   object's checksum as the store reports it compared with the one computed while uploading; the
-   previous output's objects that the new one does not replace deleted; the manifest completed
-   last; the journal deleted. A kill in this window leaves the journal: the next run (or
+5. `commit`, signals held: the journal is written; the previous manifest deleted, If-Match the ETag
+   `check` listed (that output no longer verifies; a delayed DELETE cannot land on the new manifest);
+   every upload completed, several at once (new keys only if absent), each object's checksum as the
+   store reports it compared with the one computed while uploading; the previous output's objects
+   that the new one does not replace deleted; the manifest completed last; the journal deleted. A kill in this window leaves the journal: the next run (or
    `reshard save` again) finishes it. An error before it leaves the previous output as it was.
 """
 
@@ -65,6 +65,7 @@ class Prior:
 
     keys: set[str] = field(default_factory=set)
     manifest: Manifest | None = None
+    manifest_etag: str = ""  # the ETag of the manifest object there, the only one the commit deletes
 
     def ours(self, bucket: Bucket) -> set[str]:
         """The keys a previous reshard run wrote (replaced or removed by --overwrite)."""
@@ -103,15 +104,16 @@ class BucketPublisher:
             {"host": socket.gethostname(), "pid": os.getpid(), "run": run_id, "since": int(time.time())}
         ).encode()
         try:
-            self.bucket.put(self.lock_key, body, create_only=True)
+            etag = self.bucket.put(self.lock_key, body, create_only=True)
         except Conflict:
-            self._take_dead_lock(body)
+            etag = self._take_dead_lock(body)
         stop = threading.Event()
 
         def beat() -> None:
+            nonlocal etag
             while not stop.wait(LOCK_BEAT):
                 with contextlib.suppress(Exception):
-                    self.bucket.put(self.lock_key, body)
+                    etag = self.bucket.put(self.lock_key, body)
 
         beater = threading.Thread(target=beat, name="reshard-s3-lock", daemon=True)
         beater.start()
@@ -120,28 +122,30 @@ class BucketPublisher:
         finally:
             stop.set()
             beater.join()
-            with contextlib.suppress(Exception):
-                self.bucket.delete([self.lock_key])
+            with contextlib.suppress(Exception):  # our lock only: a delayed delete must not free another run's
+                self.bucket.delete_if(self.lock_key, etag)
 
-    def _lock_age(self) -> float | None:
-        """Seconds since the lock object was last written, by the store's own clock."""
+    def _lock_age(self) -> tuple[float | None, str]:
+        """Seconds since the lock object was last written, by the store's own clock (None if unknown), and its
+        ETag ("" if it is gone)."""
         head = self.bucket.head(self.lock_key)
         if head is None:
-            return None
+            return None, ""
+        etag = str(head.get("ETag", ""))
         with contextlib.suppress(Exception):
             now = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
-            return (now - head["LastModified"]).total_seconds()
-        return None
+            return (now - head["LastModified"]).total_seconds(), etag
+        return None, etag
 
-    def _take_dead_lock(self, body: bytes) -> None:
+    def _take_dead_lock(self, body: bytes) -> str:
+        """Take over a dead run's lock (the ETag of ours), else say whose it is."""
         host, pid, since = _lock_fields(self.bucket.get(self.lock_key, limit=MAX_SMALL))
-        age = self._lock_age()
+        age, etag = self._lock_age()
         dead = host == socket.gethostname() and pid and not _alive(pid)
-        if dead or age is None or age > LOCK_STALE:
-            self.bucket.delete([self.lock_key])
+        # that lock only (If-Match): another run taking it over at the same time keeps its own
+        if (dead or age is None or age > LOCK_STALE) and self.bucket.delete_if(self.lock_key, etag):
             try:
-                self.bucket.put(self.lock_key, body, create_only=True)
-                return
+                return self.bucket.put(self.lock_key, body, create_only=True)
             except Conflict:
                 pass
         if not pid:  # not what reshard writes there
@@ -196,8 +200,11 @@ class BucketPublisher:
                 uploads.abort_all()
                 self.bucket.delete([self.journal_key])
                 return f"{self.url.name(gone[0].key)} is neither an open upload nor an object of that run"
-            if journal.drop_manifest:
-                self.bucket.delete([self.url.key(MANIFEST)])
+            if journal.drop_manifest and not self.bucket.delete_if(self.url.key(MANIFEST), journal.manifest_etag):
+                uploads.open.update({up.key: up for up, o in zip(ups, is_open, strict=True) if o})
+                uploads.abort_all()
+                self.bucket.delete([self.journal_key])
+                return f"{MANIFEST} there is not the one that run withdrew"
             still = [up for up, o in zip(journal.uploads, is_open[:-1], strict=True) if o]
             uploads.complete_all(still, create_only=lambda up: False)
             self.bucket.delete(journal.remove)
@@ -251,7 +258,8 @@ class BucketPublisher:
                     f"output's rank files with that one's",
                     "write to a prefix outside any other output's",
                 )
-        prior = Prior(keys={o.key for o in self.bucket.list()})
+        listed = {o.key: o.etag for o in self.bucket.list()}
+        prior = Prior(keys=set(listed), manifest_etag=listed.get(self.url.key(MANIFEST), ""))
         raw = self.bucket.get(self.url.key(MANIFEST), limit=MAX_SMALL)
         if raw is not None:
             prior.manifest = parse_manifest(raw, str(self.url) + MANIFEST)
@@ -296,6 +304,7 @@ class BucketPublisher:
         journal = {
             "run": run,
             "drop_manifest": prior.manifest is not None or self.url.key(MANIFEST) in prior.keys,
+            "manifest_etag": prior.manifest_etag,
             "uploads": [up.to_json() for up in files],
             "remove": remove,
             "manifest": manifest.to_json(),
@@ -303,9 +312,14 @@ class BucketPublisher:
         with signals_held():
             self.bucket.put(self.journal_key, json.dumps(journal).encode())
             self.journaled = True
+            if journal["drop_manifest"] and not self.bucket.delete_if(self.url.key(MANIFEST), prior.manifest_etag):
+                self.bucket.delete([self.journal_key])
+                self.journaled = False  # nothing was completed: the uploads are aborted
+                raise OutputError(
+                    f"{self.url}{MANIFEST} changed while this run uploaded: another writer published there",
+                    f"nothing of this run was published; `reshard verify {self.url}`, and save again if needed",
+                )
             try:
-                if journal["drop_manifest"]:
-                    self.bucket.delete([self.url.key(MANIFEST)])
                 uploads.complete_all(files, create_only=lambda up: up.key not in prior.keys)
                 self.bucket.delete(remove)
                 uploads.complete(manifest, create_only=True)
