@@ -100,10 +100,12 @@ def run_executor(
     progress: Progress | None,
     *,
     sink: Callable[[OutFile, bytes, str], Sink] | None = None,
+    name_key: str | None = None,
 ) -> list[Written]:
     """Write `plan`'s files into the folder `out` (or each into `sink(file, header, checksum)`),
     reading through the source's own reader; then let the source finish what it keeps of what it
-    read (a Hub source completes its cache copy)."""
+    read (a Hub source completes its cache copy). `name_key`: the metadata key under which each
+    file's header records its own name."""
     opener = None
     if sink is not None:
         opener = lambda f, header: sink(f, header, options.checksum)  # noqa: E731
@@ -116,6 +118,7 @@ def run_executor(
         metadata=metadata,
         progress=progress,
         sink=opener,
+        name_key=name_key,
     ).run()
     source.finish()
     return written
@@ -142,11 +145,13 @@ class Executor:
         progress: Progress | None = None,
         sync: bool = True,
         sink: Callable[[OutFile, bytes], Sink] | None = None,
+        name_key: str | None = None,
     ) -> None:
         self.plan = plan
         self.tensors = tensors
         self.out_dir = out_dir
         self.metadata = metadata
+        self.name_key = name_key
         self.reader = reader
         self.cast = Caster(options.device)
         max_memory, checksum = options.max_memory, options.checksum
@@ -161,6 +166,11 @@ class Executor:
         self.prefetch: Prefetcher | None = None
         self.scales: dict[str, np.ndarray] = {}  # the step's block scales (Read.scale), by name
 
+    def header(self, f: OutFile) -> bytes:
+        """`f`'s safetensors header: the run's metadata, and `f`'s own name under `name_key`."""
+        meta = self.metadata if self.name_key is None else {**self.metadata, self.name_key: f.name}
+        return file_header(f, meta)
+
     def run(self) -> list[Written]:
         steps = schedule(self.plan, self.tensors, self.chunk_bytes)
         # the budget left once the metadata (headers, plan, these steps) is resident
@@ -171,7 +181,7 @@ class Executor:
         self.batch_bytes = min(self.chunk_bytes, self.mem.fresh_limit // 8)  # two, reserved: a quarter
         for f in self.plan.files:
             if not f.tensors:
-                self.done.append(self.sink(f, file_header(f, self.metadata)).close(self.sync))
+                self.done.append(self.sink(f, self.header(f)).close(self.sync))
         try:
             self.prefetch = Prefetcher(self.reader, self.mem, [r for step in steps for r in step.reads])
             self.batches = Batches(self.mem, self.prefetch.get, self.batch_bytes, self.cast, self.progress)
@@ -209,7 +219,7 @@ class Executor:
 
     def _writer(self, f: OutFile) -> Worker:
         if f.name not in self.open:
-            self.open[f.name] = Worker(self.sink(f, file_header(f, self.metadata)))
+            self.open[f.name] = Worker(self.sink(f, self.header(f)))
         return self.open[f.name]
 
     # ---- one step: a tensor name, all ranks ----------------------------------------------------

@@ -24,6 +24,9 @@ _TP_FILE = re.compile(r"^model-rank-(\d+)-part-(\d+)\.safetensors$")
 _PP_FILE = re.compile(r"^model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors$")
 
 DEFAULT_MAX_PART = 5 * 1024**3  # bytes per rank file part, as vLLM's save_sharded_state example
+# a rank file's safetensors metadata key for its own name (absent from outputs written before it), so
+# that a file renamed or swapped with another is told apart without its digest
+FILE_NAME_META = "reshard_file"
 
 # ---- reshard's own files -------------------------------------------------------------------------
 

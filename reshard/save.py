@@ -32,7 +32,7 @@ from reshard.io.writer import Written
 from reshard.layout import Layout
 from reshard.manifest import Manifest, build_manifest, side_file_entries, write_manifest
 from reshard.manifest.pieces import assemble, read_pieces, same_job
-from reshard.names import MANIFEST, piece_manifest_name
+from reshard.names import FILE_NAME_META, MANIFEST, piece_manifest_name
 from reshard.optional import import_torch
 from reshard.outdir import make_dir, write_error
 from reshard.plan import OutFile, Plan, build_plan
@@ -134,7 +134,14 @@ def save(
 
             def write() -> list[Written]:
                 done = run_executor(
-                    replace(plan, files=mine), src, None, options.write, meta, progress, sink=staging.sink
+                    replace(plan, files=mine),
+                    src,
+                    None,
+                    options.write,
+                    meta,
+                    progress,
+                    sink=staging.sink,
+                    name_key=FILE_NAME_META,
                 )
                 if not procs.leader:  # before process 0 hears it is done: it publishes at once
                     staging.hand_over()

@@ -143,6 +143,22 @@ def test_a_manifest_whose_layout_was_edited_is_refused_as_source(tiny, tmp_path,
     assert not (tmp_path / "again").exists() and not (tmp_path / "hf").exists()
 
 
+def test_swapped_rank_files_are_refused_as_source(tiny, tmp_path):
+    """Rank 0's and rank 1's files of an output saved without digests swapped (same sizes, names and
+    shapes): merged, they would put each rank's rows in the other's place; their headers' own names tell
+    it before a byte is read."""
+    out = tmp_path / "out"
+    save(str(tiny("qwen3")), out, tp=2, max_part_size=MAX, checksum="none")
+    r0, r1 = out / "model-rank-0-part-0.safetensors", out / "model-rank-1-part-0.safetensors"
+    r0.rename(tmp_path / "keep")
+    r1.rename(r0)
+    (tmp_path / "keep").rename(r1)
+    with pytest.raises(CorruptError, match="was written as model-rank-1-part-0.safetensors: rank files were renamed"):
+        merge(out, tmp_path / "hf")
+    with pytest.raises(CorruptError, match="renamed or swapped"):
+        save(str(out), tmp_path / "again", tp=1, max_part_size=MAX)
+
+
 @pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-moe-fp8"])
 def test_an_output_split_into_many_parts_merges_and_reshards(tiny, tmp_path, arch):
     """--max-part-size is not recorded: which file holds which tensor is read from the manifest, not

@@ -55,6 +55,7 @@ def test_streamed_files_equal_plan(tiny, tmp_path, monkeypatch, arch, tp, ep, re
     for f in plan.files:
         with safe_open(str(out / f.name), "pt") as h:
             assert h.metadata()["reshard_layout"].startswith(f"tp={plan.layout.tp},")
+            assert h.metadata()["reshard_file"] == f.name
     # the manifest's checksums are the files' checksums
     manifest = json.loads((out / "reshard.json").read_text())
     for entry in manifest["files"]:

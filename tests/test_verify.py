@@ -212,6 +212,21 @@ def test_two_runs_mixed(clean, out, tmp_path):
     assert [x["file"] for x in errors(rep)] == [RANK1, RANK1]  # run-mix, checksum
 
 
+def test_swapped_rank_files_are_named_without_checksums(out):
+    """Rank 0's and rank 1's files (same size, same tensor names and shapes) swapped: each file's header
+    records its own name, so the swap shows without reading a digest."""
+    (out / RANK0).rename(out / "keep")
+    (out / RANK1).rename(out / RANK0)
+    (out / "keep").rename(out / RANK1)
+    code, rep = run(out, "--no-checksums")
+    assert code == 7
+    assert [f["file"] for f in errors(rep, "renamed")] == [RANK0, RANK1]
+    assert (
+        f"{RANK0} was written as {RANK1}: rank files were renamed or swapped"
+        in one(rep, "renamed", file=RANK0)["message"]
+    )
+
+
 def test_stray_rank_file(out):
     shutil.copy(out / RANK0, out / "model-rank-8-part-0.safetensors")  # left by an older --tp 16
     code, rep = run(out)

@@ -209,6 +209,15 @@ def test_missing_truncated_stray_and_foreign_files(out):
     assert "the manifest comes from another run" in _refused(out)
 
 
+def test_swapped_rank_files_are_refused_with_checksums_off(out):
+    """With `{"checksums": false}` nothing hashes the files: their headers' own names tell a swap."""
+    r0, r1 = "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"
+    (out / r0).rename(out / "keep")
+    (out / r1).rename(out / r0)
+    (out / "keep").rename(out / r1)
+    assert f"{r1} was written as {r0}: rank files were renamed or swapped" in _refused(out)
+
+
 def test_copied_files_must_be_the_saved_ones(out):
     """vLLM built the engine from config.json before the loader runs: the plugin refuses a folder
     whose copied files differ from the manifest (edited, a link, a FIFO, gone), as verify does."""

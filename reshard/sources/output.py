@@ -23,7 +23,7 @@ from reshard.folderview import FolderView, LocalView, view_manifest
 from reshard.format import ITEMSIZE, TensorInfo, open_regular
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest, SideRecord
-from reshard.names import unlisted_rank_files
+from reshard.names import FILE_NAME_META, unlisted_rank_files
 from reshard.plan import Cols, OutTensor, Piece, Slice, Stack, build_plan, natural_key
 from reshard.sources.local import read_config
 from reshard.sources.output_reader import Group, OutputReader, Region, Regions
@@ -145,6 +145,9 @@ def _check_file_meta(view: FolderView, name: str, meta: dict, manifest: Manifest
         raise CorruptError(
             f"{view.where(name)} was written by run {run}, the manifest by run {manifest.run_id}", _EDITED
         )
+    named = meta.get(FILE_NAME_META)
+    if named is not None and named != name:
+        raise CorruptError(f"{view.where(name)} was written as {named}: rank files were renamed or swapped", _EDITED)
     if tag is not None and tag != manifest.layout.tag():
         raise CorruptError(
             f"{view.where(name)} was written for layout {tag}, the manifest says {manifest.layout.tag()}", _EDITED

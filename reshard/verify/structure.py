@@ -25,6 +25,7 @@ from reshard.manifest import Manifest, piece_paths
 from reshard.manifest.pieces import read_pieces
 from reshard.names import (
     CONFIG,
+    FILE_NAME_META,
     MANIFEST,
     OLD,
     PP_PATTERN,
@@ -246,6 +247,10 @@ def _check_file(report: Report, folder: Folder, f: CheckedFile) -> None:
                 f"two runs are mixed ({RERUN})"
             )
             report.add("run-mix", msg, code=CORRUPT, file=f.name)
+    named = f.meta.get(FILE_NAME_META)
+    if named is not None and named != f.name:
+        msg = f"{f.name} was written as {named}: rank files were renamed or swapped ({RERUN})"
+        report.add("renamed", msg, code=CORRUPT, file=f.name)
 
 
 def _check_ranks(report: Report, folder: Folder) -> None:

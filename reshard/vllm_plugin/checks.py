@@ -16,7 +16,7 @@ from reshard.errors import ReshardError, SourceError
 from reshard.format import DTYPE_CODES, TensorInfo, kind, read_header
 from reshard.layout import Layout
 from reshard.manifest import FileRecord, Manifest
-from reshard.names import MANIFEST, file_pattern
+from reshard.names import FILE_NAME_META, MANIFEST, file_pattern
 from reshard.serve import PLUGIN_WEIGHTS_KEY, STORE_SCHEME, plain_line, serve_in
 from reshard.store.url import parse_bucket_url
 from reshard.vllm_versions import in_range
@@ -296,6 +296,9 @@ def header_problem(e: FileRecord, manifest: Manifest, infos: dict[str, TensorInf
             f"{e.name} was written by reshard run {run}, {MANIFEST} by run {manifest.run_id}: "
             "the manifest comes from another run"
         )
+    named = meta.get(FILE_NAME_META)
+    if named is not None and named != e.name:
+        return f"{e.name} was written as {named}: rank files were renamed or swapped"
     tensors = sorted(infos.values(), key=lambda t: t.offset)
     got = [(t.name, t.dtype, list(t.shape)) for t in tensors]
     want = [(t.name, t.dtype, list(t.shape)) for t in e.tensors]
