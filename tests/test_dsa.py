@@ -20,7 +20,7 @@ from reshard.layout import Layout
 from reshard.manifest import read_manifest
 from reshard.plan import build_plan
 from reshard.sources import open_source
-from reshard.vllm_plugin import checks
+from reshard.vllm_plugin import checks, messages
 from tests.fixtures.cli import run
 from tests.fixtures.reference import assert_streamed_files_equal_plan
 from tests.fixtures.tiny import quantize_block_fp8
@@ -182,7 +182,7 @@ def test_manifest_records_platform_and_plugin_refuses_another(tiny, tmp_path):
         "made for vLLM on CPU, this engine runs on CUDA: vLLM's DeepseekV32ForCausalLM class names the weights "
         "differently there (re-save with `reshard save --platform cuda`)"
     ]
-    msg = checks.mismatch_message(out, m, engine, problems)  # what the loader raises (ReshardLoadError)
+    msg = messages.mismatch_message(out, m, engine, problems)  # what the loader raises (ReshardLoadError)
     assert "made for vLLM on CPU, this engine runs on CUDA" in msg and "--platform cuda" in msg
     assert checks.engine_problems(m, replace(engine, layout=engine.layout.but(platform="cpu"))) == []
     # folders of other models record no platform, and load anywhere

@@ -23,7 +23,7 @@ from reshard.merge import merge
 from reshard.names import MANIFEST
 from reshard.plan import DEFAULT_MAX_PART, build_plan
 from reshard.sources import open_source
-from reshard.vllm_plugin import checks
+from reshard.vllm_plugin import checks, messages
 from reshard.vllm_plugin.checks import Engine
 from tests.fixtures.cli import run
 from tests.fixtures.reference import load_source
@@ -252,7 +252,7 @@ def test_plugin_refuses_another_encoder_layout(tiny, tmp_path):
     assert problems == [
         "made for --mm-encoder-tp-mode weights (the vision tower TP-sharded), this engine runs --mm-encoder-tp-mode data"
     ]
-    message = checks.mismatch_message(tmp_path / "out", m, data, problems)
+    message = messages.mismatch_message(tmp_path / "out", m, data, problems)
     assert "--mm-encoder-tp-mode data`" in message  # the save line for this engine
     text = replace(engine, layout=weights.but(mm_encoder_tp_mode=None, language_model_only=True))
     assert checks.engine_problems(m, text) == [

@@ -22,7 +22,7 @@ from reshard.hashing import hash_file
 from reshard.layout import Layout
 from reshard.manifest import Manifest, read_manifest
 from reshard.names import MANIFEST
-from reshard.vllm_plugin import checks, reader, staged, striped
+from reshard.vllm_plugin import checks, messages, reader, staged, striped
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 from tests.fixtures.odirect import direct_io_works
 
@@ -81,7 +81,7 @@ def test_engine_differences_are_each_named(clean):
     # GPUs); the message then says the folder was made for the pinned one
     m = replace(m, layout=m.layout.but(quantization=None))
     assert checks.engine_problems(m, _engine_for(m)) == []
-    msg = checks.mismatch_message(
+    msg = messages.mismatch_message(
         Path("OUT"), m, _engine_for(m), ["x.w13_weight: shape [2] in the folder, [4] in the model"]
     )
     assert "[4] in the model (the folder was made for --moe-backend deep_gemm, this engine runs auto). To fix" in msg
@@ -129,7 +129,7 @@ def test_not_strict_lets_only_missing_keys_through():
     only_missing = {**REC, "x.weight": ("BF16", (2,))}
     assert checks.state_problems(REC, only_missing, lora=False, strict=False) == []
     assert checks.missing_keys(REC, REC) == []
-    msg = checks.missing_message(Path("OUT"), ENGINE, [f"k{i}" for i in range(5)])
+    msg = messages.missing_message(Path("OUT"), ENGINE, [f"k{i}" for i in range(5)])
     assert msg == (
         'reshard: OUT (rank 0): 5 parameter(s) of the model are not in the folder, left as initialised ({"strict": '
         "false}): k0, k1, k2 and 2 more"
@@ -152,13 +152,34 @@ def test_lora_padding_is_the_one_exception():
 def test_mismatch_message_names_the_first_and_says_what_to_run(clean):
     m = read_manifest(clean[1])
     e = replace(_engine_for(m), layout=Layout(tp=4, ep=True, moe_backend="deep_gemm", dtype="float16"))
-    msg = checks.mismatch_message(Path("OUT"), m, e, [f"p{i}" for i in range(5)])
+    msg = messages.mismatch_message(Path("OUT"), m, e, [f"p{i}" for i in range(5)])
     assert msg.startswith("--load-format reshard: OUT does not fit this engine (rank 0): p0; p1; p2; and 2 more. ")
     src = m.source["path"]
     assert f"`reshard save {src} OUT --tp 4 --ep --dtype float16 --moe-backend deep_gemm`" in msg
     # the folder as it is loaded (moved since its save: the recorded path would name another one)
     assert "`vllm serve OUT --load-format reshard --tensor-parallel-size 2" in msg, msg
     assert "\n" not in msg
+
+
+def test_a_model_of_other_parameters_is_not_told_to_run_the_same_command(clean):
+    """The engine's layout is the folder's, its model's parameters are not: a `reshard save` for this layout
+    or the folder's own serve line would fail the same way, so neither is offered; a folder that only lacks
+    parameters is told how to load it anyway ({"strict": false})."""
+    m = read_manifest(clean[1])
+    e = _engine_for(m)
+    lacking = ["x.weight: the model has it (bfloat16 [2]), the folder does not"]
+    msg = messages.state_message(Path("OUT"), m, e, lacking, missing_only=True)
+    assert msg.startswith("--load-format reshard: OUT does not fit this engine (rank 0): x.weight: the model has it")
+    assert "the 1 parameter(s) left as initialised" in msg and """'{"strict": false}'""" in msg, msg
+    assert "reshard save" not in msg and "vllm serve" not in msg and "\n" not in msg
+    other = ["a.weight: dtype bfloat16 in the folder, float16 in the model"]
+    msg = messages.state_message(Path("OUT"), m, e, other, missing_only=False)
+    assert "strict" not in msg and "vllm serve" not in msg
+    assert f"reshard {m.reshard_version} for vLLM {m.vllm_versions}; this is vLLM 0.32.0" in msg, msg
+    # a pinned MoE backend against "auto": serving it as made (with the backend) is the fix
+    pinned = replace(m, layout=m.layout.but(moe_pin="deep_gemm"))
+    msg = messages.state_message(Path("OUT"), pinned, _engine_for(pinned), other, missing_only=False)
+    assert "(the folder was made for --moe-backend deep_gemm, this engine runs auto). To fix: serve it" in msg, msg
 
 
 def test_manifest_offers_both_serve_lines(clean):
@@ -248,7 +269,7 @@ def test_copied_files_must_be_the_saved_ones(out):
     assert "not a regular file" in copied_problems(out, m, hashed=True)[0]
     (out / "config.json").unlink()
     assert copied_problems(out, m, hashed=True) == ["config.json is missing"]
-    text = copied_message(out, ["config.json is missing"], checks.SHOWN)
+    text = copied_message(out, ["config.json is missing"], messages.SHOWN)
     assert "To fix: " in text and f"reshard verify {out}" in text
 
 

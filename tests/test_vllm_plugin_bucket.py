@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from reshard.layout import Layout
 from reshard.manifest import read_manifest
 from reshard.names import MANIFEST
-from reshard.vllm_plugin import checks, reader, staged, striped
+from reshard.vllm_plugin import checks, messages, reader, staged, striped
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 from reshard.vllm_plugin.remote import BucketWeights
 
@@ -210,7 +210,7 @@ def test_a_refused_download_is_one_read_error(stored, s3server, s3proxy, monkeyp
 
 def test_files_message_and_fix_name_the_bucket(clean):
     e = replace(_engine(clean[1]), tp_rank=0)
-    msg = checks.files_message("s3://b/p/", e, ["x is missing"])
+    msg = messages.files_message("s3://b/p/", e, ["x is missing"])
     assert msg.endswith(
         "To fix: re-save the output to s3://b/p/ (`reshard save SOURCE s3://b/p/ --overwrite`), or restore the objects"
     )

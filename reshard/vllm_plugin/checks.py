@@ -17,11 +17,11 @@ from reshard.format import DTYPE_CODES, TensorInfo, kind, read_header
 from reshard.layout import Layout
 from reshard.manifest import FileRecord, Manifest
 from reshard.names import FILE_NAME_META, MANIFEST, file_pattern
-from reshard.serve import PLUGIN_WEIGHTS_KEY, STORE_SCHEME, plain_line, serve_in
+from reshard.serve import PLUGIN_WEIGHTS_KEY, STORE_SCHEME
 from reshard.store.url import parse_bucket_url
+from reshard.vllm_plugin.engine import Engine
+from reshard.vllm_plugin.messages import files_message
 from reshard.vllm_versions import in_range
-
-SHOWN = 3  # differences named in a message
 
 
 class ReshardLoadError(ValueError):
@@ -70,23 +70,6 @@ def parse_options(extra: dict | None) -> Options:
         except ReshardError as e:
             raise ValueError(f"--load-format reshard: {e}") from None
     return Options(checksums=checksums, threads=threads, strict=strict, weights=weights)
-
-
-@dataclass(frozen=True)
-class Engine:
-    """What the running vLLM engine is, as far as a folder's layout depends on it: its layout (tp, pp,
-    ep, the model dtype and --moe-backend), quantization method and release, and this rank."""
-
-    layout: Layout
-    quantization: str | None  # vLLM's quantization method name
-    vllm_version: str
-    tp_rank: int = 0
-    pp_rank: int = 0
-    lora: bool = False  # --enable-lora: vLLM pads some parameters and loads into a narrowed view
-
-    @property
-    def label(self) -> str:
-        return f"pp rank {self.pp_rank} tp rank {self.tp_rank}" if self.layout.pp > 1 else f"rank {self.tp_rank}"
 
 
 def engine_problems(manifest: Manifest, engine: Engine) -> list[str]:
@@ -220,15 +203,6 @@ def missing_keys(
     return [k for k in model if k not in recorded]
 
 
-def missing_message(folder: Path | str, engine: Engine, missing: list[str]) -> str:
-    """The WARNING a non-strict load logs: how many parameters the folder lacks, the first named."""
-    names = ", ".join(missing[:SHOWN]) + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else "")
-    return (
-        f"reshard: {folder} ({engine.label}): {len(missing)} parameter(s) of the model are not in the folder, "
-        f'left as initialised ({{"strict": false}}): {names}'
-    )
-
-
 def fits_narrowed(recorded: tuple[int, ...], param: tuple[int, ...]) -> bool:
     """Whether a recorded tensor loads into the leading corner of a (LoRA-padded) parameter."""
     return len(recorded) == len(param) and all(r <= p for r, p in zip(recorded, param, strict=True))
@@ -330,68 +304,3 @@ def stray_problems(names: Iterable[str], entries: list[FileRecord]) -> list[str]
         for n in sorted(names)
         if n not in listed
     ]
-
-
-# ---- messages ------------------------------------------------------------------------------------------
-
-
-def save_command(manifest: Manifest, engine: Engine) -> str:
-    """The `reshard save` line that makes this folder's source for the engine as it runs."""
-    orig, runs = manifest.origin, engine.layout
-    where = orig.get("path") or orig.get("repo_id") or manifest.source.get("path") or "SOURCE"
-    parts = ["reshard save", str(where), "OUT", f"--tp {runs.tp}"]
-    if orig.get("repo_id") and orig.get("revision"):
-        parts.append(f"--revision {orig['revision']}")
-    if runs.pp > 1:
-        parts.append(f"--pp {runs.pp}")
-    if runs.ep:
-        parts.append("--ep")
-    if runs.dtype != manifest.layout.dtype:
-        parts.append(f"--dtype {runs.dtype}")
-    if runs.moe_backend != "auto":
-        parts.append(f"--moe-backend {runs.moe_backend}")
-    if manifest.layout.mm_encoder_tp_mode or manifest.layout.language_model_only:
-        parts.extend(runs.mm_flags())
-    return " ".join(parts)
-
-
-def serve_as_made(manifest: Manifest, folder: Path | str | None = None) -> str | None:
-    """The manifest's serve line for this loader, naming `folder` (a local one: where it lies now, not
-    where it was saved); None where the line is not one reshard writes (a folder from elsewhere)."""
-    line = manifest.serve_reshard or manifest.serve
-    if not line or not plain_line(line):
-        return None
-    line = line.replace("--load-format sharded_state", "--load-format reshard")
-    return serve_in(line, str(folder)) if isinstance(folder, Path) else line
-
-
-def backend_note(manifest: Manifest, engine: Engine) -> str | None:
-    """Why the experts may differ: the folder pins a MoE backend the engine left to "auto"."""
-    pinned = manifest.layout.moe_pin
-    if pinned and engine.layout.moe_backend != pinned:
-        return f"the folder was made for --moe-backend {pinned}, this engine runs {engine.layout.moe_backend}"
-    return None
-
-
-def mismatch_message(folder: Path | str, manifest: Manifest, engine: Engine, problems: list[str]) -> str:
-    """One message for a folder made for another engine or model: the first differences, then what to do."""
-    head = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
-    if (note := backend_note(manifest, engine)) and note not in head:
-        head += f" ({note})"
-    fix = f"make a folder for this engine with `{save_command(manifest, engine)}`"
-    made = serve_as_made(manifest, folder)
-    if made:
-        fix += f", or serve this one as it was made: `{made}`"
-    return f"--load-format reshard: {folder} does not fit this engine ({engine.label}): {head}. To fix: {fix}"
-
-
-def files_message(folder: Path | str, engine: Engine, problems: list[str]) -> str:
-    head = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
-    return f"--load-format reshard: {folder} ({engine.label}): {head}. Nothing was loaded. To fix: {damage_fix(folder)}"
-
-
-def damage_fix(where: Path | str) -> str:
-    """What to do about damaged or missing rank files in a folder, or in a bucket prefix."""
-    if str(where).startswith(STORE_SCHEME):
-        return f"re-save the output to {where} (`reshard save SOURCE {where} --overwrite`), or restore the objects"
-    return f"`reshard verify {where}` tells every damaged file; re-save the folder (or restore the files)"

@@ -31,7 +31,7 @@ from reshard.format import DTYPE_NAMES
 from reshard.layout import DTYPES, Layout
 from reshard.manifest import read_manifest
 from reshard.names import CONFIG
-from reshard.vllm_plugin import checks
+from reshard.vllm_plugin import checks, messages
 from reshard.vllm_plugin.checks import Engine, ReshardLoadError
 from reshard.vllm_plugin.copied import copied_message, copied_problems
 from reshard.vllm_plugin.reader import ReadError, read_rank
@@ -84,11 +84,11 @@ class ReshardModelLoader(BaseModelLoader):
                 raise ReshardLoadError(f"--load-format reshard: {e}") from None
             # first: an edited config.json built another model, whose mismatch would be told as a layout's
             if problems := copied_problems(folder, manifest, hashed=self.options.checksums, always=(CONFIG,)):
-                raise ReshardLoadError(copied_message(folder, problems, checks.SHOWN))
+                raise ReshardLoadError(copied_message(folder, problems, messages.SHOWN))
         engine = self._engine(model_config)
         problems = checks.engine_problems(manifest, engine)
         if problems:
-            raise ReshardLoadError(checks.mismatch_message(where, manifest, engine, problems))
+            raise ReshardLoadError(messages.mismatch_message(where, manifest, engine, problems))
         entries = checks.rank_entries(manifest, engine)
         if twice := checks.duplicates(entries):
             raise ReshardLoadError(
@@ -101,9 +101,11 @@ class ReshardModelLoader(BaseModelLoader):
         model_state = {k: (dtype_code(v.dtype), tuple(v.shape)) for k, v in state.items()}
         recorded = checks.expected_state(entries)
         problems = checks.state_problems(recorded, model_state, lora=engine.lora, strict=self.options.strict)
+        missing = checks.missing_keys(recorded, model_state)
         if problems:
-            raise ReshardLoadError(checks.mismatch_message(where, manifest, engine, problems))
-        missing = [] if self.options.strict else checks.missing_keys(recorded, model_state)
+            only = len(problems) == len(missing)  # each key the folder lacks is one problem
+            raise ReshardLoadError(messages.state_message(where, manifest, engine, problems, missing_only=only))
+        missing = [] if self.options.strict else missing
         algorithm = manifest.checksum
         if bucket is not None:
             files = bucket.check_objects(manifest, entries, engine)
@@ -145,7 +147,7 @@ class ReshardModelLoader(BaseModelLoader):
                 f"--load-format reshard: {where} ({engine.label}): {len(bad)} file(s) differ from their recorded "
                 f"checksum, e.g. {first.name} ({algorithm} {first.got[:16]}..., recorded {first.want[:16]}...): "
                 f"the files changed after reshard wrote them; nothing may be served from them. "
-                f"To fix: {checks.damage_fix(where)}"
+                f"To fix: {messages.damage_fix(where)}"
             )
         logger.info(
             "reshard: %s: %s in %.2f s (%s/s), %s",
@@ -156,7 +158,7 @@ class ReshardModelLoader(BaseModelLoader):
             f"{algorithm} verified" if verify else "checksums not verified",
         )
         if missing:  # read_rank fills only what the files hold: these keep their initial values
-            logger.warning(checks.missing_message(where, engine, missing))
+            logger.warning(messages.missing_message(where, engine, missing))
         # vLLM's own line, logged as its loaders log it (rank 0); every rank's figure is in the line above
         logger.info_once("Loading weights took %.2f seconds", seconds)
 

@@ -29,7 +29,7 @@ from reshard.manifest import MAX_MANIFEST, FileRecord, Manifest, parse_manifest
 from reshard.names import CONFIG, MANIFEST
 from reshard.store.bucket import Bucket
 from reshard.store.url import parse_bucket_url
-from reshard.vllm_plugin import checks
+from reshard.vllm_plugin import checks, messages
 from reshard.vllm_plugin.checks import Engine, RankFile, ReshardLoadError
 
 PIECE = 8 * 1024 * 1024  # bytes per read from a response body: the memory a stream holds beyond the parameters
@@ -92,8 +92,8 @@ class BucketWeights:
         return out
 
     def config_message(self, folder: Path, problems: list[str]) -> str:
-        head = "; ".join(problems[: checks.SHOWN])
-        more = f"; and {len(problems) - checks.SHOWN} more" if len(problems) > checks.SHOWN else ""
+        head = "; ".join(problems[: messages.SHOWN])
+        more = f"; and {len(problems) - messages.SHOWN} more" if len(problems) > messages.SHOWN else ""
         return (
             f"--load-format reshard: {folder} does not hold the config of {self.url}: {head}{more}. To fix: copy "
             f"them from the bucket: `aws s3 cp --recursive --exclude '*.safetensors' {self.url} {folder}`"
@@ -133,7 +133,7 @@ class BucketWeights:
         rank_names = [n for n in listing if "/" not in n and fnmatch.fnmatchcase(n, glob)]
         problems += checks.stray_problems(rank_names, entries)
         if problems:
-            raise ReshardLoadError(checks.files_message(self.url, engine, problems))
+            raise ReshardLoadError(messages.files_message(self.url, engine, problems))
         return out
 
     def _header(self, e: FileRecord) -> tuple[dict[str, TensorInfo], dict[str, str]]:
