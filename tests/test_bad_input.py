@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -344,6 +345,31 @@ def test_a_folder_that_cannot_be_listed_is_named(tiny, tmp_path, monkeypatch, co
     args = {"plan": ["plan", str(src)], "save": ["save", str(src), str(out)], "verify": ["verify", str(out)]}[command]
     got, _, err = run(*args, "--tp", "2")
     assert got == code and f"{bad}: Transport endpoint is not connected" in err and err.count("\n") == 1, err
+
+
+def test_a_shard_edited_in_place_with_its_mtime_restored_is_refused(tiny, tmp_path, monkeypatch):
+    """The same, by someone who set the modification time back (or within a coarse mtime's tick, as on
+    some network file systems): the change time, which no user can set, tells it."""
+    from reshard.sources.local import LocalSource
+
+    src = Path(shutil.copytree(tiny("llama"), tmp_path / "src"))
+    shard = next(src.glob("*.safetensors"))
+    real = LocalSource.open_reader
+
+    def open_reader(self):
+        reader = real(self)
+        st = shard.stat()
+        time.sleep(0.01)  # a change time of its own, on file systems of coarse timestamps too
+        with open(shard, "r+b") as f:
+            f.seek(st.st_size - 8)
+            f.write(bytes(8))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return reader
+
+    monkeypatch.setattr(LocalSource, "open_reader", open_reader)
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert code == 4 and f"{shard} changed while this run read it" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_shard_written_to_during_the_run_is_refused(tiny, tmp_path, monkeypatch):

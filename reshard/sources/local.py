@@ -79,12 +79,14 @@ class LocalSource(Source):
                     "rerun once nothing writes the checkpoint (nothing was published)",
                 )
 
-    def _identity(self, name: str) -> tuple[int, int, int, int] | None:
+    def _identity(self, name: str) -> tuple[int, ...] | None:
+        """The file as the kernel knows it; its change time too, which a write sets and no user can set back
+        (an edit in place whose modification time was restored, or one within a coarse mtime's tick)."""
         try:
             st = os.stat(self.root / name)
         except OSError:
             return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def read_local(root: Path, ref: dict) -> Checkpoint:
