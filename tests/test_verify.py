@@ -23,7 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from reshard.cli import cli, main
+from reshard.errors import CorruptError
 from reshard.format import read_header
+from reshard.manifest import read_manifest
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.verify import verify
 from tests.fixtures.saving import save
@@ -200,6 +202,19 @@ def test_manifest_with_hostile_file_name(out):
     (out / "reshard.json").write_text(json.dumps(manifest))
     code, rep = run(out)
     assert code == 7 and "not a rank file name" in one(rep, "manifest")["message"]
+
+
+def test_a_manifest_that_leaves_config_json_out_is_malformed(out):
+    """Edited out of copied_files, config.json would be checked by nothing (verify, --against, the plugin),
+    and an edited one serves other tokens from the same weights. Save always records it."""
+    manifest = json.loads((out / "reshard.json").read_text())
+    manifest["copied_files"] = [c for c in manifest["copied_files"] if c["name"] != "config.json"]
+    manifest["copied"] = [c for c in manifest["copied"] if c != "config.json"]
+    (out / "reshard.json").write_text(json.dumps(manifest))
+    code, rep = run(out)
+    assert code == 7 and "copied_files does not list config.json" in one(rep, "manifest")["message"]
+    with pytest.raises(CorruptError, match=r"copied_files does not list config\.json"):
+        read_manifest(out)
 
 
 def test_two_runs_mixed(clean, out, tmp_path):

@@ -29,7 +29,7 @@ from reshard.manifest.validate import (
     optional,
     strings,
 )
-from reshard.names import parse_rank_file
+from reshard.names import CONFIG, parse_rank_file
 
 FORMAT = "reshard-sharded-state"
 FORMAT_VERSION = 1
@@ -209,6 +209,12 @@ def parse(obj: object) -> Manifest:
     seen: set[str] = set()
     records = tuple(_file(i, e, seen, algorithm) for i, e in enumerate(files))
     need(sum(len(f.tensors) for f in records) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
+    sides = as_list(optional(obj, "copied_files"), "copied_files")
+    # save copies config.json always: a manifest that leaves it out would let an edited one through unchecked
+    need(
+        obj.get("copied_files") is None or any(isinstance(e, dict) and e.get("name") == CONFIG for e in sides),
+        f"copied_files does not list {CONFIG} (every reshard output records the one it was saved with)",
+    )
     world = layout.tp * layout.pp
     ranks = None
     if "ranks" in obj:
@@ -226,9 +232,7 @@ def parse(obj: object) -> Manifest:
         vllm_versions=spec,
         total_bytes=as_int(obj.get("total_bytes", sum(f.size for f in records)), "total_bytes", MAX_SIZE),
         copied=tuple(_inside(n, "copied") for n in strings(optional(obj, "copied"), "copied")),
-        copied_files=tuple(
-            _side(i, e, algorithm) for i, e in enumerate(as_list(optional(obj, "copied_files"), "copied_files"))
-        ),
+        copied_files=tuple(_side(i, e, algorithm) for i, e in enumerate(sides)),
         source_tensors=_source_tensors(obj.get("source_tensors")),
         serve=str(obj.get("serve") or ""),
         serve_reshard=obj.get("serve_reshard") if isinstance(obj.get("serve_reshard"), str) else None,
