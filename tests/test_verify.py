@@ -217,6 +217,18 @@ def test_a_manifest_that_leaves_config_json_out_is_malformed(out):
         read_manifest(out)
 
 
+def test_a_file_vllm_reads_added_after_the_save_fails(out):
+    """A chat template (or tokenizer file, or config) put beside the output after the save: vLLM would serve
+    with it and nothing the manifest records tells it. Files the engine does not read are left alone."""
+    (out / "README.md").write_text("notes")
+    (out / "notes.txt").write_text("notes")
+    assert run(out)[0] == 0
+    (out / "chat_template.jinja").write_text("{{ messages }}")
+    code, rep = run(out)
+    assert code == 7 and [f["file"] for f in errors(rep)] == ["chat_template.jinja"]
+    assert "not in the manifest (added after the save?)" in one(rep, "unlisted-file")["message"]
+
+
 def test_two_runs_mixed(clean, out, tmp_path):
     other = save(str(clean[0]), tmp_path / "other", tp=2, max_part_size=DEFAULT_MAX_PART)
     shutil.copy(Path(other.out_dir) / RANK1, out / RANK1)
