@@ -9,6 +9,7 @@ lists such a file goes through here.
 from __future__ import annotations
 
 import fnmatch
+import glob
 import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ def sibling(out_dir: Path, kind: str, tag: str = "") -> Path:
 
 
 def siblings(out_dir: Path, kind: str) -> list[Path]:
-    """Every `.<name><kind>*` beside OUT_DIR, sorted."""
+    """Every `.<name><kind>*` beside OUT_DIR, sorted. The name is matched as it is: `m[1]`'s pattern must not
+    take `.m1.reshard-new-*`, another output's staging folder (or the only copy of its previous output)."""
     out = out_dir.resolve()
-    return sorted(out.parent.glob(f".{out.name}{kind}*"))
+    return sorted(out.parent.glob(f".{glob.escape(out.name)}{kind}*"))

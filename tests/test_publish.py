@@ -128,6 +128,23 @@ def test_a_crash_between_the_two_renames_is_repaired_by_the_next_run(tiny, previ
     assert siblings(out) == []
 
 
+def test_a_name_with_glob_characters_takes_no_other_outputs_leftovers(tiny, tmp_path):
+    """`m[1]`'s leftovers are `.m[1].reshard-*`, not `.m1.reshard-*`: the previous output of `m1` that a crash
+    between the two renames left there (its only copy) is neither taken over nor deleted."""
+    m1 = tmp_path / "m1"
+    assert run("save", str(tiny("llama")), str(m1), "--tp", "2")[0] == 0
+    before = snapshot(m1)
+    old = tmp_path / ".m1.reshard-old-abc"
+    os.rename(m1, old)
+    other = tmp_path / "m[1]"
+    assert run("save", str(tiny("qwen3")), str(other), "--tp", "1")[0] == 0
+    assert snapshot(old) == before
+    assert run("save", str(tiny("qwen3")), str(other), "--tp", "1", "--overwrite")[0] == 0
+    assert snapshot(old) == before
+    assert run("save", str(tiny("llama")), str(m1), "--tp", "2")[0] == 5  # its own: the previous output is back
+    assert snapshot(m1) == before
+
+
 def test_swap_without_rename_exchange(tiny, previous, monkeypatch):
     out, _ = previous
     monkeypatch.setattr(publish, "_exchange", lambda a, b: False)
