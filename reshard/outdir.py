@@ -39,6 +39,13 @@ def check_out_dir(out_dir: Path, source_root: Path | None, overwrite: bool, labe
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         what = "its reshard files" if label == "OUT_DIR" else "the weights there"
         raise OutputError(f"{label} {out_dir} is not empty", f"pass --overwrite to replace {what}")
+    inner = sorted(p for p in _mount_points() if p.startswith(str(out) + "/")) if out.is_dir() else []
+    if inner:  # the new folder would get a copy of its files, and the old one's removal empty the mount
+        raise OutputError(
+            f"{inner[0]} is a mount point inside {label} {out_dir}: replacing the folder would copy its files "
+            "and then delete them from it",
+            f"unmount it or move it out of {label}, or write to another folder",
+        )
 
 
 def check_apart(out_dir: Path, source_root: Path | None, label: str = "OUT_DIR") -> None:

@@ -242,6 +242,29 @@ def test_a_bind_mount_of_the_same_filesystem_is_published_inside_itself(tiny, tm
     assert (tmp_path / "backing" / "reshard.json").is_file()  # the files went through the mount
 
 
+@needs_mounts
+def test_a_mount_inside_out_dir_is_refused_not_emptied(tiny, tmp_path):
+    """A file system mounted in OUT_DIR (a data volume): --overwrite carried it over by copying its files
+    into the new folder, then removed the old folder, deleting every file on the mount. Exit 5 instead,
+    before anything is written; the mount keeps its files."""
+    out = tmp_path / "out"
+    rs = f"{sys.executable} -m reshard"
+    r = _in_mount_namespace(
+        f"""
+        {rs} save {tiny("llama")} {out} --tp 2
+        mkdir {out / "data"}
+        mount -t tmpfs data {out / "data"}
+        echo precious > {out / "data" / "precious.txt"}
+        {rs} save {tiny("llama")} {out} --tp 4 --overwrite || echo "exit $?"
+        cat {out / "data" / "precious.txt"}
+        {rs} verify {out} --tp 2
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "exit 5" in r.stdout and "precious" in r.stdout, r.stdout
+    assert f"{out / 'data'} is a mount point inside OUT_DIR {out}" in r.stderr, r.stderr
+
+
 def test_a_save_into_the_current_folder_keeps_the_folder(tiny, tmp_path, monkeypatch):
     """`reshard save SRC .` from an empty folder: the files are moved into the folder, which stays
     the same folder (a swap put a new one in its place: the shell stood in a removed folder, and
