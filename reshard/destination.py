@@ -100,6 +100,13 @@ class Folder(Destination):
         folder = held.enter_context(
             staged(self.local, run.tag, source=run.source, overwrite=run.overwrite, need=run.need)
         )
+        if stray := foreign_rank_files(self.local):
+            raise OutputError(
+                f"OUT_DIR {self.local} holds {stray[0]}{f' (and {len(stray) - 1} more)' if len(stray) > 1 else ''}, "
+                "which the output there does not list: vLLM's sharded_state would load it with the new rank files, "
+                "and --overwrite would delete it",
+                "move it out of OUT_DIR (or delete it), then rerun",
+            )
         return FolderStaging(folder, self.local)
 
 
@@ -258,6 +265,18 @@ def refuse_on_bucket(dest: Destination, what: str) -> None:  # for --ranks piece
             f"{what} cannot write to object storage yet ({dest.display})",
             "save to a local folder, or save to the bucket without it",
         )
+
+
+def foreign_rank_files(out_dir: Path) -> list[str]:
+    """Names in OUT_DIR that vLLM's rank-file globs match and its output's manifest does not list (a user's
+    `model-rank-0-part-0.backup.safetensors`); none where there is no readable manifest (then every such
+    name is a previous output's, vLLM's own save_sharded_state's included)."""
+    try:
+        listed = {f.name for f in read_manifest(out_dir).files}
+        names = os.listdir(out_dir)
+    except (ReshardError, OSError):
+        return []
+    return sorted(n for n in names if is_rank_file_name(n) and n not in listed)
 
 
 def ours(out_dir: Path) -> Callable[[str], bool]:

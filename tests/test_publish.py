@@ -145,6 +145,22 @@ def test_a_name_with_glob_characters_takes_no_other_outputs_leftovers(tiny, tmp_
     assert snapshot(m1) == before
 
 
+def test_a_users_file_named_like_a_rank_file_is_refused_not_deleted(tiny, previous):
+    """`model-rank-0-part-0.backup.safetensors` (a user's copy): vLLM's glob would load it with the new
+    output, so it cannot be kept, and --overwrite deleted it without a word. Exit 5, naming it; the
+    previous output and the file stay."""
+    out, before = previous
+    backup = out / "model-rank-0-part-0.backup.safetensors"
+    backup.write_bytes((out / "model-rank-0-part-0.safetensors").read_bytes())
+    (out / "model-rank-9-part-0.safetensors").write_bytes(b"stale")  # a rank file name no manifest lists
+    code, _, err = run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")
+    assert code == 5 and f"holds {backup.name} (and 1 more), which the output there does not list" in err, err
+    assert backup.is_file() and {k: v for k, v in snapshot(out).items() if k in before} == before
+    backup.unlink()
+    (out / "model-rank-9-part-0.safetensors").unlink()
+    assert run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")[0] == 0
+
+
 def test_swap_without_rename_exchange(tiny, previous, monkeypatch):
     out, _ = previous
     monkeypatch.setattr(publish, "_exchange", lambda a, b: False)
@@ -266,10 +282,8 @@ def test_overwrite_keeps_files_of_the_users_that_only_start_like_rank_files(prev
     out, _ = previous
     (out / "model-rank-README.md").write_text("mine\n")
     (out / "model-pp-notes.txt").write_text("mine\n")
-    (out / "model-rank-9-part-0.safetensors").write_bytes(b"stale")  # vLLM would load it: replaced
     assert run("save", str(tiny("llama")), str(out), "--tp", "2", "--overwrite")[0] == 0
     assert (out / "model-rank-README.md").read_text() == (out / "model-pp-notes.txt").read_text() == "mine\n"
-    assert not (out / "model-rank-9-part-0.safetensors").exists()
     assert run("verify", str(out))[0] == 0
 
 
