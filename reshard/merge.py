@@ -19,7 +19,7 @@ from reshard.format import ITEMSIZE
 from reshard.hashing import NONE
 from reshard.io.memory import DEFAULT_MAX_MEMORY, resident_bytes
 from reshard.layout import Layout
-from reshard.names import CONFIG, INDEX, MANIFEST, hf_shard_name
+from reshard.names import CONFIG, INDEX, MANIFEST, PIECE_MANIFEST_GLOB, hf_shard_name
 from reshard.plan import OutFile, OutTensor, Plan, Slice, natural_key, split_by_size
 from reshard.plan.gptq import restore_g_idx
 from reshard.plan.intquant import weight_shapes
@@ -136,7 +136,10 @@ def merge(
         swap_in(
             folder,
             hf_dir,
-            ours=lambda name: name == INDEX or fnmatch(name, "model*.safetensors"),
+            # a reshard output's manifest there too: kept, it would describe rank files that are gone
+            ours=lambda name: (
+                name in (INDEX, MANIFEST) or fnmatch(name, "model*.safetensors") or fnmatch(name, PIECE_MANIFEST_GLOB)
+            ),
             synced=[f.name for f in plan.files],
         )
     return {

@@ -169,6 +169,19 @@ def test_swap_without_rename_exchange(tiny, previous, monkeypatch):
     assert siblings(out) == []
 
 
+def test_merge_over_a_reshard_output_leaves_no_stale_manifest(tiny, previous):
+    """`merge OUT HF --overwrite` into a folder that held a reshard output: its rank files were replaced and
+    its reshard.json kept, describing files that were gone (verify: exit 7; as SOURCE: exit 7). The user's
+    file stays."""
+    out, _ = previous
+    other = out.parent / "tp4"
+    assert run("save", str(tiny("llama")), str(other), "--tp", "4")[0] == 0
+    assert run("merge", str(other), str(out), "--overwrite")[0] == 0
+    assert not (out / "reshard.json").exists() and (out / "NOTES.md").read_text() == "mine\n"
+    assert not list(out.glob("model-rank-*"))
+    assert run("plan", str(out), "--tp", "2")[0] == 0  # an HF checkpoint again
+
+
 def test_merge_overwrite_keeps_the_previous_checkpoint_on_failure(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
