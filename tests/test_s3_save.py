@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -428,6 +429,33 @@ def test_a_failure_during_the_commit_says_the_next_run_finishes_it(saved, s3prox
     assert "whose publishing this run has just finished" in err.strip().splitlines()[-1]
     state = prefix_state(client, bucket, "out/")
     assert state.verifies and state.manifest["layout"]["tp"] == 4 and state.uploads == [] and state.work == []
+
+
+def _listing(rewrite):
+    """A rewrite of ListObjectsV2 answers only (GET on the bucket with list-type=2)."""
+    return lambda method, path, query, body: rewrite(body) if "list-type=2" in query else body
+
+
+@pytest.mark.parametrize(
+    "lie, says",
+    [
+        (lambda body: re.sub(rb"<Contents>.*?</Contents>", b"", body, flags=re.S), "does not show it"),
+        (lambda body: b"<html>proxy error</html>", "is not an S3 listing"),
+    ],
+    ids=["keys-hidden", "html"],
+)
+def test_a_listing_that_lies_does_not_withdraw_the_output(saved, s3proxy, monkeypatch, s3server, lie, says):
+    """A listing that hides the prefix's objects (a lagging or lying store, a proxy's HTML page read as an
+    empty listing): the save without --overwrite went ahead, deleted the previous manifest, then failed
+    on its first create-only completion; the output was gone. Now exit 5 before anything is written."""
+    src, client, bucket = saved
+    before = objects(client, bucket, "out/")
+    _through(s3proxy, monkeypatch, s3server)
+    s3proxy.rewrite = _listing(lie)
+    code, _, err = run("save", str(src), url(bucket, "out/"), "--tp", "4")
+    assert code == 5 and says in one_line(err), err
+    s3proxy.rewrite = None
+    assert_untouched(client, bucket, before)
 
 
 def test_a_store_that_confirms_no_part_checksum_is_refused(saved, s3proxy, monkeypatch, s3server):

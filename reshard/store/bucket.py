@@ -49,6 +49,11 @@ class Bucket:
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=prefix)
             for page in pages:
+                if "IsTruncated" not in page:  # S3 always says; a 200 of another body parses to nothing
+                    raise self.error(
+                        f"the answer to listing s3://{self.url.bucket}/{prefix} is not an S3 listing",
+                        "check AWS_ENDPOINT_URL and any proxy in front of the store; retry later",
+                    )
                 for obj in page.get("Contents", []):
                     yield ObjectInfo(obj["Key"], int(obj.get("Size", 0)), str(obj.get("ETag", "")))
         except ReshardError:

@@ -73,7 +73,8 @@ class Prior:
         if self.manifest is not None:
             named |= {f.name for f in self.manifest.files} | {s.name for s in self.manifest.copied_files}
             named |= set(self.manifest.copied)
-        out = set()
+        # the previous output's own files, listed or not (a listing that lags must not leave them behind)
+        out = {bucket.url.key(n) for n in named if self.manifest is not None and n != MANIFEST}
         for key in self.keys:
             name = bucket.url.name(key)
             top = "/" not in name
@@ -259,8 +260,16 @@ class BucketPublisher:
                     "write to a prefix outside any other output's",
                 )
         listed = {o.key: o.etag for o in self.bucket.list()}
-        prior = Prior(keys=set(listed), manifest_etag=listed.get(self.url.key(MANIFEST), ""))
-        raw = self.bucket.get(self.url.key(MANIFEST), limit=MAX_SMALL)
+        key = self.url.key(MANIFEST)
+        head = self.bucket.head(key)  # asked for itself: a listing that lags (or lies) would withdraw it unasked
+        if head is not None and key not in listed:
+            raise OutputError(
+                f"{self.url}{MANIFEST} is there, yet the store's listing of {self.url} does not show it: the "
+                "listing is out of step with the objects",
+                "retry later; if it persists, the store (or a proxy in front of it) serves a stale listing",
+            )
+        prior = Prior(keys=set(listed), manifest_etag=str(head.get("ETag", "")) if head else "")
+        raw = self.bucket.get(key, limit=MAX_SMALL) if head is not None else None
         if raw is not None:
             prior.manifest = parse_manifest(raw, str(self.url) + MANIFEST)
         ours = prior.ours(self.bucket)
