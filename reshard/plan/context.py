@@ -36,18 +36,21 @@ class Context:
         self.moe_pin: str | None = None  # what the serve line must pin, set by the experts
         self.used: set[str] = set()
         self.pieces = True  # False: the layout only, without the experts' weight pieces (build_plan)
-        # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint
-        # ships its own lm_head; the sharded loader does not, so the output config must say so.
-        untie = bool(self.config.get("tie_word_embeddings", arch.tie_default)) and any(
-            n in ckpt.tensors for n in arch.hf_names(f"{arch.lm_head}.weight")
-        )
+        # vLLM (ModelConfig.maybe_untie_word_embeddings) unties a "tied" model whose checkpoint ships its
+        # own lm_head, reading config.json's top level; the sharded loader does not, so the output config
+        # must say so. The language model ties by its own config (`tie_in_text_config`) or the top level.
+        merged = bool(self.config.get("tie_word_embeddings", arch.tie_default))
+        top = ckpt.config.get("tie_word_embeddings")
+        top_tie = merged if top is None else bool(top)
+        untie = top_tie and any(n in ckpt.tensors for n in arch.hf_names(f"{arch.lm_head}.weight"))
         self.config_patch: dict = {"tie_word_embeddings": False} if untie else {}
         if untie:
             self.note(
                 "config.json says tie_word_embeddings but the checkpoint has its own lm_head: "
                 "written untied, and the copied config.json says tie_word_embeddings: false"
             )
-        self.dims = dims_from_config(ckpt.config, arch, untie)
+        tie = (merged if arch.tie_in_text_config or not arch.text_config else top_tie) and not untie
+        self.dims = dims_from_config(ckpt.config, arch, tie=tie)
         quant = quant_from_config(self.config)
         self.quant: Quant | None = quant.for_checkpoint(ckpt.tensors) if quant else None
         if self.quant:
@@ -163,7 +166,9 @@ def merged_config(config: dict, arch: Architecture) -> dict:
     return arch.text(config)
 
 
-def dims_from_config(config: dict, arch: Architecture, untied_by_checkpoint: bool = False) -> Dims:
+def dims_from_config(config: dict, arch: Architecture, *, tie: bool | None = None) -> Dims:
+    """The model's sizes from config.json; `tie`: whether vLLM ties its lm_head (default: what the config
+    the rules read says)."""
     config = merged_config(config, arch)
 
     def need(key: str) -> int:
@@ -179,7 +184,7 @@ def dims_from_config(config: dict, arch: Architecture, untied_by_checkpoint: boo
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         vocab=need("vocab_size"),
-        tie=bool(config.get("tie_word_embeddings", arch.tie_default)) and not untied_by_checkpoint,
+        tie=bool(config.get("tie_word_embeddings", arch.tie_default)) if tie is None else tie,
         num_experts=next((int(config[k]) for k in arch.experts_key if config.get(k)), 0) if arch.moe_mlp else 0,
         moe_intermediate=int(config.get(arch.moe_intermediate_key) or 0) if arch.moe_mlp else 0,
     )

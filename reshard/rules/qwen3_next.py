@@ -179,6 +179,7 @@ QWEN3_5_MOE = Architecture(
     every_stage=(LM + "embed_tokens",),  # built unconditionally; the norm and lm_head on the last stage
     skip_prefixes=("mtp.", "model.visual."),
     text_config="text_config",
+    tie_in_text_config=True,  # Qwen3_5ForCausalLMBase: config.tie_word_embeddings of hf_text_config
     serve_flags=("--language-model-only",),
 )
 

@@ -225,6 +225,9 @@ class Architecture:
         serve_flags: `vllm serve` options the layout needs (--language-model-only).
         tie_default: tie_word_embeddings where config.json does not say (transformers' default for
             the model's config class: True for Gemma-3's, whose releases leave it out).
+        tie_in_text_config: a model with `text_config` whose language model reads tie_word_embeddings there
+            (vLLM's Qwen3.5 classes build it from hf_text_config). Otherwise the top level's decides, as vLLM's
+            `with_hf_config` copies it into the text config of the multimodal models built through it.
         towers: multimodal encoders vLLM builds beside the language model (`Tower`); none: a text
             model, or (with `--language-model-only` in serve_flags) a tower without rules, always
             left out.
@@ -259,6 +262,7 @@ class Architecture:
     serve_flags: tuple[str, ...] = ()
     towers: tuple[Tower, ...] = ()
     tie_default: bool = False
+    tie_in_text_config: bool = False
     moe_on_every_stage: bool = False
     fused_late: tuple[str, ...] = ()
 

@@ -445,6 +445,12 @@ STATE_CASES += [
 ]
 MOE += ["kimi-k2.5", "kimi-k2.5-h3", "kimi-k2.5-v2", "kimi-k2.5-int4"]  # marks only
 
+# text_config says tied, the top level untied, and the checkpoint has its own lm_head: Qwen3.5 ties by its text
+# config (vLLM leaves the lm_head tied: the checkpoint's unused), Qwen3-VL by the top level (untied); a probe of
+# option combinations found reshard untying the first (2026-12-07).
+STATE_CASES += [case("qwen3.5-moe-tied", 2), case("qwen3.5-moe-tied", 1, pp=2), case("qwen3-vl-tied", 2)]
+MOE += ["qwen3.5-moe-tied"]  # marks only
+
 # Eight ranks, the layout the README's pre-bake uses (--tp 8, with EP): KV heads replicated 4x (8 heads, 2 KV),
 # experts cut in 8 (Ip 4), experts dealt 1 per rank, and TP 4 x PP 2. Sources built above; one batch of
 # 8-rank vLLM processes. (Also seen identical by hand, 2026-12-06: mistral, qwen3, phi3, gemma2, gemma3 and
