@@ -184,6 +184,16 @@ def test_merge_of_w8a8_static_names_the_input_scales_vllm_drops(ctq, tmp_path):
     assert len(result["not_in_output"]) == 4 * 3 * 2  # layers x {q, k, gate} x {input_scale, zero point}
 
 
+def test_reshard_of_a_w8a8_static_output_is_refused_as_lossy(ctq, tmp_path):
+    """vLLM keeps one input scale per fused module (the last part's): the output does not hold q's and
+    k's, which any layout needs again. Exit 3 saying so, not exit 4 blaming the checkpoint as incomplete."""
+    src = ctq("llama", "ct-w8a8-static")
+    save(str(src), tmp_path / "out", tp=2, max_part_size=MAX)
+    with pytest.raises(UnsupportedError, match=r"does not hold the original's 'model\.layers\.0\.self_attn\.q_proj"):
+        save(str(tmp_path / "out"), tmp_path / "again", tp=2, max_part_size=MAX)
+    assert not (tmp_path / "again").exists()
+
+
 @pytest.mark.parametrize(
     "arch, scheme, first, second",
     [

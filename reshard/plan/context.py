@@ -73,6 +73,13 @@ class Context:
         name = next((n for n in names if n in self.ckpt.tensors), names[0])
         t = self.ckpt.tensors.get(name)
         if t is None:
+            held = self.ckpt.manifest.source_tensors if self.ckpt.manifest is not None else None
+            if held is not None and name in held:  # a reshard output read back: the original had it
+                raise UnsupportedError(
+                    f"this reshard output does not hold the original's {name!r} (vLLM's layout keeps one value "
+                    f"for {why}, not each of its parts'), which this layout needs",
+                    "re-shard (or merge) the original checkpoint",
+                )
             raise SourceError(
                 f"checkpoint lacks tensor {name!r} (needed for vLLM's {why})",
                 "the checkpoint is incomplete or not of the architecture its config.json names",
