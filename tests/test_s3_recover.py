@@ -149,3 +149,28 @@ def test_a_manifest_replaced_during_the_run_is_not_deleted(tiny, s3, s3server, t
     assert client.get_object(Bucket=bucket, Key="rp/reshard.json")["Body"].read() == theirs
     state = prefix_state(client, bucket, "rp/")
     assert state.uploads == [] and state.work == [], state.describe()
+
+
+def test_an_output_published_inside_the_prefix_during_the_run_stops_its_commit(tiny, s3, s3server, tmp_path):
+    """Two runs at once on nested prefixes (each holds its own lock): both checked a prefix free of the other
+    at their start, and both published; vLLM would then load the inner output's rank files with the outer's.
+    The outer run looks again before its commit: exit 3, nothing of it published, the inner output whole."""
+    client, bucket = s3
+    env = s3_env(s3server)
+    marker = tmp_path / "stopped"
+    outer = paused(["save", str(tiny("llama")), url(bucket, "n/"), "--tp", "2"], env, at="commit", marker=marker)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert outer.poll() is None and time.monotonic() < deadline, outer.communicate()
+        time.sleep(0.02)
+    inner = reshard(["save", str(tiny("qwen3")), url(bucket, "n/sub/"), "--tp", "2"], env)
+    assert inner.returncode == 0, inner.stderr
+    marker.unlink()
+    _, err = outer.communicate(timeout=120)
+    assert outer.returncode == 3 and "lies under s3://" in one_line(err) and "n/sub/model-rank-" in err, err
+    assert "reshard.json" not in objects_named(client, bucket, "n/")
+    assert prefix_state(client, bucket, "n/sub/").verifies and open_uploads(client, bucket, "n/") == []
+
+
+def objects_named(client, bucket: str, prefix: str) -> set[str]:
+    return {o["Key"][len(prefix) :] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])}

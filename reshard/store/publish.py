@@ -252,13 +252,7 @@ class BucketPublisher:
                 f"{work[0][: -len(BUCKET_WORK_SUFFIX)]}/, an output beside it",
                 f"choose a prefix without a part ending in {BUCKET_WORK_SUFFIX}",
             )
-        for parent in self.url.parents():
-            if self.bucket.head(parent.key(MANIFEST)) is not None:
-                raise UnsupportedError(
-                    f"{parent} holds a reshard output, and {self.url} lies inside it: vLLM would load this "
-                    f"output's rank files with that one's",
-                    "write to a prefix outside any other output's",
-                )
+        self._check_parents()
         listed = {o.key: o.etag for o in self.bucket.list()}
         key = self.url.key(MANIFEST)
         head = self.bucket.head(key)  # asked for itself: a listing that lags (or lies) would withdraw it unasked
@@ -274,13 +268,7 @@ class BucketPublisher:
             prior.manifest = parse_manifest(raw, str(self.url) + MANIFEST)
         ours = prior.ours(self.bucket)
         foreign = sorted(prior.keys - ours)
-        for key in foreign:  # before "not empty": --overwrite would not remove it
-            if any(fnmatch(key, p) for p in VLLM_KEY_PATTERNS):
-                raise UnsupportedError(
-                    f"s3://{self.url.bucket}/{key} lies under {self.url}: vLLM lists the prefix without a "
-                    f"delimiter and would load it with this output's rank files",
-                    "move or delete it, or write to another prefix",
-                )
+        self._check_foreign(foreign)  # before "not empty": --overwrite would not remove it
         if prior.keys and not overwrite:
             if self.finished and prior.manifest is not None:  # this rerun's first act: that output is whole now
                 raise OutputError(
@@ -305,6 +293,24 @@ class BucketPublisher:
             )
         return prior
 
+    def _check_parents(self) -> None:
+        for parent in self.url.parents():
+            if self.bucket.head(parent.key(MANIFEST)) is not None:
+                raise UnsupportedError(
+                    f"{parent} holds a reshard output, and {self.url} lies inside it: vLLM would load this "
+                    f"output's rank files with that one's",
+                    "write to a prefix outside any other output's",
+                )
+
+    def _check_foreign(self, keys: list[str]) -> None:
+        for key in keys:
+            if any(fnmatch(key, p) for p in VLLM_KEY_PATTERNS):
+                raise UnsupportedError(
+                    f"s3://{self.url.bucket}/{key} lies under {self.url}: vLLM lists the prefix without a "
+                    f"delimiter and would load it with this output's rank files",
+                    "move or delete it, or write to another prefix",
+                )
+
     # ---- 5. the commit -------------------------------------------------------------------------
 
     def commit(self, uploads: Uploads, files: list[OpenUpload], manifest: OpenUpload, prior: Prior, run: str) -> None:
@@ -318,6 +324,10 @@ class BucketPublisher:
             "remove": remove,
             "manifest": manifest.to_json(),
         }
+        # again: a run on a prefix above or below this one (its own lock, so not this one's) may have
+        # published while this one uploaded; either way vLLM would load the two outputs together
+        self._check_parents()
+        self._check_foreign(sorted({o.key for o in self.bucket.list()} - prior.ours(self.bucket) - new))
         with signals_held():
             self.bucket.put(self.journal_key, json.dumps(journal).encode())
             self.journaled = True
