@@ -39,6 +39,7 @@ from pathlib import Path
 from reshard.format import fsync_dir
 from reshard.names import (
     HIDDEN_PREFIX,
+    LOCK,
     MANIFEST,
     OLD,
     STAGING,
@@ -122,11 +123,24 @@ def swap_in(staged: Path, out_dir: Path, *, ours: Callable[[str], bool], synced:
     if staged.parent == out:
         _publish_inside(staged, out, ours=ours, synced=synced)
         return
-    if out.is_dir():
-        for p in sorted(out.iterdir()):
-            if not ours(p.name) and not (staged / p.name).exists() and not p.name.startswith(HIDDEN_PREFIX):
-                _link_tree(p, staged / p.name)
-    _fsync_tree(staged, skip=set(synced))
+    with contextlib.ExitStack() as nested:
+        if out.is_dir():
+            for p in sorted(out.iterdir()):
+                if not ours(p.name) and not (staged / p.name).exists() and not p.name.startswith(HIDDEN_PREFIX):
+                    if _is_output(p):  # held until the swap: its own run must not publish into the copy's past
+                        nested.enter_context(lock(p))
+                    _link_tree(p, staged / p.name)
+        _fsync_tree(staged, skip=set(synced))
+        _swap(staged, out_dir, out)
+
+
+def _is_output(p: Path) -> bool:
+    """A folder holding a reshard output, or one a reshard run is writing (its lock beside it)."""
+    return p.is_dir() and not p.is_symlink() and ((p / MANIFEST).exists() or sibling(p, LOCK).exists())
+
+
+def _swap(staged: Path, out_dir: Path, out: Path) -> None:
+    """`staged` in OUT_DIR's place, atomically where the file system allows; the old folder removed."""
     old = sibling(out_dir, OLD, staged.name.rsplit(STAGING, 1)[-1])
     new = os.stat(staged).st_ino
     with signals_held():

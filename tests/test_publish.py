@@ -161,6 +161,30 @@ def test_a_users_file_named_like_a_rank_file_is_refused_not_deleted(tiny, previo
     assert run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")[0] == 0
 
 
+def test_a_nested_output_is_held_while_the_outer_save_carries_it_over(tiny, tmp_path, monkeypatch):
+    """OUT_DIR holds another output (OUT/sub). A save over OUT copies sub into its new folder; a save into
+    sub that published in between was undone by the swap (its output reverted to the copy, both exit 0), or
+    mixed into it. The outer save holds sub's lock from the copy to the swap: the inner one is refused
+    (exit 5) meanwhile, and sub stays whole."""
+    out, sub = tmp_path / "out", tmp_path / "out" / "sub"
+    assert run("save", str(tiny("llama")), str(out), "--tp", "2")[0] == 0
+    assert run("save", str(tiny("qwen3")), str(sub), "--tp", "2")[0] == 0
+    before = snapshot(sub)
+    real, inner = publish._exchange, {}
+
+    def exchange(a, b):  # the moment between the copy and the swap: another run saves into sub
+        env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1"}
+        args = [sys.executable, "-m", "reshard", "save", str(tiny("qwen3")), str(sub), "--tp", "1", "--overwrite"]
+        inner["run"] = subprocess.run(args, capture_output=True, text=True, env=env)
+        return real(a, b)
+
+    monkeypatch.setattr(publish, "_exchange", exchange)
+    assert run("save", str(tiny("llama")), str(out), "--tp", "4", "--overwrite")[0] == 0
+    r = inner["run"]
+    assert r.returncode == 5 and f"is writing {sub}" in r.stderr, r.stderr
+    assert snapshot(sub) == before and run("verify", str(sub), "--tp", "2")[0] == 0
+
+
 def test_swap_without_rename_exchange(tiny, previous, monkeypatch):
     out, _ = previous
     monkeypatch.setattr(publish, "_exchange", lambda a, b: False)
