@@ -151,7 +151,8 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
     from concurrent.futures import ThreadPoolExecutor
 
     from reshard import settings
-    from reshard.sources.integrity import HUB, PrefixHasher, is_sha256, mismatch
+    from reshard.sources.integrity import HUB, is_sha256, mismatch
+    from reshard.sources.prefixhash import PrefixHasher
 
     # snapshots/<commit>/<name> -> ../../blobs/<sha256>: the blob the commit's sha256 names is written, and the
     # link pointed at it; whatever the link pointed at before (another blob, a file outside the cache) is left

@@ -42,8 +42,9 @@ from reshard.manifest.schema import SourceFileRecord
 from reshard.names import INDEX, SINGLE
 from reshard.sources.hubgroups import Groups
 from reshard.sources.hubhttp import HubRepo, Meter
-from reshard.sources.integrity import HUB, UNCHECKED, PrefixHasher, is_sha256, mismatch
+from reshard.sources.integrity import HUB, UNCHECKED, is_sha256, mismatch
 from reshard.sources.local import read_config
+from reshard.sources.prefixhash import PrefixHasher
 from reshard.sources.validate import check_index
 
 _FILL = 64 * 1024 * 1024  # bytes per request when completing a cached blob

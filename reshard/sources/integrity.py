@@ -11,16 +11,13 @@ Where the expected sha256 comes from, and the `check` the manifest records for t
 A mismatch is a SourceError (exit 4) naming the file, raised before the save publishes anything;
 a source that can mend one (a Hub cache online: `reshard.sources.hub.refetch`) passes `check_files`
 a `Fix`, which fetches the file again or raises the error that says what to do.
-`PrefixHasher` hashes a file from the ranges a save reads, in any order: what arrives at its
-position is hashed at once, what arrives ahead of it waits in a bounded buffer, and the rest is
-read again at the end (`rest`).
+A Hub file read by ranges is hashed from the ranges the save reads (reshard.sources.prefixhash).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,8 +32,6 @@ UNCHECKED = "unchecked"
 CHECKS = (HUB, CACHE, SHA256_FILE, HF_METADATA, UNCHECKED)
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-_PENDING = 256 * 1024 * 1024  # bytes held out of order, per file, before they are read again instead
-_BLOCK = 16 * 1024 * 1024
 
 Expected = dict[str, tuple[str, str]]  # file -> (sha256, the check it counts as)
 # (file, the sha256 it hashed to, the one expected): put bytes that hash to the expected sha256 in its
@@ -46,55 +41,6 @@ Fix = Callable[[str, str, str], None]
 
 def is_sha256(text: str | None) -> bool:
     return bool(text) and bool(_HEX.match(text or ""))
-
-
-class PrefixHasher:
-    """sha256 of one file fed with (offset, bytes) ranges in any order, from several threads."""
-
-    def __init__(self, size: int) -> None:
-        import hashlib
-
-        self.size = size
-        self.pos = 0
-        self.h = hashlib.sha256()
-        self.pending: dict[int, bytes] = {}
-        self.held = 0
-        self.lock = threading.Lock()
-
-    def feed(self, pos: int, data: memoryview | bytes) -> None:
-        end = pos + len(data)
-        with self.lock:
-            if pos <= self.pos < end:
-                self.h.update(memoryview(data)[self.pos - pos :])
-                self.pos = end
-                self._drain()
-            elif pos > self.pos and self.held + len(data) <= _PENDING and pos not in self.pending:
-                self.pending[pos] = bytes(data)
-                self.held += len(data)
-
-    def _drain(self) -> None:
-        while self.pending:
-            ready = [p for p in self.pending if p <= self.pos]
-            if not ready:
-                return
-            for p in ready:
-                data = self.pending.pop(p)
-                self.held -= len(data)
-                if p + len(data) > self.pos:
-                    self.h.update(memoryview(data)[self.pos - p :])
-                    self.pos = p + len(data)
-
-    def rest(self, read: Callable[[int, memoryview], None]) -> str:
-        """The digest, reading what was not fed (from `pos` to the end) by `read(pos, out)`."""
-        with self.lock:
-            self.pending.clear()
-            self.held = 0
-            while self.pos < self.size:
-                buf = memoryview(bytearray(min(_BLOCK, self.size - self.pos)))
-                read(self.pos, buf)
-                self.h.update(buf)
-                self.pos += len(buf)
-            return self.h.hexdigest()
 
 
 _SAYS = {
