@@ -38,7 +38,7 @@ def no_check() -> None:
     from reshard.sources.integrity import UNCHECKED
 
     class NoHash:
-        def __init__(self, size: int) -> None:
+        def __init__(self, size: int, where: str = "") -> None:
             pass
 
         def feed(self, pos: int, data: object) -> None:

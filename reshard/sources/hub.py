@@ -167,7 +167,7 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
         try:
             head = memoryview(bytearray(8))
             size = repo.fetch(name, 0, head).size
-            hasher = PrefixHasher(size)
+            hasher = PrefixHasher(size, where)
 
             def one(pos: int) -> None:
                 buf = memoryview(bytearray(min(_CHUNK, size - pos)))

@@ -224,6 +224,10 @@ class HubRepo:
     def resolve_url(self, name: str) -> str:
         return f"{self.endpoint}/{self.repo_id}/resolve/{self.commit}/{quote(name)}"
 
+    def where(self, name: str) -> str:
+        """`name` of this commit, as messages say it."""
+        return f"{self.repo_id}/{name}@{self.commit[:12]}"
+
     def fetch(self, name: str, pos: int, out: memoryview, count: Callable[[int], None] | None = None) -> Remote:
         """Bytes [pos, pos + len(out)) of `name` into `out`, retried and resumed until all are in."""
         got = [0]

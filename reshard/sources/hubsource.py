@@ -15,9 +15,9 @@ Two modes:
   place and links it from `snapshots/<commit>/`, as huggingface_hub lays out its cache (so
   HF_HUB_OFFLINE finds it later). The source is stored once.
 
-Each file is hashed (sha256) from the ranges read, as they arrive (`PrefixHasher`); `finish` hashes
-the rest (from the completed blob, or fetched with --stream) and checks the LFS sha256 before the
-save publishes (reshard.sources.integrity).
+Each file is hashed (sha256) from the ranges read, as they arrive (`PrefixHasher`, which vouches that
+the bytes hashed are the bytes used); `finish` hashes the rest (from the completed blob, or fetched
+with --stream) and checks the LFS sha256 before the save publishes (reshard.sources.integrity).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class HubSource(Source):
         ref = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit}
         self._checkpoint = Checkpoint(root, read_config(root), tensors, files, ref, sizes)
         # each file hashed from the bytes the save reads, in file order where they arrive so
-        self.hashers = {name: PrefixHasher(sizes[name]) for name in files}
+        self.hashers = {name: PrefixHasher(sizes[name], self.repo.where(name)) for name in files}
         for name, head in self.heads.items():
             self.hashers[name].feed(0, head)
 
@@ -116,7 +116,7 @@ class HubSource(Source):
         head = bytearray(8)
         remote = self.repo.fetch(name, 0, memoryview(head))
         (n,) = struct.unpack("<Q", head)
-        where = f"{self.repo.repo_id}/{name}@{self.repo.commit[:12]}"
+        where = self.repo.where(name)
         if n > remote.size - 8 or n > MAX_HEADER:
             raise SourceError(
                 f"{where}: corrupt safetensors header (length {n}, file {remote.size} bytes)",
@@ -225,8 +225,7 @@ class HubSource(Source):
             return
         assert want is not None
         if got != want:
-            where = f"{self.repo.repo_id}/{name}@{self.repo.commit[:12]}"
-            raise mismatch(where, got, want, HUB, f"{hint}; nothing was published")
+            raise mismatch(self.repo.where(name), got, want, HUB, f"{hint}; nothing was published")
         self._checkpoint.checked.append(SourceFileRecord(name, size, got, HUB))
 
 

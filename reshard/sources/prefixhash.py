@@ -1,62 +1,143 @@
-"""One file's sha256 from the ranges a save reads, in any order.
+"""One file's sha256 from the ranges a save reads, in any order, vouching for every byte that was used.
 
-`PrefixHasher` hashes a file from the ranges a save reads, in any order: what arrives at its
-position is hashed at once, what arrives ahead of it waits in a bounded buffer, and the rest is
-read again at the end (`rest`).
+A save reads a Hub file's tensors in its own order, some more than once, some not at all; the sha256
+the Hub commits to is of the whole file, in order. `PrefixHasher.feed` is given each range a save
+uses; `rest` reads what was never given, and returns the digest. The digest must be of the bytes the
+save used, not of other bytes fetched later for the same offsets (a CDN may serve a range differently
+the second time). So every range fed is, at the latest by `rest`:
+
+- hashed as it arrives (it starts where the hash has got to), or
+- held (at most PENDING bytes per file) and hashed from those same bytes once the hash gets there, or
+- claimed: too far ahead to hold (or a second range at a held offset), its BLAKE3 digest kept, and
+  compared with the digest of the bytes the hash takes in for that span (fetched again by `rest`), or
+- behind: used after the hash passed its offset (fed by another read of the same bytes). Its BLAKE3
+  digest is kept and `rest` proves it by a second pass over the whole file: read again, every behind
+  range's digest compared, and that pass's sha256 equal to the first's.
+
+A comparison that fails is a SourceError (exit 4): the download served other bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import threading
 from collections.abc import Callable
 
-PENDING = 256 * 1024 * 1024  # bytes held out of order, per file, before they are read again instead
-BLOCK = 16 * 1024 * 1024
+import blake3
+
+from reshard.errors import SourceError
+
+PENDING = 256 * 1024 * 1024  # bytes held out of order, per file, before ranges are claimed instead
+BLOCK = 16 * 1024 * 1024  # bytes per read of `rest`
+
+Read = Callable[[int, memoryview], None]  # read(pos, out): bytes [pos, pos + len(out)) of the file
+
+
+def digest(data: memoryview | bytes | bytearray) -> bytes:
+    """The BLAKE3 digest reshard compares two fetches of a range by."""
+    return blake3.blake3(data).digest()
+
+
+def changed(where: str, start: int, end: int) -> SourceError:
+    return SourceError(
+        f"{where}: the download served other bytes for bytes {start}-{end} than it served before",
+        "run again later; if it persists, the Hub's CDN serves a changed file: report it (nothing was published)",
+    )
 
 
 class PrefixHasher:
-    """sha256 of one file fed with (offset, bytes) ranges in any order, from several threads."""
+    """sha256 of one file (`size` bytes, `where` in messages) fed with (offset, bytes) ranges in any
+    order, from several threads."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, where: str = "the file") -> None:
         self.size = size
-        self.pos = 0
+        self.where = where
+        self.pos = 0  # bytes [0, pos) hashed
         self.h = hashlib.sha256()
-        self.pending: dict[int, bytes] = {}
+        self.pending: dict[int, bytes] = {}  # held ranges by start, all after pos
+        self.starts: list[int] = []  # heap of pending's keys
         self.held = 0
+        self.claims: list[tuple[int, int, bytes]] = []  # heap: (start, end, BLAKE3) of ranges not yet hashed
+        self.open: list[tuple[int, int, bytes, blake3.blake3]] = []  # claims the hash is inside
+        self.behind: list[tuple[int, int, bytes]] = []  # ranges used after their bytes were hashed
         self.lock = threading.Lock()
 
-    def feed(self, pos: int, data: memoryview | bytes) -> None:
-        end = pos + len(data)
+    def feed(self, pos: int, data: memoryview | bytes | bytearray) -> None:
+        view = memoryview(data).cast("B")
+        end = pos + len(view)
         with self.lock:
-            if pos <= self.pos < end:
-                self.h.update(memoryview(data)[self.pos - pos :])
-                self.pos = end
+            if pos < self.pos:  # its start hashed already, from another read: proven by `rest`
+                cut = min(end, self.pos)
+                self.behind.append((pos, cut, digest(view[: cut - pos])))
+                view, pos = view[cut - pos :], cut
+                if not len(view):
+                    return
+            if pos == self.pos:
+                self._hash(view)
                 self._drain()
-            elif pos > self.pos and self.held + len(data) <= PENDING and pos not in self.pending:
-                self.pending[pos] = bytes(data)
-                self.held += len(data)
+            elif pos not in self.pending and self.held + len(view) <= PENDING:
+                self.pending[pos] = bytes(view)
+                heapq.heappush(self.starts, pos)
+                self.held += len(view)
+            else:
+                heapq.heappush(self.claims, (pos, end, digest(view)))
+
+    def _hash(self, view: memoryview) -> None:
+        """Take in bytes [pos, pos + len(view)): into the sha256, the claims over them, and compared
+        with the held ranges that start inside them (what is held beyond is kept, from the end)."""
+        a, b = self.pos, self.pos + len(view)
+        self.h.update(view)
+        while self.claims and self.claims[0][0] < b:
+            start, end, want = heapq.heappop(self.claims)
+            self.open.append((start, end, want, blake3.blake3()))
+        if self.open:
+            still = []
+            for start, end, want, h in self.open:
+                h.update(view[max(start, a) - a : min(end, b) - a])
+                if end > b:
+                    still.append((start, end, want, h))
+                elif h.digest() != want:
+                    raise changed(self.where, start, end)
+            self.open = still
+        while self.starts and self.starts[0] < b:
+            p = heapq.heappop(self.starts)
+            data = self.pending.pop(p)
+            self.held -= len(data)
+            n = min(len(data), b - p)
+            if view[p - a : p - a + n].tobytes() != data[:n]:
+                raise changed(self.where, p, p + n)
+            if n == len(data):
+                continue
+            if b in self.pending:  # another held range starts there: this one's end is claimed instead
+                heapq.heappush(self.claims, (b, p + len(data), digest(data[n:])))
+            else:
+                self.pending[b] = data[n:]
+                heapq.heappush(self.starts, b)
+                self.held += len(data) - n
+        self.pos = b
 
     def _drain(self) -> None:
-        while self.pending:
-            ready = [p for p in self.pending if p <= self.pos]
-            if not ready:
-                return
-            for p in ready:
-                data = self.pending.pop(p)
-                self.held -= len(data)
-                if p + len(data) > self.pos:
-                    self.h.update(memoryview(data)[self.pos - p :])
-                    self.pos = p + len(data)
+        while self.starts and self.starts[0] == self.pos:
+            p = heapq.heappop(self.starts)
+            data = self.pending.pop(p)
+            self.held -= len(data)
+            self._hash(memoryview(data))
 
-    def rest(self, read: Callable[[int, memoryview], None]) -> str:
-        """The digest, reading what was not fed (from `pos` to the end) by `read(pos, out)`."""
+    def rest(self, read: Read) -> str:
+        """The digest, reading what was neither fed nor held (from `pos` on) by `read(pos, out)`."""
         with self.lock:
-            self.pending.clear()
-            self.held = 0
             while self.pos < self.size:
-                buf = memoryview(bytearray(min(BLOCK, self.size - self.pos)))
+                upto = min(self.size, self.pos + BLOCK, self.starts[0] if self.starts else self.size)
+                buf = memoryview(bytearray(upto - self.pos))
                 read(self.pos, buf)
-                self.h.update(buf)
-                self.pos += len(buf)
-            return self.h.hexdigest()
+                self._hash(buf)
+                self._drain()
+            got = self.h.hexdigest()
+            if self.behind:
+                again = PrefixHasher(self.size, self.where)
+                again.claims = sorted(self.behind)
+                self.behind = []
+                if again.rest(read) != got:
+                    raise changed(self.where, 0, self.size)
+            return got

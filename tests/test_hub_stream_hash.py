@@ -1,0 +1,124 @@
+"""`save --stream` from a lying CDN: the sha256 checked against the Hub's LFS sha256 vouches for every
+byte the rank files were written from (reshard.sources.prefixhash), so a CDN that serves a range
+wrong once, and right when it is fetched again, is exit 4 with nothing published, however the
+save's reads fall:
+
+- used bytes after an unused tensor (a rotary `inv_freq`, MTP layers, a vision tower skipped by
+  --language-model-only) wait for the hash and are hashed from the bytes used; too many to hold,
+  their digests are kept and the bytes fetched again for the hash must match them.
+
+Saves run in-process (the hash's limit made small by monkeypatch), against the project's Hub server
+(tests/fixtures/hubserver.py) with its `corrupt` hook.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from reshard.sources import prefixhash
+from tests.fixtures.cli import run
+from tests.fixtures.hubrun import REPO, rank_bytes, serving, tiny_with_reference
+
+UNUSED = "model.layers.0.self_attn.rotary_emb.inv_freq"  # a tensor no rank reads
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny qwen3 (its reference `save --tp 2`), and a copy whose first tensor is UNUSED."""
+    base = tmp_path_factory.mktemp("streamhash")
+    src, ref = tiny_with_reference(base, shards=1)
+    unused = base / "unused"
+    unused.mkdir()
+    for p in src.iterdir():
+        if p.is_file() and p.suffix != ".safetensors":
+            (unused / p.name).write_bytes(p.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    tensors[UNUSED] = torch.arange(16 * 1024, dtype=torch.float32)  # F32: before the BF16 tensors
+    save_file(tensors, unused / "model.safetensors", metadata={"format": "pt"})
+    return src, ref, unused
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """`hub(folder)`: the Hub server with `folder` as REPO, huggingface_hub pointed at it and at a cache
+    of this test's own, in this process."""
+    import huggingface_hub.constants as constants
+
+    for name in ("http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for k, v in {"RESHARD_HUB_BACKOFF": "0.01", "RESHARD_HUB_RETRIES": "3", "RESHARD_DISABLE_PROGRESS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    servers = []
+
+    def start(folder: Path):
+        server = serving(folder)
+        servers.append(server)
+        hub = server.__enter__()
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+        return hub
+
+    yield start
+    for server in servers:
+        server.__exit__(None, None, None)
+
+
+def unused_bytes(path: Path) -> tuple[int, int]:
+    """Where UNUSED's bytes are in the file, [start, end): the first tensor's."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    a, b = json.loads(raw[8 : 8 + n])[UNUSED]["data_offsets"]
+    assert (a, b) == (0, 64 * 1024)
+    return 8 + n + a, 8 + n + b
+
+
+@pytest.mark.parametrize("pending", [None, 4096], ids=["held", "too-many-to-hold"])
+def test_used_bytes_after_an_unused_tensor_served_wrong_are_exit_4(checkpoint, hub, monkeypatch, tmp_path, pending):
+    """The CDN flips every range after the unused tensor until the hash reads the unused tensor, then
+    serves honest bytes (F1)."""
+    _, _, src = checkpoint
+    monkeypatch.setenv("RESHARD_HUB_SMALL", "0")  # each tensor its own range, as large ones are
+    if pending is not None:
+        monkeypatch.setattr(prefixhash, "PENDING", pending)
+    gap = unused_bytes(src / "model.safetensors")
+    server = hub(src)
+    honest, lies = [], []
+
+    def corrupt(name: str, start: int, end: int) -> bool:
+        if gap[0] <= start < gap[1]:  # the hash's own read of what no rank used: honest from here on
+            honest.append(start)
+        if not honest and start >= gap[1]:
+            lies.append(start)
+        return not honest and start >= gap[1]
+
+    server.corrupt = corrupt
+    code, out, err = run("save", REPO, str(tmp_path / "out"), "--tp", "2", "--stream")
+    assert (code, out) == (4, ""), err
+    assert lies and honest  # the premise: used bytes served wrong, then the unused ones read for the hash
+    [line] = err.splitlines()
+    assert line.startswith(f"reshard: error: {REPO}/model.safetensors@{server.sha[:12]}: ")
+    if pending is None:  # what was held is hashed from the bytes used: the sha256 is wrong
+        assert "is not the LFS sha256 the Hub commits to" in line
+    else:  # what could not be held was used wrong and fetched again right
+        assert "the download served other bytes for bytes " in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_used_bytes_after_an_unused_tensor_are_fetched_once(checkpoint, hub, monkeypatch, tmp_path):
+    """The honest run: every byte fetched once (what was held is not fetched again; the unused tensor is
+    fetched for the hash only), and the rank files are the reference's."""
+    _, ref, src = checkpoint
+    monkeypatch.setenv("RESHARD_HUB_SMALL", "0")
+    server = hub(src)
+    code, _, err = run("save", REPO, str(tmp_path / "out"), "--tp", "2", "--stream")
+    assert code == 0, err
+    assert server.served == (src / "model.safetensors").stat().st_size
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
