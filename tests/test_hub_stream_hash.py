@@ -1,14 +1,15 @@
 """`save --stream` from a lying CDN: the sha256 checked against the Hub's LFS sha256 vouches for every
-byte the rank files were written from (reshard.sources.prefixhash), so a CDN that serves a range
-wrong once, and right when it is fetched again, is exit 4 with nothing published, however the
-save's reads fall:
+byte the rank files were written from (reshard.sources.prefixhash, reshard.sources.hubgroups), so a
+CDN that serves a range wrong once, and right when it is fetched again, is exit 4 with nothing
+published, however the save's reads fall:
 
 - used bytes after an unused tensor (a rotary `inv_freq`, MTP layers, a vision tower skipped by
-  --language-model-only) wait for the hash and are hashed from the bytes used; too many to hold,
-  their digests are kept and the bytes fetched again for the hash must match them.
+  --language-model-only) wait for the hash; too many to hold, their digests are kept and the bytes
+  fetched again for the hash must match them;
+- a group of small tensors dropped from memory and fetched again must match its first fetch.
 
-Saves run in-process (the hash's limit made small by monkeypatch), against the project's Hub server
-(tests/fixtures/hubserver.py) with its `corrupt` hook.
+Saves run in-process (the hash's and the groups' limits made small by monkeypatch), against the
+project's Hub server (tests/fixtures/hubserver.py) with its `corrupt` hook.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reshard.sources import prefixhash
+from reshard.sources import hubgroups, prefixhash
 from tests.fixtures.cli import run
 from tests.fixtures.hubrun import REPO, rank_bytes, serving, tiny_with_reference
 
@@ -122,3 +123,62 @@ def test_used_bytes_after_an_unused_tensor_are_fetched_once(checkpoint, hub, mon
     assert code == 0, err
     assert server.served == (src / "model.safetensors").stat().st_size
     assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+
+
+@pytest.fixture
+def tiny_groups(monkeypatch):
+    """Groups of at most 64 KiB, one kept at a time: the tiny qwen3's groups are dropped and fetched again."""
+    monkeypatch.setattr(hubgroups, "GROUP", 64 * 1024)
+    monkeypatch.setattr(hubgroups, "KEEP", 1)
+
+
+def test_a_group_served_wrong_when_fetched_again_is_exit_4(checkpoint, hub, tiny_groups, tmp_path):
+    """The CDN serves any range it has served before with bits flipped (F2)."""
+    src, _, _ = checkpoint
+    server = hub(src)
+    seen: set[tuple[int, int]] = set()
+    again = []
+
+    def corrupt(name: str, start: int, end: int) -> bool:
+        if (start, end) in seen:
+            again.append((start, end))
+            return True
+        seen.add((start, end))
+        return False
+
+    server.corrupt = corrupt
+    code, out, err = run("save", REPO, str(tmp_path / "out"), "--tp", "2", "--stream")
+    assert again  # the premise: a group was fetched again
+    assert (code, out) == (4, ""), err
+    [line] = err.splitlines()
+    a, b = again[0]
+    assert line == (
+        f"reshard: error: {REPO}/model.safetensors@{server.sha[:12]}: the download served other bytes for bytes "
+        f"{a}-{b} than it served before (run again later; if it persists, the Hub's CDN serves a changed file: "
+        "report it (nothing was published))"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_groups_fetched_again_honestly_give_the_reference_bytes_without_a_second_pass(
+    checkpoint, hub, tiny_groups, tmp_path
+):
+    """Each byte fetched once, but for the groups fetched again: checked by their digests, not by
+    downloading the file once more."""
+    src, ref, _ = checkpoint
+    server = hub(src)
+    seen: set[tuple[int, int]] = set()
+    again = []
+
+    def count(name: str, start: int, end: int) -> bool:
+        if (start, end) in seen:
+            again.append(end - start)
+        seen.add((start, end))
+        return False
+
+    server.corrupt = count
+    code, _, err = run("save", REPO, str(tmp_path / "out"), "--tp", "2", "--stream")
+    assert code == 0, err
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+    assert again  # the premise: groups fetched again
+    assert server.served == (src / "model.safetensors").stat().st_size + sum(again)

@@ -6,6 +6,11 @@ tensors of one dtype together, so the small ones lie side by side: runs of tenso
 RESHARD_HUB_SMALL (1 MiB), contiguous in their file, are cut into groups of at most GROUP bytes, and
 the first read of a group's tensor fetches the whole group. Fetched groups stay in memory (at most KEEP bytes, least
 recently used dropped first, on top of --max-memory) for the reads of the other tensors in them.
+
+A group dropped and read again is fetched again, and not hashed again: the file's hash has moved on
+(reshard.sources.prefixhash). Where groups can be dropped (more than KEEP bytes of them), the BLAKE3
+digest of each group's first fetch is kept, and a fetch again must match it (else exit 4): the bytes
+used are the bytes hashed.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 
 from reshard import settings
 from reshard.format import TensorInfo
+from reshard.sources.prefixhash import changed, digest
 
 GROUP = 4 << 20
 KEEP = 64 << 20
@@ -24,7 +30,7 @@ Key = tuple[str, int, int]  # file, start, end
 
 
 class Groups:
-    def __init__(self, tensors: dict[str, TensorInfo]) -> None:
+    def __init__(self, tensors: dict[str, TensorInfo], where: Callable[[str], str] = str) -> None:
         self.of: dict[str, Key] = {}
         small_below = settings.HUB_SMALL.get()  # 0: every read its own request
         by_file: dict[str, list[TensorInfo]] = {}
@@ -42,13 +48,17 @@ class Groups:
                     key = (file, run[0].offset, run[-1].offset + run[-1].nbytes)
                     self.of.update((r.name, key) for r in run)
                 run = [t] if small else []  # type: ignore[list-item]
+        self.where = where  # a file's name in messages
+        self.drops = sum(b - a for _, a, b in set(self.of.values())) > KEEP  # whether a group can be dropped
+        self.digests: dict[Key, bytes] = {}  # each group's first fetch, where `drops`
         self.lock = threading.Lock()
         self.kept: OrderedDict[Key, bytearray] = OrderedDict()
         self.size = 0
         self.pending: dict[Key, threading.Event] = {}
 
-    def get(self, key: Key, fill: Callable[[memoryview], None]) -> bytearray:
-        """The group's bytes: kept, being fetched by another thread (waited for), or fetched here."""
+    def get(self, key: Key, fill: Callable[[memoryview, bool], None]) -> bytearray:
+        """The group's bytes: kept, being fetched by another thread (waited for), or fetched here by
+        `fill(out, again)` (`again`: fetched before, and dropped)."""
         while True:
             with self.lock:
                 if key in self.kept:
@@ -61,8 +71,15 @@ class Groups:
             event.wait()  # the other thread's fetch; if it failed, try again here
         data = None
         try:
-            data = bytearray(key[2] - key[1])
-            fill(memoryview(data))
+            buf = bytearray(key[2] - key[1])
+            first = self.digests.get(key)
+            fill(memoryview(buf), first is not None)
+            if self.drops:
+                got = digest(buf)
+                if first is not None and got != first:
+                    raise changed(self.where(key[0]), key[1], key[2])
+                self.digests[key] = got
+            data = buf
             return data
         finally:
             with self.lock:

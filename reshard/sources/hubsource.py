@@ -155,7 +155,7 @@ class HubSource(Source):
             self.meter.total = need
         elif self.stream:
             self.meter.total = ckpt.total_bytes
-        return HubReader(self.repo, self.blobs, Groups(ckpt.tensors), self.hashers)
+        return HubReader(self.repo, self.blobs, Groups(ckpt.tensors, self.repo.where), self.hashers)
 
     def _blob_name(self, name: str) -> str:
         """The cache's name for `name`'s blob: the commit's LFS sha256 (huggingface_hub's name for it), else
@@ -352,7 +352,7 @@ class HubReader(AlignedReader):
         if key is None:
             self._fill(t.file, pos, out)
             return out
-        data = self.groups.get(key, lambda region: self._fill(t.file, key[1], region))
+        data = self.groups.get(key, lambda buf, again: (self._get if again else self._fill)(t.file, key[1], buf))
         out[:] = memoryview(data)[pos - key[1] : pos - key[1] + nbytes]
         return out
 
