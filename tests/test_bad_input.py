@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -194,6 +195,35 @@ def test_json_usage_error_is_json(tiny, tmp_path):
     bad.write_text("junk\n")
     ours = run("save", str(tiny("llama")), str(tmp_path / "o"), "--source-sha256", str(bad), "--json")
     assert ours[0] == 2 and json.loads(ours[1])["error"]["kind"] == "UsageError"
+
+
+def test_two_different_sha256_lines_for_a_file_are_a_usage_error(tiny, tmp_path):
+    """`sha256sum -c` would fail one of them; the last one won silently."""
+    src = tiny("llama")
+    shard = next(src.glob("*.safetensors")).name
+    good = hashlib.sha256((src / shard).read_bytes()).hexdigest()
+    sums = tmp_path / "sums"
+    sums.write_text(f"{'0' * 64}  {shard}\n{good}  {shard}\n")
+    code, _, err = run("save", str(src), str(tmp_path / "o"), "--tp", "2", "--source-sha256", str(sums))
+    assert code == 2 and f"sums:2: a second, different sha256 for {shard}" in err, err
+    sums.write_text(f"{good}  {shard}\n{good}  ./{shard}\n")  # the same twice: fine
+    assert run("save", str(src), str(tmp_path / "o"), "--tp", "2", "--source-sha256", str(sums))[0] == 0
+
+
+def test_deep_verify_against_a_source_changed_since_the_save_blames_the_source(tiny, tmp_path):
+    """The save checked the source's sha256 (--source-sha256) and recorded it; the source changed since:
+    `verify --against SRC --deep` says so (exit 4, naming the file), not that the output is corrupt (7)."""
+    src = Path(shutil.copytree(tiny("llama"), tmp_path / "src"))
+    shard = next(src.glob("*.safetensors"))
+    sums = tmp_path / "sums"
+    sums.write_text(f"{hashlib.sha256(shard.read_bytes()).hexdigest()}  {shard.name}\n")
+    out = tmp_path / "out"
+    assert run("save", str(src), str(out), "--tp", "2", "--source-sha256", str(sums))[0] == 0
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    code, _, err = run("verify", str(out), "--against", str(src), "--deep")
+    assert code == 4 and f"{shard}: sha256" in err and "SOURCE changed since the save?" in err, err
 
 
 def test_debug_adds_the_traceback_and_keeps_the_code(tmp_path, monkeypatch):

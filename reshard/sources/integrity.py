@@ -28,8 +28,9 @@ HUB = "hub-lfs-sha256 verified"
 CACHE = "hub-cache-blob-sha256 verified"
 SHA256_FILE = "sha256-file verified"
 HF_METADATA = "hf-metadata-sha256 verified"
+RECORDED = "recorded-sha256 verified"  # verify --against --deep: the sha256 the output's save checked
 UNCHECKED = "unchecked"
-CHECKS = (HUB, CACHE, SHA256_FILE, HF_METADATA, UNCHECKED)
+CHECKS = (HUB, CACHE, SHA256_FILE, HF_METADATA, RECORDED, UNCHECKED)
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -48,6 +49,7 @@ _SAYS = {
     CACHE: "the sha256 its cache blob is named by",
     SHA256_FILE: "the sha256 --source-sha256 lists",
     HF_METADATA: "the sha256 in .cache/huggingface",
+    RECORDED: "the sha256 the output's manifest records for its source (SOURCE changed since the save?)",
 }
 
 
@@ -69,8 +71,20 @@ def read_sha256_file(path: Path) -> dict[str, str]:
         m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line.strip())
         if not m:
             raise UsageError(f"--source-sha256 {path}:{n}: not a `sha256sum` line", "write it with `sha256sum FILES`")
-        out[os.path.basename(m.group(2).removeprefix("./"))] = m.group(1).lower()
+        name, sha = os.path.basename(m.group(2).removeprefix("./")), m.group(1).lower()
+        if out.setdefault(name, sha) != sha:  # `sha256sum -c` would fail one of the two
+            raise UsageError(
+                f"--source-sha256 {path}:{n}: a second, different sha256 for {name}",
+                "keep one line per file (`sha256sum` of the files as they should be)",
+            )
     return out
+
+
+def recorded_expected(records: tuple[SourceFileRecord, ...] | None, files: list[str]) -> Expected:
+    """The sha256 a save checked each source file against, as its manifest records them: what `verify
+    --against SOURCE --deep` expects of SOURCE's files of the same names (a changed source is its fault)."""
+    have = set(files)
+    return {r.name: (r.sha256, RECORDED) for r in records or () if r.name in have and is_sha256(r.sha256)}
 
 
 def local_expected(root: Path, files: list[str], sha_file: Path | None) -> Expected:
