@@ -38,6 +38,15 @@ class LocalSource(Source):
         self.fix = fix
         self._seen = {name: self._identity(name) for name in self._checkpoint.files}  # as the headers were read
 
+    def expect(self, more: Expected) -> None:
+        """Also check the files of `more` that have no sha256 of their own to be checked against."""
+        own = (
+            self.expected
+            if self.expected is not None
+            else local_expected(self.root, self._checkpoint.files, self.sha256_file)
+        )
+        self.expected = {**more, **own}
+
     def check(self) -> None:
         """Hash each file that has an expected sha256 (exit 4 on a mismatch); record them all."""
         ckpt = self._checkpoint

@@ -35,6 +35,8 @@ from reshard.manifest import Manifest
 from reshard.names import OLD, siblings
 from reshard.serve import PLUGIN_LOAD_FORMAT, plain_line, serve_in
 from reshard.sources import open_source
+from reshard.sources.integrity import recorded_expected
+from reshard.sources.local import LocalSource
 from reshard.store import is_bucket_url, parse_bucket_url
 from reshard.store.view import BucketView
 from reshard.verify import bucket, integrity, keys, sidefiles, structure
@@ -108,6 +110,9 @@ def verify(
     if against is not None:
         source = open_source(against, revision, headers_only=not deep)
         ckpt = source.checkpoint
+        if deep and folder.manifest is not None and isinstance(source, LocalSource):
+            # bytes of a source changed since the save are its fault (exit 4), not the output's
+            source.expect(recorded_expected(folder.manifest.source_files, ckpt.files))
         keys.compare_source_tensors(report, folder, ckpt, against)
     expected = keys.expected_plan(report, folder, ckpt, against)
     if ckpt is not None and expected is not None:
