@@ -67,6 +67,8 @@ def assemble(out_dir: Path, *, quiet: bool = False) -> Manifest | None:
     `quiet`, a folder that is not complete yet gives None instead of an error.
     """
     pieces = _read_pieces(out_dir)
+    if not pieces and not quiet and (out_dir / MANIFEST).exists():
+        return read_manifest(out_dir)  # assembled already (a rerun after a kill that came just after it)
     if not pieces:
         if quiet:
             return None
