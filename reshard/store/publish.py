@@ -19,8 +19,10 @@ S3 has no rename, so the local swap (reshard.publish) becomes a commit of open u
    `check` listed (that output no longer verifies; a delayed DELETE cannot land on the new manifest);
    every upload completed, several at once (new keys only if absent), each object's checksum as the
    store reports it compared with the one computed while uploading; the previous output's objects
-   that the new one does not replace deleted; the manifest completed last; the journal deleted. A kill in this window leaves the journal: the next run (or
-   `reshard save` again) finishes it. An error before it leaves the previous output as it was.
+   that the new one does not replace deleted; the manifest completed last; the journal deleted. A kill
+   in this window leaves the journal: the next run (or `reshard save` again) finishes it. An error
+   before it leaves the previous output as it was. Just before it, the prefix's nesting is checked
+   again (an output published above or below it meanwhile, by a run under its own lock).
 """
 
 from __future__ import annotations
