@@ -172,7 +172,7 @@ def test_revision_is_pinned_while_the_branch_moves(hub, source, tmp_path):
 
 
 def test_cached_blob_tracks_the_ranges_it_holds(tmp_path):
-    from reshard.sources.hubsource import Blob
+    from reshard.sources.hubblob import Blob
 
     blob = Blob(tmp_path / "etag", 100)
     assert blob.gaps() == [(0, 100)] and not blob.has(0, 1)

@@ -1,0 +1,115 @@
+"""One weight file of a Hub repo in huggingface_hub's cache, filled at the offsets the save reads
+(`blobs/<name>.reshard-partial`, the ranges it holds listed in `<name>.reshard-ranges`), renamed to
+`blobs/<name>` and linked from the snapshot once it is complete and checked (reshard.sources.hubsource).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+from reshard.errors import SourceError
+
+
+class Blob:
+    """One weight file of the cache, being filled at the offsets it is read from (any order)."""
+
+    def __init__(self, final: Path, size: int) -> None:
+        self.final = final
+        self.size = size
+        self.partial = final.with_name(final.name + ".reshard-partial")
+        self.log = final.with_name(final.name + ".reshard-ranges")
+        self.lock = threading.Lock()
+        self.starts: list[int] = []  # disjoint held ranges [starts[i], ends[i]), sorted
+        self.ends: list[int] = []
+        self.fd: int | None = None
+        if final.is_file() and final.stat().st_size == size:
+            self.starts, self.ends, self.fd = [0], [size], os.open(final, os.O_RDONLY)
+            return
+        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)
+        if os.fstat(self.fd).st_size != size:
+            os.ftruncate(self.fd, size)
+            self.log.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.log.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    a, b = map(int, line.split())
+                    if 0 <= a < b <= size:
+                        self._add(a, b)
+        self.log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def _add(self, a: int, b: int) -> None:
+        i = bisect.bisect_left(self.ends, a)  # first range that ends at or after a
+        j = bisect.bisect_right(self.starts, b)  # ranges before j start at or before b
+        if i < j:
+            a, b = min(a, self.starts[i]), max(b, self.ends[j - 1])
+        self.starts[i:j] = [a]
+        self.ends[i:j] = [b]
+
+    def has(self, a: int, b: int) -> bool:
+        return self.held_from(a) >= b
+
+    def held_from(self, a: int) -> int:
+        """Where the bytes it holds from `a` on stop (`a` when it does not hold byte a)."""
+        with self.lock:
+            i = bisect.bisect_right(self.starts, a) - 1
+            return max(a, self.ends[i]) if i >= 0 else a
+
+    def missing(self) -> int:
+        with self.lock:
+            return self.size - sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
+
+    def gaps(self) -> list[tuple[int, int]]:
+        with self.lock:
+            edges = [0, *[x for se in zip(self.starts, self.ends, strict=True) for x in se], self.size]
+        return [(edges[k], edges[k + 1]) for k in range(0, len(edges), 2) if edges[k] < edges[k + 1]]
+
+    def pread(self, out: memoryview, pos: int) -> None:
+        assert self.fd is not None
+        got = 0
+        while got < len(out):
+            n = os.preadv(self.fd, [out[got:]], pos + got)
+            if n == 0:
+                raise SourceError(f"{self.partial}: truncated", "delete it and run again")
+            got += n
+
+    def store(self, data: memoryview, pos: int) -> None:
+        assert self.fd is not None
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], pos + done)
+        # start writing it back now (the source is not read again): the final fsync has little left
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(self.fd, pos, len(data), os.POSIX_FADV_DONTNEED)
+        with self.lock:
+            os.write(self.log_fd, f"{pos} {pos + len(data)}\n".encode())
+            self._add(pos, pos + len(data))
+
+    def publish(self, link: Path) -> None:
+        """The complete blob under its final name, and the snapshot's link to it."""
+        if self.partial.exists():
+            assert self.fd is not None
+            os.fsync(self.fd)
+            os.replace(self.partial, self.final)
+            self.log.unlink(missing_ok=True)
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.symlink(os.path.relpath(self.final, link.parent), link)
+
+    def discard(self) -> None:
+        """Delete a partial blob (reshard's own file); a complete one is left for the user to judge."""
+        if self.partial.exists():
+            self.close()
+            self.partial.unlink(missing_ok=True)
+            self.log.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for fd in (self.fd, getattr(self, "log_fd", None)):
+            if fd is not None:
+                os.close(fd)
+        self.fd = None
+        self.log_fd = None
