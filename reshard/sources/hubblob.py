@@ -26,6 +26,7 @@ class Blob:
         self.starts: list[int] = []  # disjoint held ranges [starts[i], ends[i]), sorted
         self.ends: list[int] = []
         self.fd: int | None = None
+        self.log_fd: int | None = None  # a partial blob's range log (a complete one has none)
         if final.is_file() and final.stat().st_size == size:
             self.starts, self.ends, self.fd = [0], [size], os.open(final, os.O_RDONLY)
             return
@@ -40,6 +41,18 @@ class Blob:
                     if 0 <= a < b <= size:
                         self._add(a, b)
         self.log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def put_head(self, head: bytes) -> bool:
+        """The file's first bytes as this run fetched them (its length and header: what the plan is
+        made of, and what its hasher is fed) written over whatever a partial blob holds there, an
+        earlier run's, maybe from a server that lied then: the blob holds the bytes hashed. A complete
+        blob is not written: False where it holds other bytes there."""
+        if self.log_fd is None:
+            held = memoryview(bytearray(len(head)))
+            self.pread(held, 0)
+            return held == head
+        self.store(memoryview(head), 0)
+        return True
 
     def _add(self, a: int, b: int) -> None:
         i = bisect.bisect_left(self.ends, a)  # first range that ends at or after a
@@ -108,7 +121,7 @@ class Blob:
             self.log.unlink(missing_ok=True)
 
     def close(self) -> None:
-        for fd in (self.fd, getattr(self, "log_fd", None)):
+        for fd in (self.fd, self.log_fd):
             if fd is not None:
                 os.close(fd)
         self.fd = None

@@ -140,8 +140,12 @@ class HubSource(Source):
             (storage / "blobs").mkdir(parents=True, exist_ok=True)
             for name in ckpt.files:
                 blob = self.blobs[name] = Blob(storage / "blobs" / self._blob_name(name), ckpt.file_sizes[name])
-                if not blob.has(0, len(self.heads[name])):
-                    blob.store(memoryview(self.heads[name]), 0)
+                if not blob.put_head(self.heads[name]):
+                    raise SourceError(
+                        f"{self.repo.repo_id}/{name}@{self.repo.commit[:12]}: the cached {blob.final} holds another "
+                        "safetensors header than the Hub serves for it: corrupt or changed",
+                        f"delete {blob.final} and run again",
+                    )
             need = sum(b.missing() for b in self.blobs.values())
             free = shutil.disk_usage(storage / "blobs").free
             if need > free:

@@ -1,0 +1,75 @@
+"""What reshard puts into huggingface_hub's cache is the Hub's bytes, and what it reads from there is
+checked: other tools (transformers, `vllm serve REPO`) trust a blob's name. A partial blob an earlier
+run left is published only if its own bytes hash to its name; offline, a cached small file is checked
+against the git blob sha1 its blob is named by; safetensors files stored in git (not LFS) are checked
+against theirs. Runs against the project's Hub server (tests/fixtures/hubserver.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.hubrun import REPO, one_line_error, rank_bytes, reshard, serving, tiny_with_reference
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_with_reference(tmp_path_factory.mktemp("hubcache"), shards=2)
+
+
+@pytest.fixture
+def server(checkpoint):
+    with serving(checkpoint[0]) as server:
+        yield server
+
+
+def blobs(home: Path) -> list[Path]:
+    return sorted(p for p in (home / "hub").rglob("blobs/*") if len(p.name) in (40, 64))
+
+
+def heads(src: Path) -> int:
+    """The bytes of every weight file's length and header together (what planning fetches)."""
+    return sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in src.glob("*.safetensors"))
+
+
+def test_a_partial_blob_whose_header_is_not_the_hubs_is_never_published_under_its_sha256(server, checkpoint, tmp_path):
+    """Run 1 gets the headers, then the CDN serves nothing more (exit 4, the partial blobs kept). One
+    header in a partial blob then says F16 where the Hub's says BF16 (as a lying CDN could have left it).
+    Run 2, against an honest Hub, must not rename that blob to blobs/<sha256>: it was (its output right,
+    the cached file wrong) because the header hashed was the one fetched, not the one in the blob."""
+    src, ref = checkpoint
+    home = tmp_path / "hf"
+    server.budget = heads(src)
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    assert p.returncode == 4, p.stderr
+    partial = sorted((home / "hub").rglob("*.reshard-partial"))[0]
+    head = partial.read_bytes()[:512]
+    lie = head.replace(b'"dtype":"BF16",', b'"dtype":"F16" ,', 1)
+    assert lie != head
+    with open(partial, "r+b") as f:
+        f.write(lie)
+    server.budget = None
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    assert p.returncode == 0, p.stderr
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+    names = {hashlib.sha256(f.read_bytes()).hexdigest(): f.read_bytes() for f in src.glob("*.safetensors")}
+    assert {b.name: b.read_bytes() for b in blobs(home) if len(b.name) == 64} == names
+
+
+def test_a_complete_blob_whose_header_is_not_the_hubs_is_not_linked(server, checkpoint, tmp_path):
+    """A complete blobs/<sha256> the snapshot does not link yet (a run stopped between the two), its
+    header edited: it is not linked as the commit's file (it was: only its other bytes were hashed)."""
+    home = tmp_path / "hf"
+    assert reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2").returncode == 0
+    blob = next(b for b in blobs(home) if len(b.name) == 64)
+    link = next(p for p in (home / "hub").rglob("snapshots/*/*.safetensors") if p.resolve() == blob)
+    link.unlink()
+    data = blob.read_bytes()
+    blob.chmod(0o644)
+    blob.write_bytes(data.replace(b'"dtype":"BF16",', b'"dtype":"F16" ,', 1))
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    one_line_error(p, 4, link.name, str(blob))
+    assert not link.exists() and not (tmp_path / "out").exists()
