@@ -8,10 +8,13 @@ against theirs. Runs against the project's Hub server (tests/fixtures/hubserver.
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from reshard.manifest.schema import parse
 from tests.fixtures.hubrun import REPO, one_line_error, rank_bytes, reshard, serving, tiny_with_reference
 
 
@@ -28,6 +31,13 @@ def server(checkpoint):
 
 def blobs(home: Path) -> list[Path]:
     return sorted(p for p in (home / "hub").rglob("blobs/*") if len(p.name) in (40, 64))
+
+
+def source_files(out: Path) -> dict[str, tuple[str | None, str]]:
+    """What the manifest says of each source file: (sha256, check)."""
+    m = parse(json.loads((out / "reshard.json").read_text()))
+    assert m.source_files is not None
+    return {f.name: (f.sha256, f.check) for f in m.source_files}
 
 
 def heads(src: Path) -> int:
@@ -73,3 +83,55 @@ def test_a_complete_blob_whose_header_is_not_the_hubs_is_not_linked(server, chec
     p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
     one_line_error(p, 4, link.name, str(blob))
     assert not link.exists() and not (tmp_path / "out").exists()
+
+
+def git_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.fixture
+def git_stored(checkpoint, tmp_path, monkeypatch):
+    """The Hub serving the checkpoint's safetensors files as files stored in git, not LFS (no `lfs` entry;
+    their ETag and blob id are their git blob sha1): an honest commit, then one whose last file has a
+    byte flipped near its end while its ETag and blob id still name the honest bytes (served edited)."""
+    from tests.fixtures import hubserver
+
+    monkeypatch.setattr(hubserver, "LFS_SUFFIXES", (".bin",))
+    src, _ = checkpoint
+    lie = tmp_path / "lie"
+    shutil.copytree(src, lie)
+    last = sorted(lie.glob("*.safetensors"))[-1]
+    data = bytearray(last.read_bytes())
+    data[-50] ^= 0x01
+    last.write_bytes(bytes(data))
+    with serving(src) as server:
+        honest = server.sha
+        server.sha = server.add_repo(REPO, lie, branch="lie")
+        server.repos[REPO].etags[(server.sha, last.name)] = git_sha1((src / last.name).read_bytes())
+        yield server, honest, last.name
+
+
+@pytest.mark.parametrize("mode", ["--stream", "--no-stream"])
+def test_safetensors_stored_in_git_are_checked_against_their_git_blob_sha1(checkpoint, git_stored, tmp_path, mode):
+    """Served edited, they were saved with exit 0 and `check: unchecked`; now exit 4 naming the file and
+    nothing published (no output, nothing in the cache under the commit's names). Served right, the
+    manifest says they were checked."""
+    src, ref = checkpoint
+    server, _, edited = git_stored
+    args = ["--stream"] if mode == "--stream" else []
+    home = tmp_path / "hf"
+    p = reshard(server, home, "save", REPO, str(tmp_path / "bad"), "--tp", "2", "--revision", "lie", *args)
+    one_line_error(p, 4, edited, "git blob sha1")
+    assert not (tmp_path / "bad").exists()
+    assert not list((home / "hub").rglob("snapshots/*/*.safetensors"))
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2", *args)
+    assert p.returncode == 0, p.stderr
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+    files = {f.name: f.read_bytes() for f in sorted(src.glob("*.safetensors"))}
+    want = {n: (hashlib.sha256(d).hexdigest(), "hub-git-sha1 verified") for n, d in files.items()}
+    assert source_files(tmp_path / "out") == want
+    if mode == "--no-stream":  # cached under their git blob sha1, as huggingface_hub names such blobs
+        links = {p.name: p.resolve() for p in (home / "hub").rglob("snapshots/*/*.safetensors")}
+        assert {n: (b.name, b.read_bytes()) for n, b in links.items()} == {
+            n: (git_sha1(d), d) for n, d in files.items()
+        }

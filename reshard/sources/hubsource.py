@@ -23,8 +23,8 @@ with --stream) and checks the LFS sha256 before the save publishes (reshard.sour
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
-import re
 import shutil
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -40,13 +40,13 @@ from reshard.names import INDEX, SINGLE
 from reshard.sources.hubblob import Blob
 from reshard.sources.hubgroups import Groups
 from reshard.sources.hubhttp import HubRepo, Meter
-from reshard.sources.integrity import HUB, UNCHECKED, is_sha256, mismatch
+from reshard.sources.hubsmall import expected
+from reshard.sources.integrity import GIT, HUB, UNCHECKED, mismatch
 from reshard.sources.local import read_config
 from reshard.sources.prefixhash import PrefixHasher
 from reshard.sources.validate import check_index
 
 _FILL = 64 * 1024 * 1024  # bytes per request when completing a cached blob
-_BLOB_ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a git blob sha1 or an LFS sha256, as the cache names blobs
 
 
 def weight_names(repo: HubRepo, root: Path) -> list[str]:
@@ -159,19 +159,25 @@ class HubSource(Source):
             self.meter.total = ckpt.total_bytes
         return HubReader(self.repo, self.blobs, Groups(ckpt.tensors, self.repo.where), self.hashers)
 
-    def _blob_name(self, name: str) -> str:
-        """The cache's name for `name`'s blob: the commit's LFS sha256 (huggingface_hub's name for it), else
-        the Hub's ETag where it is a git or LFS hash. Never another string the server sent: it becomes a
-        path (an absolute or `../` ETag would put the file anywhere this user can write)."""
+    def _want(self, name: str) -> tuple[str, str] | None:
+        """What `name`'s bytes must hash to, and how (hubsmall.expected): the commit's LFS sha256; for a
+        file stored in git (no LFS), its git blob sha1, the model info's blob id; else the Hub's ETag
+        where it is one of those hashes. It names the blob in the cache too, as huggingface_hub names it:
+        never another string the server sent (an absolute or `../` ETag would put the file anywhere
+        this user can write)."""
         lfs, etag = self.repo.lfs.get(name), self.etags.get(name)
-        if is_sha256(lfs):
-            assert lfs is not None
-            return lfs
-        if etag and _BLOB_ETAG.fullmatch(etag):
-            return etag
+        if lfs is not None:  # an LFS file: its git blob id is its pointer's
+            return expected(lfs, None) or expected(etag, None)
+        return expected(None, self.repo.blob_ids.get(name)) or expected(etag, etag)
+
+    def _blob_name(self, name: str) -> str:
+        """The cache's name for `name`'s blob: the hash its bytes are checked against."""
+        want = self._want(name)
+        if want is not None:
+            return want[0]
         raise SourceError(
-            f"{self.repo.repo_id}/{name}: the Hub names no sha256 for it (ETag {str(etag)[:80]!r}), so it has no "
-            "name in the Hugging Face cache",
+            f"{self.repo.repo_id}/{name}: the Hub names no sha256 for it (ETag {str(self.etags.get(name))[:80]!r}), "
+            "so it has no name in the Hugging Face cache",
             "use `save --stream` (stores nothing), or check HF_ENDPOINT",
         )
 
@@ -218,17 +224,45 @@ class HubSource(Source):
             (refs / self.repo.revision).write_text(self.repo.commit)
 
     def _verify(self, name: str, read, hint: str = "run again") -> None:
-        """`name`'s sha256 against the LFS sha256 of the commit; its record for the manifest."""
+        """`name`'s sha256 against the LFS sha256 of the commit (or, stored in git, its git blob sha1);
+        its record for the manifest."""
         got = self.hashers[name].rest(read)
-        want = self.repo.lfs.get(name) or self.etags.get(name)
+        want = self._want(name)
         size = self._checkpoint.file_sizes[name]
-        if not is_sha256(want):
+        where = self.repo.where(name)
+        if want is None:
             self._checkpoint.checked.append(SourceFileRecord(name, size, got, UNCHECKED))
             return
-        assert want is not None
-        if got != want:
-            raise mismatch(self.repo.where(name), got, want, HUB, f"{hint}; nothing was published")
+        if want[1] == "git":  # read once more, whole: the Hub keeps files over 10 MB in LFS
+            sha256, sha1 = _whole(read, size)
+            if sha256 != got:
+                raise SourceError(
+                    f"{where}: read twice, it gave other bytes the second time (sha256 {got[:12]}…, "
+                    f"then {sha256[:12]}…)",
+                    f"{hint}; nothing was published",
+                )
+            if sha1 != want[0]:
+                raise SourceError(
+                    f"{where}: git blob sha1 {sha1[:12]}… is not the commit's blob id ({want[0][:12]}…): "
+                    "corrupt or changed",
+                    f"{hint}; nothing was published",
+                )
+            self._checkpoint.checked.append(SourceFileRecord(name, size, got, GIT))
+            return
+        if got != want[0]:
+            raise mismatch(where, got, want[0], HUB, f"{hint}; nothing was published")
         self._checkpoint.checked.append(SourceFileRecord(name, size, got, HUB))
+
+
+def _whole(read, size: int) -> tuple[str, str]:
+    """(sha256, git blob sha1) of a file's bytes, read by `read(pos, out)` in blocks."""
+    sha256, sha1 = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size)
+    for pos in range(0, size, _FILL):
+        buf = memoryview(bytearray(min(_FILL, size - pos)))
+        read(pos, buf)
+        sha256.update(buf)
+        sha1.update(buf)
+    return sha256.hexdigest(), sha1.hexdigest()
 
 
 def _storage(ckpt: Checkpoint) -> Path:

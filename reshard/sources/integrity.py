@@ -30,7 +30,8 @@ SHA256_FILE = "sha256-file verified"
 HF_METADATA = "hf-metadata-sha256 verified"
 RECORDED = "recorded-sha256 verified"  # verify --against --deep: the sha256 the output's save checked
 UNCHECKED = "unchecked"
-CHECKS = (HUB, CACHE, SHA256_FILE, HF_METADATA, RECORDED, UNCHECKED)
+GIT = "hub-git-sha1 verified"  # a safetensors file stored in git, not LFS: its git blob sha1 (the blob id)
+CHECKS = (HUB, CACHE, SHA256_FILE, HF_METADATA, RECORDED, UNCHECKED, GIT)
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
