@@ -135,3 +135,28 @@ def test_safetensors_stored_in_git_are_checked_against_their_git_blob_sha1(check
         assert {n: (b.name, b.read_bytes()) for n, b in links.items()} == {
             n: (git_sha1(d), d) for n, d in files.items()
         }
+
+
+def test_an_edited_cached_small_file_offline_is_exit_4(server, checkpoint, tmp_path):
+    """After an online save, config.json's blob edited (rms_norm_eps; its name, the git blob sha1, kept): offline, the
+    save and `verify --against REPO --deep` used it unchecked (exit 0, an output with the edited config
+    and a manifest naming the commit). Now both are exit 4 saying how to get it again, as for weights."""
+    src, _ = checkpoint
+    home = tmp_path / "hf"
+    assert reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2").returncode == 0
+    blob = next((home / "hub").rglob("snapshots/*/config.json")).resolve()
+    assert blob.name == git_sha1((src / "config.json").read_bytes())
+    blob.chmod(0o644)
+    edited = blob.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 0.1')
+    assert edited != blob.read_text()
+    blob.write_text(edited)
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2", HF_HUB_OFFLINE="1")
+    one_line_error(p, 4, f"{REPO}/config.json@{server.sha[:12]}", "git blob sha1", "--force-download")
+    assert not (tmp_path / "out").exists()
+    p = reshard(server, home, "verify", str(tmp_path / "good"), "--against", REPO, "--deep", HF_HUB_OFFLINE="1")
+    one_line_error(p, 4, f"{REPO}/config.json@{server.sha[:12]}", "git blob sha1")
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")  # online: fetched again
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    p = reshard(server, home, "save", REPO, str(tmp_path / "off"), "--tp", "2", HF_HUB_OFFLINE="1")
+    assert p.returncode == 0 and p.stderr == "", p.stderr

@@ -10,7 +10,8 @@
 A cached file that does not hash to the sha256 the commit holds (a bad persistent CI cache) is
 fetched again when the Hub is reachable (`refetch`: into a file of its own, checked, then renamed
 over the blob, as huggingface_hub downloads: a reader sees the old blob or the new one, whole);
-from the cache alone it is exit 4 saying how to download it again.
+from the cache alone it is exit 4 saying how to download it again, and so is a small file (config.json,
+the tokenizer, ...) that does not hash to its blob's name (reshard.sources.hubsmall.check_cached).
 """
 
 from __future__ import annotations
@@ -99,11 +100,15 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
             f"{at} is not in the Hugging Face cache and the Hub is unreachable or HF_HUB_OFFLINE is set",
             "download it first (`hf download REPO`), unset HF_HUB_OFFLINE, or point HF_HOME at the cache",
         ) from e
+    from fnmatch import fnmatch
+
+    from reshard.sources.hubsmall import check_cached
     from reshard.sources.integrity import CACHE, cache_expected, mismatch
     from reshard.sources.local import weight_files
 
-    root = Path(folder)  # offline: each file checked against the sha256 its blob is named by
+    root = Path(folder)  # offline: each file checked against the hash its blob is named by
     check_cache_links(root, weight_files(root), repo_id)
+    check_cached(root, sorted(p.name for p in root.iterdir() if any(fnmatch(p.name, x) for x in HUB_PATTERNS)), repo_id)
     ref = {"repo_id": repo_id, "revision": revision or "main", "commit": root.name}
 
     def fix(name: str, got: str, want: str) -> None:

@@ -7,7 +7,8 @@ whose own retries took minutes, waited out any Retry-After and filled stderr. Ea
 against the commit's hash of it, as the weights are: its LFS sha256, else its git blob sha1 (the model
 info's `blobId`): a config.json served edited (another `rope_theta`) is exit 4, not copied into every
 output. A cached copy that does not match is fetched again; the blob is written to a file of its own and
-renamed, and the link replaced, never written through.
+renamed, and the link replaced, never written through. Offline (`check_cached`), a cached copy that does not
+hash to its blob's name is exit 4.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 
@@ -39,9 +41,15 @@ def expected(lfs: str | None, blob_id: str | None) -> tuple[str, str] | None:
     return None
 
 
+_WHAT = {"sha256": "LFS sha256", "git": "git blob sha1"}
+
+
+def _hash(data: bytes, how: str) -> str:
+    return hashlib.sha256(data).hexdigest() if how == "sha256" else git_blob_sha1(data)
+
+
 def matches(data: bytes, want: tuple[str, str]) -> bool:
-    name, how = want
-    return (hashlib.sha256(data).hexdigest() if how == "sha256" else git_blob_sha1(data)) == name
+    return _hash(data, want[1]) == want[0]
 
 
 def cached(storage: Path, commit: str, name: str, want: tuple[str, str] | None) -> Path | None:
@@ -80,13 +88,41 @@ def store(storage: Path, commit: str, name: str, data: bytes, want: tuple[str, s
 
 
 def mismatch(repo_id: str, commit: str, name: str, data: bytes, want: tuple[str, str]) -> SourceError:
-    got = hashlib.sha256(data).hexdigest() if want[1] == "sha256" else git_blob_sha1(data)
-    what = "LFS sha256" if want[1] == "sha256" else "git blob sha1"
     return SourceError(
-        f"{repo_id}/{name}@{commit[:12]}: the Hub served bytes whose {what} is {got[:12]}…, the commit's is "
+        f"{repo_id}/{name}@{commit[:12]}: the Hub served bytes whose {_WHAT[want[1]]} is {_hash(data, want[1])[:12]}…, "
+        "the commit's is "
         f"{want[0][:12]}… (nothing was published)",
         "the Hub, or a proxy or CDN before it, served another file: run again later, or check HF_ENDPOINT",
     )
+
+
+def check_cached(root: Path, names: list[str], repo_id: str) -> None:
+    """Offline: each file `names` of the cache snapshot `root` that links to a blob named by a hash of it
+    (huggingface_hub names a blob by the git blob sha1 of a file stored in git, by the LFS sha256 of
+    one in LFS; other tools trust that name) hashes to that name; exit 4 where one does not. LFS
+    safetensors files are left to the save, which hashes them as it reads them."""
+    blobs = os.path.normpath(root.parent.parent / "blobs")
+    for name in names:
+        path = root / name
+        try:
+            target = os.path.normpath(os.path.join(root, os.readlink(path)))
+            blob = os.path.basename(target)
+            want = expected(blob, blob)
+            if want is None or (want[1] == "sha256" and name.endswith(".safetensors")):
+                continue
+            # a regular file among the repo's blobs only: the save says what is wrong with any other
+            if os.path.dirname(target) != blobs or not stat.S_ISREG(os.lstat(target).st_mode):
+                continue
+            data = Path(target).read_bytes()
+        except OSError:  # not a link (nothing names its hash), or unreadable: the save tells
+            continue
+        if not matches(data, want):
+            raise SourceError(
+                f"{repo_id}/{name}@{root.name[:12]} in the Hugging Face cache: its {_WHAT[want[1]]} is "
+                f"{_hash(data, want[1])[:12]}…, not the {blob[:12]}… its blob is named by: the cached copy is corrupt",
+                "run with the Hub reachable (HF_HUB_OFFLINE unset) and reshard fetches it again, or "
+                f"`hf download {repo_id} {name} --revision {root.name} --force-download`",
+            )
 
 
 def download(repo: HubRepo, name: str) -> str:
