@@ -160,3 +160,32 @@ def test_an_edited_cached_small_file_offline_is_exit_4(server, checkpoint, tmp_p
     assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
     p = reshard(server, home, "save", REPO, str(tmp_path / "off"), "--tp", "2", HF_HUB_OFFLINE="1")
     assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
+def test_cached_safetensors_stored_in_git_are_checked_against_their_blob_names(checkpoint, git_stored, tmp_path):
+    """A cached-mode save of files stored in git, then one blob edited (its name, the git blob sha1, kept):
+    offline it is exit 4 (it was read unchecked); online it is fetched again (it was used as it was).
+    Right, the manifest says how each file was checked, offline too."""
+    src, ref = checkpoint
+    server, honest, edited = git_stored
+    home = tmp_path / "hf"
+    assert reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2").returncode == 0
+    files = {f.name: f.read_bytes() for f in sorted(src.glob("*.safetensors"))}
+    p = reshard(server, home, "save", REPO, str(tmp_path / "off"), "--tp", "2", HF_HUB_OFFLINE="1")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    checked = {n: (hashlib.sha256(d).hexdigest(), "hub-cache-blob-git-sha1 verified") for n, d in files.items()}
+    assert source_files(tmp_path / "off") == checked
+    blob = home / "hub" / "models--acme--tiny-qwen3" / "blobs" / git_sha1(files[edited])
+    data = bytearray(files[edited])
+    data[-50] ^= 0x01
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(data))
+    p = reshard(server, home, "save", REPO, str(tmp_path / "bad"), "--tp", "2", HF_HUB_OFFLINE="1")
+    one_line_error(p, 4, f"{REPO}/{edited}@{honest[:12]}", "git blob sha1", "--force-download")
+    assert not (tmp_path / "bad").exists()
+    p = reshard(server, home, "save", REPO, str(tmp_path / "out"), "--tp", "2")
+    assert p.returncode == 0, p.stderr
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+    assert blob.read_bytes() == files[edited]
+    checked = {n: (hashlib.sha256(d).hexdigest(), "hub-git-sha1 verified") for n, d in files.items()}
+    assert source_files(tmp_path / "out") == checked

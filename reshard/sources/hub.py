@@ -17,6 +17,7 @@ the tokenizer, ...) that does not hash to its blob's name (reshard.sources.hubsm
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -74,10 +75,13 @@ def _online(repo, *, headers_only: bool, stream: bool):
     files = weight_names(repo, root)
     ref = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit}
     if all((root / f).is_file() for f in files):  # complete in the cache: a local folder, checked before use
-        from reshard.sources.integrity import HUB, cache_expected
+        from reshard.sources.integrity import GIT, HUB, cache_expected
 
         expected = cache_expected(root, files)  # the blob names, unless the commit says otherwise:
         expected.update({f: (repo.lfs[f], HUB) for f in files if f in repo.lfs})
+        for f in files:  # stored in git: checked as a small file is (fetched again where it is not the commit's)
+            if f not in repo.lfs and hubsmall.expected(None, repo.blob_ids.get(f)):
+                expected[f] = (hashlib.sha256(Path(hubsmall.download(repo, f)).read_bytes()).hexdigest(), GIT)
         for f in files:  # cut short or grown: fetched again before its header is read (and refused)
             size = (root / f).stat().st_size
             if f in repo.lfs and repo.lfs_size.get(f, size) != size:
@@ -103,13 +107,17 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
     from fnmatch import fnmatch
 
     from reshard.sources.hubsmall import check_cached
-    from reshard.sources.integrity import CACHE, cache_expected, mismatch
+    from reshard.sources.integrity import CACHE, CACHE_GIT, cache_expected, mismatch
     from reshard.sources.local import weight_files
 
     root = Path(folder)  # offline: each file checked against the hash its blob is named by
     check_cache_links(root, weight_files(root), repo_id)
-    check_cached(root, sorted(p.name for p in root.iterdir() if any(fnmatch(p.name, x) for x in HUB_PATTERNS)), repo_id)
+    in_git = check_cached(
+        root, sorted(p.name for p in root.iterdir() if any(fnmatch(p.name, x) for x in HUB_PATTERNS)), repo_id
+    )
     ref = {"repo_id": repo_id, "revision": revision or "main", "commit": root.name}
+    expected = cache_expected(root, weight_files(root))
+    expected.update({f: (in_git[f], CACHE_GIT) for f in weight_files(root) if f in in_git})
 
     def fix(name: str, got: str, want: str) -> None:
         raise mismatch(
@@ -121,7 +129,7 @@ def _from_cache(repo_id: str, revision: str | None) -> LocalSource:
             f"it again, or `hf download {repo_id} {name} --revision {root.name} --force-download`",
         )
 
-    return LocalSource(root, ref, cache_expected(root, weight_files(root)), fix=fix)
+    return LocalSource(root, ref, expected, fix=fix)
 
 
 def check_cache_links(root: Path, files: list[str], repo_id: str) -> None:

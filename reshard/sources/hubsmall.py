@@ -96,11 +96,13 @@ def mismatch(repo_id: str, commit: str, name: str, data: bytes, want: tuple[str,
     )
 
 
-def check_cached(root: Path, names: list[str], repo_id: str) -> None:
+def check_cached(root: Path, names: list[str], repo_id: str) -> dict[str, str]:
     """Offline: each file `names` of the cache snapshot `root` that links to a blob named by a hash of it
     (huggingface_hub names a blob by the git blob sha1 of a file stored in git, by the LFS sha256 of
     one in LFS; other tools trust that name) hashes to that name; exit 4 where one does not. LFS
-    safetensors files are left to the save, which hashes them as it reads them."""
+    safetensors files are left to the save, which hashes them as it reads them. The sha256 of each file
+    checked against a git blob sha1 (what the manifest records of a weight file)."""
+    out: dict[str, str] = {}
     blobs = os.path.normpath(root.parent.parent / "blobs")
     for name in names:
         path = root / name
@@ -123,6 +125,9 @@ def check_cached(root: Path, names: list[str], repo_id: str) -> None:
                 "run with the Hub reachable (HF_HUB_OFFLINE unset) and reshard fetches it again, or "
                 f"`hf download {repo_id} {name} --revision {root.name} --force-download`",
             )
+        if want[1] == "git":
+            out[name] = hashlib.sha256(data).hexdigest()
+    return out
 
 
 def download(repo: HubRepo, name: str) -> str:

@@ -31,7 +31,8 @@ HF_METADATA = "hf-metadata-sha256 verified"
 RECORDED = "recorded-sha256 verified"  # verify --against --deep: the sha256 the output's save checked
 UNCHECKED = "unchecked"
 GIT = "hub-git-sha1 verified"  # a safetensors file stored in git, not LFS: its git blob sha1 (the blob id)
-CHECKS = (HUB, CACHE, SHA256_FILE, HF_METADATA, RECORDED, UNCHECKED, GIT)
+CACHE_GIT = "hub-cache-blob-git-sha1 verified"  # offline: the git blob sha1 its cache blob is named by
+CHECKS = (HUB, CACHE, SHA256_FILE, HF_METADATA, RECORDED, UNCHECKED, GIT, CACHE_GIT)
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
