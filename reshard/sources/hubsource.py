@@ -9,15 +9,18 @@ executor's bounded read-ahead buffers (`reshard.io.memory`): download and re-sha
 Two modes:
 - stream (`save --stream`): nothing of the source is stored; disk = the output.
 - cached (default): every range fetched is also written at its offset into the cache's blob
-  (`blobs/<etag>.reshard-partial`, the ranges it holds listed in `<etag>.reshard-ranges`: `reshard.sources.hubblob`); a run
-  that stopped resumes from it, reading what it holds from disk. When the save has succeeded,
-  `finish` fetches the bytes no tensor needed (headers, unused tensors), renames the blob into
-  place and links it from `snapshots/<commit>/`, as huggingface_hub lays out its cache (so
-  HF_HUB_OFFLINE finds it later). The source is stored once.
+  (`blobs/<etag>.reshard-partial`, the ranges it holds listed in `<etag>.reshard-ranges`:
+  reshard.sources.hubblob); a run that stopped resumes from it, reading what it holds from disk.
+  When the save has succeeded, `finish` fetches the bytes no tensor needed (headers, unused
+  tensors), renames the blob into place and links it from `snapshots/<commit>/`, as
+  huggingface_hub lays out its cache (so HF_HUB_OFFLINE finds it later). The source is stored once.
 
 Each file is hashed (sha256) from the ranges read, as they arrive (`PrefixHasher`, which vouches that
 the bytes hashed are the bytes used); `finish` hashes the rest (from the completed blob, or fetched
-with --stream) and checks the LFS sha256 before the save publishes (reshard.sources.integrity).
+with --stream) and checks the LFS sha256 before the save publishes (reshard.sources.integrity); a file
+stored in git, not LFS, is read once more, whole, for its git blob sha1. A blob holds exactly the bytes
+hashed: the header fetched for the plan is written over what an earlier run left in a partial blob
+(`Blob.put_head`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Where the expected sha256 comes from, and the `check` the manifest records for t
 - a Hub repo: the LFS sha256 of the commit's file (model info with file metadata; the Hub's
   `X-Linked-Etag` says the same) -> HUB. Offline, a file of huggingface_hub's cache is checked
   against its blob's name, which is the ETag (the LFS sha256) it was downloaded under -> CACHE.
+  A file stored in git, not LFS: its git blob sha1 (the model info's blob id) -> GIT, offline its
+  blob's name -> CACHE_GIT (reshard.sources.hubsource, reshard.sources.hub).
 - a local folder: `save --source-sha256 FILE` (`sha256sum` lines) -> SHA256_FILE; else the
   `.cache/huggingface/download/<name>.metadata` that `hf download --local-dir` leaves -> HF_METADATA;
   else nothing is checked -> UNCHECKED.
