@@ -75,7 +75,7 @@ class Context:
         if t is None:
             held = self.ckpt.manifest.source_tensors if self.ckpt.manifest is not None else None
             if held is not None and name in held:  # a reshard output read back: the original had it
-                raise UnsupportedError(
+                raise NotHeld(
                     f"this reshard output does not hold the original's {name!r} (vLLM's layout keeps one value "
                     f"for {why}, not each of its parts'), which this layout needs",
                     "re-shard (or merge) the original checkpoint",
@@ -171,6 +171,12 @@ def merged_config(config: dict, arch: Architecture) -> dict:
     if arch.text_config and not isinstance(config.get(arch.text_config), dict) and "hidden_size" not in config:
         raise SourceError(f"config.json lacks {arch.text_config!r}, which {arch.names[0]} needs")
     return arch.text(config)
+
+
+class NotHeld(SourceError):
+    """A tensor of the original that a reshard output read back does not hold (vLLM's layout kept one value
+    of a fused module's parts): a missing tensor to the rules that probe for optional ones, and told as
+    a layout this output cannot give (exit 3) where planning needs it (`build_plan`)."""
 
 
 def dims_from_config(config: dict, arch: Architecture, *, tie: bool | None = None) -> Dims:

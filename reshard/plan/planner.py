@@ -13,7 +13,7 @@ from reshard.format import DTYPE_CODES, DTYPE_NAMES
 from reshard.layout import Layout, default_partition
 from reshard.names import DEFAULT_MAX_PART
 from reshard.plan.backends import check_backend
-from reshard.plan.context import Context, dims_from_config
+from reshard.plan.context import Context, NotHeld, dims_from_config
 from reshard.plan.files import assign_files
 from reshard.plan.geometry import divisors
 from reshard.plan.kvscales import vllm_kv_name
@@ -57,7 +57,10 @@ def build_plan(
         SourceError: a tensor the rules need is missing, or has the wrong shape.
     """
     with paused_gc():  # hundreds of thousands of pieces, no cycle among them (reshard.bulk)
-        return _build_plan(ckpt, layout, max_part_size, trust_remote_code, pieces)
+        try:
+            return _build_plan(ckpt, layout, max_part_size, trust_remote_code, pieces)
+        except NotHeld as e:
+            raise UnsupportedError(e.message, e.hint) from None
 
 
 def _build_plan(
