@@ -10,6 +10,7 @@ import select
 import signal
 import sys
 import traceback
+from typing import NoReturn
 
 import click
 
@@ -40,17 +41,32 @@ class _Interrupted(BaseException):
 
 
 class _Root(click.Group):
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        try:  # the root's --help and --version print here, before invoke
+            return super().make_context(info_name, args, parent, **extra)
+        except OSError as e:
+            _raise_stdout_error(e)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:  # not through click's catch, which writes a blank line first
             raise _Interrupted from None
-        except OSError as e:  # click would turn a broken pipe into a silent exit 1
-            if e.errno != errno.EPIPE:
-                raise
-            if _stdout_closed():
-                raise _StdoutClosed from None
-            raise RuntimeError(f"broken pipe: {e}") from e
+        except OSError as e:
+            _raise_stdout_error(e)
+
+
+def _raise_stdout_error(e: OSError) -> NoReturn:
+    """An OSError out of click: a stdout closed by its reader ends quietly (click would turn it into a
+    silent exit 1); help or --version that click.echo cannot write is an unwritable stdout (exit 5);
+    any other error is the command's own, raised as it is."""
+    if e.errno == errno.EPIPE:
+        if _stdout_closed():
+            raise _StdoutClosed from None
+        raise RuntimeError(f"broken pipe: {e}") from e
+    if any(frame.f_code is click.utils.echo.__code__ for frame, _ in traceback.walk_tb(e.__traceback__)):
+        raise StdoutUnwritable(e) from e
+    raise e
 
 
 def _stdout_closed() -> bool:
@@ -201,7 +217,7 @@ def _unwritable(e: StdoutUnwritable, args: list[str]) -> None:
     """stdout cannot be written: its result is lost, said on stderr (no --json object: stdout is the problem)."""
     with contextlib.suppress(OSError, ValueError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second failure at exit's flush
-    writes = args[:1] in (["save"], ["merge"], ["assemble"])
+    writes = args[:1] in (["save"], ["merge"], ["assemble"]) and not _HELP.intersection(args)  # help: it never ran
     done = " (the command itself had finished: `reshard verify` the output it wrote)" if writes else ""
     _fail(f"cannot write the result to stdout: {e}{done}", ExitCode.BAD_OUTPUT, False, "OutputError")
 

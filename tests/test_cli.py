@@ -430,3 +430,28 @@ def test_a_result_that_cannot_be_written_to_stdout_is_one_line(tiny, tmp_path, j
         preexec_fn=lambda: os.close(1),
     )
     assert closed.returncode == 0 and run("verify", str(tmp_path / "two"))[0] == 0
+
+
+def _closed_pipe() -> int:
+    """The writing end of a pipe whose reader is gone (`| head -0`)."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["save", "--help"]])
+def test_help_and_version_on_a_stdout_that_fails(args):
+    """Help and --version are results too: into a pipe whose reader is gone they end quietly with 141, into a
+    full disk with exit 5 and the one line; the root's were exit 1 both ways (click's own broken-pipe exit,
+    or `internal error: OSError`)."""
+    command = [sys.executable, "-m", "reshard", *args]
+    pipe = _closed_pipe()
+    closed = subprocess.run(command, stdout=pipe, stderr=subprocess.PIPE, text=True, timeout=60)
+    os.close(pipe)
+    assert (closed.returncode, closed.stderr) == (141, "")
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert (p.returncode, p.stderr) == (
+        5,
+        "reshard: error: cannot write the result to stdout: No space left on device\n",
+    )
