@@ -81,9 +81,7 @@ def _stdout_closed() -> bool:
 
 def _end_quietly() -> None:
     """Nothing more can be shown: stdout goes nowhere from now on (no error at exit's flush)."""
-    with contextlib.suppress(OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+    _discard(sys.stdout)
     sys.exit(STDOUT_CLOSED)
 
 
@@ -215,8 +213,7 @@ def _main(argv: list[str] | None) -> None:
 
 def _unwritable(e: StdoutUnwritable, args: list[str]) -> None:
     """stdout cannot be written: its result is lost, said on stderr (no --json object: stdout is the problem)."""
-    with contextlib.suppress(OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second failure at exit's flush
+    _discard(sys.stdout)  # no second failure at exit's flush
     writes = args[:1] in (["save"], ["merge"], ["assemble"]) and not _HELP.intersection(args)  # help: it never ran
     done = " (the command itself had finished: `reshard verify` the output it wrote)" if writes else ""
     _fail(f"cannot write the result to stdout: {e}{done}", ExitCode.BAD_OUTPUT, False, "OutputError")
@@ -255,12 +252,32 @@ def _kind(e: ReshardError) -> str:
     return next((k.__name__ for k in _KINDS if isinstance(e, k)), type(e).__name__)
 
 
-def _fail(message: str, code: int, as_json: bool, kind: str) -> None:
-    """One line on stderr; with --json also an object on stdout that CI can parse."""
+def _fail(message: str, code: int, as_json: bool, kind: str) -> NoReturn:
+    """One line on stderr; with --json also an object on stdout that CI can parse. The exit code is
+    the one thing sure to arrive: a stream that cannot be written changes neither it nor the other."""
     message = " ".join(message.split())  # one line, whatever the message held
     if as_json:
         err = {"code": int(code), "kind": kind, "message": message}
-        with contextlib.suppress(BrokenPipeError):  # stdout closed by its reader: stderr still tells
+        try:
             print(json.dumps({"ok": False, "error": err}), flush=True)
-    print(f"reshard: error: {message}", file=sys.stderr, flush=True)
+        except BrokenPipeError:  # stdout closed by its reader: stderr still tells
+            _discard(sys.stdout)
+        except OSError as e:  # a full disk: the object CI would parse is lost, which stdout's code says
+            _discard(sys.stdout)
+            message = f"cannot write the result to stdout: {e.strerror or e}; the command had failed: {message}"
+            code = ExitCode.BAD_OUTPUT
+    try:
+        print(f"reshard: error: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr closed by its reader or on a full disk: the exit code still tells
+        _discard(sys.stderr)
     sys.exit(int(code))
+
+
+def _discard(stream: object) -> None:
+    """A stream that failed goes to /dev/null from now on: what it still buffers cannot fail again at
+    exit's flush (Python would then exit 120)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = stream.fileno()  # type: ignore[attr-defined]
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)

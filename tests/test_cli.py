@@ -455,3 +455,26 @@ def test_help_and_version_on_a_stdout_that_fails(args):
         5,
         "reshard: error: cannot write the result to stdout: No space left on device\n",
     )
+
+
+def test_a_json_failure_on_a_full_stdout_is_exit_5_and_one_line(tiny):
+    """--json's error object that cannot be written (a file on a full disk): exit 5 and one line saying both what
+    was lost and why the command failed; it was exit 1 with two tracebacks."""
+    command = [sys.executable, "-m", "reshard", "plan", str(tiny("qwen3")), "--tp", "3", "--json"]
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    failed = "num_attention_heads=8 is not divisible by --tp 3 (use a --tp that divides it: 1, 2, 4, 8)"
+    line = f"reshard: error: cannot write the result to stdout: No space left on device; the command had failed: {failed}\n"
+    assert (p.returncode, p.stderr) == (5, line)
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_failure_with_stderr_gone_keeps_its_exit_code(tiny, json_flag):
+    """stderr a pipe whose reader is gone (`2>&1 >/dev/null | true`): the error line is lost, its exit code is
+    not (3 here, was 1); under --json stdout still holds the object."""
+    command = [sys.executable, "-m", "reshard", "plan", str(tiny("qwen3")), "--tp", "3", *json_flag]
+    pipe = _closed_pipe()
+    p = subprocess.run(command, stdout=subprocess.PIPE, stderr=pipe, text=True, timeout=120)
+    os.close(pipe)
+    assert p.returncode == 3
+    assert (json.loads(p.stdout)["error"]["code"] if json_flag else p.stdout) == (3 if json_flag else "")
