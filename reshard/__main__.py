@@ -4,14 +4,44 @@ A signal that arrives while the modules are still being imported would otherwise
 """
 
 import contextlib
+import errno
+import io
 import os
 import sys
+
+
+class ClosedStdout(io.TextIOBase):
+    """sys.stdout of a process started with stdout closed (`>&-`): writing a result fails as writing
+    to a closed descriptor does (EBADF), which the CLI tells as an unwritable stdout (exit 5): a
+    result no one can see is never a success."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "it was closed when reshard started")
+
+
+def hold_closed_streams() -> None:
+    """stdout or stderr closed at start (`>&-`, `2>&-`; Python then sets sys.stdout / sys.stderr to
+    None): their descriptors get /dev/null, so that no file this run opens takes number 1 or 2 and
+    receives what is meant for them. A closed stderr then drops logs and progress (print(file=None)
+    would write them to stdout, into a --json document); a closed stdout fails a result (ClosedStdout)."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if getattr(sys, name) is not None:
+            continue
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != fd:
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        setattr(sys, name, ClosedStdout() if fd == 1 else open(fd, "w", closefd=False))  # noqa: SIM115
 
 
 def run() -> None:
     # reshard never multiplies matrices: numpy's OpenBLAS thread pool would only spin on a core
     # the writers need (2.5% of a save's CPU on 2 cores, perf). Before numpy is first imported.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    hold_closed_streams()
     try:
         import signal
 

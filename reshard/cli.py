@@ -151,8 +151,6 @@ def _on_signal(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if sys.stdout is None:  # started with stdout closed (`>&-`): results go nowhere, the command still runs
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
     signal.signal(signal.SIGTERM, _on_signal)  # SIGTERM ends a run as Ctrl-C does
     if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # a terminal or ssh closed (not under nohup)
         signal.signal(signal.SIGHUP, _on_signal)

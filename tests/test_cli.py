@@ -412,7 +412,8 @@ def test_out_of_memory_says_so(tiny, tmp_path, monkeypatch, fault):
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_a_result_that_cannot_be_written_to_stdout_is_one_line(tiny, tmp_path, json_flag):
     """stdout a file on a full disk: exit 5, one line on stderr saying the save itself finished (its output
-    verifies), not exit 1 with tracebacks; stdout closed (`>&-`): the command runs, exit 0."""
+    verifies), not exit 1 with tracebacks. stdout closed (`>&-`): the same, exit 5 once the save is done; it was
+    exit 0 with the result thrown away, which a job could not tell from a result it saw."""
     out = tmp_path / "out"
     args = [sys.executable, "-m", "reshard", "save", str(tiny("llama")), str(out), "--tp", "2", *json_flag]
     env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1"}
@@ -424,12 +425,16 @@ def test_a_result_that_cannot_be_written_to_stdout_is_one_line(tiny, tmp_path, j
     assert run("verify", str(out))[0] == 0
     closed = subprocess.run(
         [*args[:5], str(tmp_path / "two"), *args[6:]],
-        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         env=env,
         timeout=120,
         preexec_fn=lambda: os.close(1),
     )
-    assert closed.returncode == 0 and run("verify", str(tmp_path / "two"))[0] == 0
+    lost = "reshard: error: cannot write the result to stdout: it was closed when reshard started"
+    done = " (the command itself had finished: `reshard verify` the output it wrote)\n"
+    assert (closed.returncode, closed.stderr) == (5, lost + done)
+    assert run("verify", str(tmp_path / "two"))[0] == 0
 
 
 def _closed_pipe() -> int:
@@ -478,3 +483,13 @@ def test_a_failure_with_stderr_gone_keeps_its_exit_code(tiny, json_flag):
     os.close(pipe)
     assert p.returncode == 3
     assert (json.loads(p.stdout)["error"]["code"] if json_flag else p.stdout) == (3 if json_flag else "")
+
+
+def test_a_closed_stderr_keeps_logs_off_stdout(tiny):
+    """stderr closed (`2>&-`): Python makes sys.stderr None and print(file=None) writes to stdout, so the error line
+    followed --json's object there (invalid JSON). stdout holds the object alone."""
+    command = [sys.executable, "-m", "reshard", "plan", str(tiny("qwen3")), "--tp", "3", "--json"]
+    p = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(2))
+    failed = "num_attention_heads=8 is not divisible by --tp 3 (use a --tp that divides it: 1, 2, 4, 8)"
+    error = {"code": 3, "kind": "UnsupportedError", "message": failed}
+    assert (p.returncode, json.loads(p.stdout)) == (3, {"ok": False, "error": error})
