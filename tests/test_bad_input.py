@@ -127,6 +127,33 @@ def test_an_empty_path_argument_is_a_usage_error(tiny):
         assert code == 2 and "is empty" in err and err.count("\n") == 1, (args, err)
 
 
+@pytest.mark.parametrize(
+    "args, where",
+    [
+        (["plan", "{long}"], "SOURCE"),
+        (["save", "{long}", "{tmp}/out"], "SOURCE"),
+        (["save", "{src}", "{long}/out"], "OUT_DIR"),
+        (["verify", "{long}"], "OUT_DIR"),
+        (["verify", "{tmp}", "--against", "{long}"], "--against"),
+        (["merge", "{long}", "{tmp}/hf"], "OUT_DIR"),
+        (["merge", "{tmp}", "{long}/hf"], "HF_DIR"),
+        (["assemble", "{long}"], "OUT_DIR"),
+    ],
+)
+def test_a_path_with_a_name_too_long_is_a_usage_error(tiny, tmp_path, args, where):
+    """A path holding a name over 255 bytes, which no filesystem keeps: exit 2 naming the argument, in every
+    command; it was exit 1 (`internal error: OSError: [Errno 36] File name too long`) from the first stat."""
+    long = str(tmp_path / ("a" * 300))
+    values = {"long": long, "tmp": str(tmp_path), "src": str(tiny("qwen3"))}
+    args = [a.format(**values) for a in args]
+    path = next(a for a in args if a.startswith(long))
+    code, out, err = run(*args)
+    told = (
+        f"Invalid value for '{where}': {path}: File name too long (a name in a path is at most 255 bytes: shorten it)"
+    )
+    assert (code, out, err) == (2, "", f"reshard: error: {told} (see `reshard {args[0]} --help`)\n")
+
+
 def test_an_unreadable_source_folder_is_a_bad_source(tiny, tmp_path, monkeypatch):
     """A folder this user cannot read: exit 4 saying so (click's readable check made it a usage
     error, and without it reading reshard.json raised PermissionError, exit 1). Root reads any

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
 import re
 from collections.abc import Callable
 
@@ -48,7 +50,20 @@ class Location(click.Path):
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
             self.fail("is empty: give a folder (`.` for the current one)", param, ctx)
+        if isinstance(value, str) and _too_long(value):  # no file can be there: known before any is read
+            self.fail(f"{value}: File name too long (a name in a path is at most 255 bytes: shorten it)", param, ctx)
         return super().convert(value, param, ctx)
+
+
+def _too_long(value: str) -> bool:
+    """A local path the OS refuses as too long (a name over 255 bytes, or over 4096 in all); a URL is not a path."""
+    if "://" in value:
+        return False
+    try:
+        os.stat(value)
+    except OSError as e:
+        return e.errno == errno.ENAMETOOLONG
+    return False
 
 
 def parse_partition(value: str | None) -> list[int] | None:

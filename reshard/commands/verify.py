@@ -59,6 +59,7 @@ PER_KIND = 6  # of one kind
 @click.option(
     "--against",
     metavar="SOURCE",
+    type=Location(),
     help="Derive the expected keys and copied files from this checkpoint (folder or Hub repo id); works on "
     "folders without reshard.json, e.g. written by vLLM's save_sharded_state.",
 )
