@@ -26,7 +26,7 @@ from reshard.plan.intquant import weight_shapes
 from reshard.publish import staged, swap_in
 from reshard.rules import get_architecture
 from reshard.sidefiles import copy_files, side_files, write_config
-from reshard.sources import OutputSource
+from reshard.sources import OutputSource, check_readable
 from reshard.sources.bucket_output import BucketOutputSource
 from reshard.sources.output import lossy_tensors
 from reshard.store import is_bucket_url, parse_bucket_url
@@ -92,6 +92,7 @@ def merge(
         source = BucketOutputSource(parse_bucket_url(out_dir))
     else:
         out_dir = Path(out_dir)
+        check_readable(out_dir)
         if not (out_dir / MANIFEST).is_file():
             raise SourceError(
                 f"{out_dir} has no {MANIFEST}: not a complete reshard output",

@@ -170,6 +170,19 @@ def test_an_unreadable_source_folder_is_a_bad_source(tiny, tmp_path, monkeypatch
         assert code == 4 and "cannot read the folder (permission denied)" in err, err
 
 
+def test_merge_of_an_unreadable_output_is_a_bad_source(tiny, tmp_path, monkeypatch):
+    """merge of an output folder this user cannot read: exit 4 as save's SOURCE, not exit 1 from a
+    PermissionError reading reshard.json (denied through os.access, as a non-root user meets it)."""
+    out = tmp_path / "out"
+    assert run("save", str(tiny("qwen3")), str(out), "--tp", "2")[0] == 0
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == out else real(p, mode))
+    code, stdout, err = run("merge", str(out), str(tmp_path / "hf"))
+    told = f"reshard: error: {out}: cannot read the folder (permission denied) (make it readable by this user)\n"
+    assert (code, stdout, err) == (4, "", told)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_out_dir_under_a_regular_file(tiny, tmp_path):
     (tmp_path / "file").write_text("x")
     code, _, err = run("save", str(tiny("llama")), str(tmp_path / "file" / "out"), "--tp", "2")

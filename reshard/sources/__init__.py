@@ -18,7 +18,14 @@ from reshard.sources.local import LocalSource, read_config
 from reshard.sources.output import OutputSource
 from reshard.store import is_bucket_url, parse_bucket_url
 
-__all__ = ["LocalSource", "OutputSource", "Source", "is_repo_id", "open_source", "read_config"]
+__all__ = ["LocalSource", "OutputSource", "Source", "check_readable", "is_repo_id", "open_source", "read_config"]
+
+
+def check_readable(folder: Path) -> None:
+    """A source folder this user may not list or enter: exit 4 saying so, before a read of it fails as an
+    internal error (PermissionError)."""
+    if not os.access(folder, os.R_OK | os.X_OK):
+        raise SourceError(f"{folder}: cannot read the folder (permission denied)", "make it readable by this user")
 
 
 def open_source(
@@ -53,8 +60,7 @@ def open_source(
         if revision or stream:  # options of a repo id: asked of a folder, they would do nothing
             flag = "--revision" if revision else "--stream"
             raise UsageError(f"{flag} applies to Hub repo ids, but {spec} is a local folder", f"drop {flag}")
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise SourceError(f"{spec}: cannot read the folder (permission denied)", "make it readable by this user")
+        check_readable(path)
         if (path / MANIFEST).is_file():
             if sha256_file is not None:
                 raise UsageError(
