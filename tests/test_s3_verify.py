@@ -197,13 +197,16 @@ def test_other_schemes_are_refused(s3env):
     "var, value, says",
     [
         ("AWS_PROFILE", "nosuch", "AWS_PROFILE: The config profile (nosuch)"),
-        ("AWS_ENDPOINT_URL", "not a url", "is not an endpoint URL"),
+        ("AWS_ENDPOINT_URL", "not a url", "AWS_ENDPOINT_URL 'not a url' is not an http(s) URL"),
+        ("AWS_ENDPOINT_URL", "s3://x", "AWS_ENDPOINT_URL 's3://x' is not an http(s) URL"),  # was exit 4/5
+        ("AWS_ENDPOINT_URL_S3", "ftp://h", "AWS_ENDPOINT_URL_S3 'ftp://h' is not an http(s) URL"),
     ],
 )
 @pytest.mark.parametrize("command", ["save", "verify"])
 def test_a_bad_aws_setting_is_a_usage_error(tiny, tmp_path, monkeypatch, var, value, says, command):
-    """An AWS_PROFILE the config files lack, or an AWS_ENDPOINT_URL that is not a URL: exit 2 naming it (it was
-    exit 1, an internal error, from botocore's ProfileNotFound / ValueError)."""
+    """An AWS_PROFILE the config files lack, or an AWS_ENDPOINT_URL that is not an http(s) URL: exit 2 naming it (it
+    was exit 1, an internal error, from botocore's ProfileNotFound / ValueError; `s3://x` or `ftp://h` were exit 4
+    or 5 with botocore's `Custom endpoint ... was not a valid URI`, as a store that could not be reached)."""
     for k in [k for k in os.environ if k.startswith("AWS_")]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))

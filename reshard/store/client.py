@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
 from reshard import settings
 from reshard.errors import ReshardError, UnsupportedError, UsageError
@@ -36,6 +37,21 @@ def endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def check_endpoint() -> None:
+    """A custom endpoint must be an http(s) URL: botocore takes `s3://x` or `ftp://h` and fails each
+    request with its own text, which read as a store that could not be reached (exit 4 or 5)."""
+    name = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+    url = endpoint()
+    if url is None:
+        return
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise UsageError(f"{name} {url!r} is not an http(s) URL", _ENDPOINT_HINT)
+
+
+_ENDPOINT_HINT = "set it to the store's URL, e.g. http://127.0.0.1:8333"
+
+
 def path_style() -> bool:
     """Path-style addressing (`endpoint/bucket/key`): for custom endpoints other than AWS's own."""
     url = endpoint()
@@ -46,6 +62,7 @@ def make_client() -> Any:
     """A thread-safe boto3 S3 client. Checksums are reshard's own (per part, SHA256), so botocore
     computes none of its own; responses are not re-hashed either (reshard hashes what it reads)."""
     boto3 = import_boto3()
+    check_endpoint()
     from botocore.config import Config
 
     config = Config(
@@ -71,10 +88,7 @@ def make_client() -> Any:
             f"AWS_PROFILE: {e}", "set AWS_PROFILE to a profile of ~/.aws/config (or AWS_CONFIG_FILE), or unset it"
         ) from e
     except ValueError as e:  # botocore: "Invalid endpoint: ..."
-        raise UsageError(
-            f"AWS_ENDPOINT_URL {endpoint()!r} is not an endpoint URL ({e})",
-            "set it to the store's URL, e.g. http://127.0.0.1:8333",
-        ) from e
+        raise UsageError(f"AWS_ENDPOINT_URL {endpoint()!r} is not an endpoint URL ({e})", _ENDPOINT_HINT) from e
 
 
 def error_code(e: BaseException) -> str:
