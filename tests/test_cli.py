@@ -493,3 +493,26 @@ def test_a_closed_stderr_keeps_logs_off_stdout(tiny):
     failed = "num_attention_heads=8 is not divisible by --tp 3 (use a --tp that divides it: 1, 2, 4, 8)"
     error = {"code": 3, "kind": "UnsupportedError", "message": failed}
     assert (p.returncode, json.loads(p.stdout)) == (3, {"ok": False, "error": error})
+
+
+def test_notes_go_to_stderr_and_results_to_stdout(tiny, tmp_path):
+    """plan's and save's notes (the vLLM releases, the plugin) are logs, not the result: on stderr, so that stdout
+    holds the summary and the serve lines alone (they were among them)."""
+    from reshard.serve import PLUGIN_NOTE
+    from reshard.vllm_versions import serve_note
+
+    notes = [f"note: {serve_note()}", f"note: {PLUGIN_NOTE}"]
+    code, out, err = run("plan", str(tiny("qwen3")), "--tp", "2")
+    assert (code, err.splitlines()) == (0, notes)
+    assert out.splitlines()[-2:] == [
+        "vllm serve OUT_DIR --load-format sharded_state --tensor-parallel-size 2 --dtype bfloat16",
+        "vllm serve OUT_DIR --load-format reshard --tensor-parallel-size 2 --dtype bfloat16",
+    ]
+    assert "note:" not in out
+    out_dir = tmp_path / "out"
+    code, out, err = run("save", str(tiny("qwen3")), str(out_dir), "--tp", "2")
+    assert (code, [line for line in err.splitlines() if line.startswith("note:")]) == (0, notes)
+    assert out.splitlines()[1:] == [
+        f"vllm serve {out_dir} --load-format sharded_state --tensor-parallel-size 2 --dtype bfloat16",
+        f"vllm serve {out_dir} --load-format reshard --tensor-parallel-size 2 --dtype bfloat16",
+    ]

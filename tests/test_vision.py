@@ -114,7 +114,7 @@ def test_language_model_only_leaves_the_tower_out(tiny, tmp_path):
     # merged back, it is a checkpoint without its tower: the note says how vLLM serves it
     code, out, err = run("merge", str(tmp_path / "out"), str(tmp_path / "hf"))
     assert code == 0, err
-    assert f"serve it with `vllm serve {tmp_path / 'hf'} --language-model-only`" in " ".join(out.split())
+    assert f"serve it with `vllm serve {tmp_path / 'hf'} --language-model-only`" in " ".join(err.split())  # a note
     code, out, _ = run("merge", str(tmp_path / "out"), str(tmp_path / "hf2"), "--json")
     assert code == 0 and json.loads(out)["language_model_only"] is True
 

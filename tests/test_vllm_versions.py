@@ -104,7 +104,7 @@ def test_reshard_and_assembled_pieces_keep_the_range(clean, tmp_path):
 def test_save_and_plan_name_the_range(clean, tmp_path):
     result = CliRunner().invoke(cli, ["save", str(clean[0]), str(tmp_path / "o"), "--tp", "2"])
     assert result.exit_code == 0, result.output
-    assert f"for vLLM {VLLM_VERSIONS}" in result.stdout
+    assert f"note: for vLLM {VLLM_VERSIONS}" in result.stderr  # a note: not the result on stdout
     result = CliRunner().invoke(cli, ["plan", str(clean[0]), "--tp", "2", "--json"])
     assert json.loads(result.stdout)["vllm_versions"] == VLLM_VERSIONS
 

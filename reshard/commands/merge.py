@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from reshard.commands.options import ByteSize, Location, json_option
-from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.console import byte_progress, emit_json, human_bytes, stderr, stdout
 from reshard.errors import SourceError
 
 
@@ -75,19 +75,19 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
     )
     missing = result["not_in_output"]
     if missing:
-        stdout.print(
+        stderr.print(
             f"note: {len(missing)} tensor(s) of the original are not in the sharded output (vLLM does not load "
             f"them, e.g. {missing[0]}) and were not written"
         )
     if result["language_model_only"]:
-        stdout.print(
+        stderr.print(
             "note: the output was saved with --language-model-only, so the merged checkpoint holds no vision "
             f"encoder: serve it with `vllm serve {hf_dir} --language-model-only`"
         )
     for key, value in result["config_patch"].items():
-        stdout.print(f"note: config.json {key} set to {value}: the merged checkpoint has no such layers")
+        stderr.print(f"note: config.json {key} set to {value}: the merged checkpoint has no such layers")
     if result["lossy"]:
-        stdout.print(
+        stderr.print(
             f"note: {len(result['lossy'])} tensor(s) converted back from a narrower dtype: values differ "
             "from the original (--allow-lossy)"
         )

@@ -6,7 +6,7 @@ import click
 
 from reshard import VLLM_VERSIONS
 from reshard.commands.options import Location, json_option, layout_options, revision_option, trust_remote_code_option
-from reshard.console import emit_json, human_bytes, stdout
+from reshard.console import emit_json, human_bytes, stderr, stdout
 from reshard.serve import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
@@ -70,6 +70,6 @@ def plan_cmd(source, layout, revision, show_tensors, out_dir, trust_remote_code,
                 stdout.print(f"  {t['name']}  {t['dtype']}  {t['shape']}")
     stdout.print(f"source {human_bytes(ckpt.total_bytes)}, output {human_bytes(plan.total_bytes)}")
     for note in [*plan.notes, serve_note(), PLUGIN_NOTE]:
-        stdout.print(f"note: {note}")
+        stderr.print(f"note: {note}")
     stdout.print(summary["serve"])
     stdout.print(summary["serve_reshard"])

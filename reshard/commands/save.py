@@ -17,7 +17,7 @@ from reshard.commands.options import (
     revision_option,
     trust_remote_code_option,
 )
-from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.console import byte_progress, emit_json, human_bytes, stderr, stdout
 from reshard.distributed import ranks_text
 from reshard.hashing import ALGORITHMS
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
@@ -211,8 +211,8 @@ def _saved(m, out_dir: str, seconds: float, as_json: bool) -> None:
         f"({plural(m.layout.world, 'rank')}) to {out_dir}"
     )
     for note in m.notes:
-        stdout.print(f"note: {note}")
-    stdout.print(f"note: {serve_note(m.vllm_versions or VLLM_VERSIONS)}")
-    stdout.print(f"note: {PLUGIN_NOTE}")
+        stderr.print(f"note: {note}")
+    stderr.print(f"note: {serve_note(m.vllm_versions or VLLM_VERSIONS)}")
+    stderr.print(f"note: {PLUGIN_NOTE}")
     stdout.print(m.serve)
     stdout.print(m.serve_reshard)
