@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -516,3 +517,21 @@ def test_notes_go_to_stderr_and_results_to_stdout(tiny, tmp_path):
         f"vllm serve {out_dir} --load-format sharded_state --tensor-parallel-size 2 --dtype bfloat16",
         f"vllm serve {out_dir} --load-format reshard --tensor-parallel-size 2 --dtype bfloat16",
     ]
+
+
+@pytest.mark.parametrize(
+    "command, codes",
+    [
+        ("plan", {0, 2, 3, 4, 5, 7, 130, 141}),
+        ("save", {0, 2, 3, 4, 5, 7, 130, 141}),
+        ("verify", {0, 2, 3, 4, 5, 6, 7, 130, 141}),
+        ("merge", {0, 2, 3, 4, 5, 7, 130, 141}),
+        ("assemble", {0, 2, 4, 5, 7, 130, 141}),
+    ],
+)
+def test_each_commands_help_lists_the_exit_codes_it_can_give(command, codes):
+    """Each command's --help lists the codes README's table gives it: plan's left out 7 (an output as SOURCE that
+    fails its checksums), and none but verify's had 5 for a stdout that cannot be written or 141."""
+    code, out, _ = run(command, "--help")
+    paragraph = out[out.index("Exit codes:") :].split("\n\n")[0]
+    assert (code, {int(n) for n in re.findall(r"\b\d+\b", paragraph)}) == (0, codes)

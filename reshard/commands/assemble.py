@@ -16,7 +16,7 @@ from reshard.vllm_versions import serve_note
 
 @click.command(
     "assemble",
-    epilog="Exit codes: 0 ok, 2 usage, 4 no piece manifest, 5 files missing or a file no piece lists, 7 pieces damaged or of two jobs, 130 interrupted (`reshard --help`).",
+    epilog="Exit codes: 0 ok, 2 usage, 4 no piece manifest, 5 files missing, a file no piece lists or stdout cannot be written, 7 pieces damaged or of two jobs, 130 interrupted, 141 stdout closed by its reader (`reshard --help`).",
 )
 @click.argument("out_dir", type=Location(path_type=Path))  # missing: exit 4 (assemble), as a SOURCE
 @json_option

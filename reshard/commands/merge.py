@@ -14,7 +14,7 @@ from reshard.errors import SourceError
 
 @click.command(
     "merge",
-    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported (a lossy merge without --allow-lossy), 4 bad source, 5 HF_DIR refused, 7 OUT_DIR corrupt or incomplete, 130 interrupted (`reshard --help`).",
+    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported (a lossy merge without --allow-lossy), 4 bad source, 5 HF_DIR refused or stdout cannot be written, 7 OUT_DIR corrupt or incomplete, 130 interrupted, 141 stdout closed by its reader (`reshard --help`).",
 )
 @click.argument("out_dir", type=Location())  # a folder, or s3://bucket/prefix/ (a path: shells complete it)
 @click.argument("hf_dir", type=Location(path_type=Path))  # a file there: refused (exit 5), as save's OUT_DIR

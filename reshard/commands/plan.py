@@ -13,7 +13,7 @@ from reshard.vllm_versions import serve_note
 
 @click.command(
     "plan",
-    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported model or layout, 4 bad source, 130 interrupted (`reshard --help`).",
+    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported model or layout, 4 bad source, 5 stdout cannot be written, 7 an output used as SOURCE is corrupt or incomplete, 130 interrupted, 141 stdout closed by its reader (`reshard --help`).",
 )
 @click.argument("source", type=Location())  # a folder, a repo id or s3://...: completed as a path
 @layout_options

@@ -28,7 +28,7 @@ from reshard.vllm_versions import serve_note
 
 @click.command(
     "save",
-    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported model or layout, 4 bad source, 5 output refused (not empty, disk full, locked, store errors), 7 an output used as SOURCE is corrupt or incomplete, 130 interrupted (`reshard --help`).",
+    epilog="Exit codes: 0 ok, 2 usage, 3 unsupported model or layout, 4 bad source, 5 output refused (not empty, disk full, locked, store errors) or stdout cannot be written, 7 an output used as SOURCE is corrupt or incomplete, 130 interrupted, 141 stdout closed by its reader (`reshard --help`).",
 )
 @click.argument("source", type=Location())  # a folder, a repo id or s3://...: completed as a path
 @click.argument("out_dir", type=Location())  # a folder (a file: refused, exit 5) or s3://bucket/prefix/

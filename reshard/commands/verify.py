@@ -101,8 +101,9 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
     Exit codes: 0 ok (warnings allowed), 6 the layout differs from the recorded or asked one
     (missing/unexpected keys, shapes, dtypes, --tp/--pp/--ep), 7 corrupt or incomplete
     (missing manifest or files, truncation, checksum, mixed runs, stray files). 7 wins over 6.
-    Also 2 usage, 4 --against SOURCE (or the bucket) cannot be read, 130 interrupted, 141 stdout
-    closed by its reader. The report goes to stdout; a failure also ends with one
+    Also 2 usage, 3 --against SOURCE unsupported (or a scheme other than s3://), 4 --against SOURCE
+    (or the bucket) cannot be read, 5 stdout cannot be written, 130 interrupted, 141 stdout closed by
+    its reader. The report goes to stdout; a failure also ends with one
     `reshard: error: ...` line on stderr.
     """
     from reshard.store import is_bucket_url
