@@ -56,6 +56,11 @@ def unreadable_source(where: object, e: OSError) -> SourceError:
     )
 
 
+def permission_denied(path: object) -> tuple[str, str]:
+    """The message and hint of a file this user may not read: a permission to grant, not damage to repair."""
+    return f"cannot read {path} (permission denied)", "give this user read access to it"
+
+
 class OutputError(ReshardError):
     exit_code = ExitCode.BAD_OUTPUT
 

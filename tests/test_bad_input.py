@@ -462,3 +462,46 @@ def test_a_shard_written_to_during_the_run_is_refused(tiny, tmp_path, monkeypatc
     code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
     assert code == 4 and f"{shard} changed while this run read it" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_source_file_this_user_cannot_read_says_so(tiny, tmp_path, monkeypatch, name):
+    """config.json or the index without read permission: exit 4 saying to grant it; it was `cannot parse ([Errno
+    13] Permission denied)` with a hint to download the checkpoint again (denied by hand: root reads any file)."""
+    import reshard.sources.local as local
+
+    src = tiny("qwen3", shards=2)
+    real = local.open_regular
+
+    def denied(path, **kwargs):
+        if Path(path) == src / name:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(local, "open_regular", denied)
+    code, out, err = run("plan", str(src), "--tp", "2")
+    told = f"reshard: error: cannot read {src / name} (permission denied) (give this user read access to it)\n"
+    assert (code, out, err) == (4, "", told)
+
+
+def test_a_manifest_this_user_cannot_read_says_so(tiny, tmp_path, monkeypatch):
+    """reshard.json without read permission: exit 7 as verify's unreadable folder, saying to grant it; it was
+    `malformed manifest ([Errno 13] Permission denied)` with a hint to rerun the save."""
+    import reshard.manifest as manifest
+
+    out = tmp_path / "out"
+    assert run("save", str(tiny("qwen3")), str(out), "--tp", "2")[0] == 0
+    real = manifest.open_regular
+
+    def denied(path, **kwargs):
+        if Path(path) == out / "reshard.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(manifest, "open_regular", denied)
+    denial = f"cannot read {out / 'reshard.json'} (permission denied) (give this user read access to it)"
+    code, _, err = run("merge", str(out), str(tmp_path / "hf"))
+    assert (code, err) == (7, f"reshard: error: {denial}\n")
+    code, _, err = run("verify", str(out))
+    foreign = ", or check a folder without manifest with --against SOURCE --tp T"  # verify's hint for any manifest
+    assert (code, err) == (7, f"reshard: error: verify: corrupt or incomplete (exit 7): {denial[:-1]}{foreign})\n")

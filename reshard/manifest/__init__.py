@@ -14,7 +14,7 @@ from pathlib import Path
 
 from reshard import VLLM_LAYOUT, VLLM_VERSIONS, __version__
 from reshard.bulk import paused_gc
-from reshard.errors import CorruptError, OutputError
+from reshard.errors import CorruptError, OutputError, permission_denied
 from reshard.format import fsync_dir, open_regular, read_at_most
 from reshard.hashing import hash_file
 from reshard.manifest.schema import (
@@ -172,6 +172,8 @@ def read_manifest(out_dir: Path, name: str = MANIFEST) -> Manifest:
             f"{out_dir}: no {MANIFEST}: not a complete reshard output",
             "rerun `reshard save`, or check a foreign folder with --against SOURCE --tp T",
         ) from None
+    except PermissionError:
+        raise CorruptError(*permission_denied(path)) from None
     except (OSError, ValueError) as e:
         raise CorruptError(f"{path}: malformed manifest ({e})", "rerun `reshard save`") from e
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Reader, Source
-from reshard.errors import SourceError, unreadable_source
+from reshard.errors import SourceError, permission_denied, unreadable_source
 from reshard.folderview import FolderView
 from reshard.format import TensorInfo, kind, open_regular, read_at_most, read_header
 from reshard.names import CONFIG, HF_QUANT_CONFIG, INDEX, SINGLE
@@ -178,6 +178,8 @@ def _read_quant_file(root: Path | FolderView) -> dict | None:
             quant = read_json(local / HF_QUANT_CONFIG)
     except FileNotFoundError:
         return None
+    except PermissionError:
+        raise SourceError(*permission_denied(f"{_display(root)}/{HF_QUANT_CONFIG}")) from None
     except (OSError, ValueError, RecursionError) as e:
         raise SourceError(f"{_display(root)}/{HF_QUANT_CONFIG}: cannot parse ({str(e)[:200]})", _REFETCH) from e
     if not isinstance(quant, dict):
@@ -204,6 +206,8 @@ def _read_config(root: Path | FolderView) -> dict:
         config = read_json(root / CONFIG)
     except FileNotFoundError:
         raise SourceError(f"{root}: no {CONFIG}", "SOURCE must be a Hugging Face checkpoint folder") from None
+    except PermissionError:
+        raise SourceError(*permission_denied(root / CONFIG)) from None
     except (OSError, ValueError, RecursionError) as e:
         raise SourceError(f"{root / CONFIG}: cannot parse ({e})", _REFETCH) from e
     return check_config(config, str(root))
@@ -215,6 +219,8 @@ def weight_files(root: Path) -> list[str]:
     if index.exists():
         try:
             files = check_index(read_json(index), str(index))
+        except PermissionError:
+            raise SourceError(*permission_denied(index)) from None
         except (OSError, ValueError, RecursionError) as e:
             raise SourceError(f"{index}: cannot parse ({e})", "download the checkpoint again") from e
         missing = [f for f in files if not (root / f).is_file()]
