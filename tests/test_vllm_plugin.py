@@ -176,6 +176,11 @@ def test_a_model_of_other_parameters_is_not_told_to_run_the_same_command(clean):
     msg = messages.state_message(Path("OUT"), m, e, other, missing_only=False)
     assert "strict" not in msg and "vllm serve" not in msg
     assert f"reshard {m.reshard_version} for vLLM {m.vllm_versions}; this is vLLM 0.32.0" in msg, msg
+    # the engine asks for a MoE backend the folder was not made for: a folder made for it is the fix
+    asking = replace(e, layout=e.layout.but(moe_backend="deep_gemm"))
+    msg = messages.state_message(Path("OUT"), m, asking, other, missing_only=False)
+    assert f"make a folder for this engine's --moe-backend deep_gemm with `reshard save {m.source['path']}" in msg
+    assert "--tp 2 --moe-backend deep_gemm`" in msg, msg
     # a pinned MoE backend against "auto": serving it as made (with the backend) is the fix
     pinned = replace(m, layout=m.layout.but(moe_pin="deep_gemm"))
     msg = messages.state_message(Path("OUT"), pinned, _engine_for(pinned), other, missing_only=False)

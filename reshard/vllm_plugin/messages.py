@@ -79,9 +79,10 @@ def mismatch_message(folder: Path | str, manifest: Manifest, engine: Engine, pro
 def state_message(
     folder: Path | str, manifest: Manifest, engine: Engine, problems: list[str], *, missing_only: bool
 ) -> str:
-    """One message for a model whose parameters are not the folder's tensors, though the engine's layout is
-    the folder's (`engine_problems` found nothing): a `reshard save` for this layout would write the same
-    folder, so the fix is in what built the model, or `{"strict": false}` where the folder only lacks some."""
+    """One message for a model whose parameters are not the folder's tensors, though `engine_problems` found
+    no difference of layout. A folder made for the MoE backend the engine asks for (`--moe-backend`, where the
+    folder pins none or another) is the fix there; otherwise a `reshard save` for this layout would write the
+    same folder, so the fix is in what built the model, or `{"strict": false}` where the folder only lacks some."""
     head = _first(problems)
     if (note := backend_note(manifest, engine)) and note not in head:
         made = serve_as_made(manifest, folder)
@@ -89,12 +90,16 @@ def state_message(
         return (
             f"--load-format reshard: {folder} does not fit this engine ({engine.label}): {head} ({note}). To fix: {fix}"
         )
-    made_by = f"reshard {manifest.reshard_version or '?'} for vLLM {manifest.vllm_versions or '?'}"
-    fix = (
-        f"the engine built other parameters than the model this folder was saved from ({made_by}; this is vLLM "
-        f"{engine.vllm_version}): check the engine's model options (--hf-overrides, --quantization, a model "
-        "folder edited since), or save the original checkpoint again with this reshard"
-    )
+    asked = engine.layout.moe_backend
+    if asked not in ("auto", manifest.layout.moe_pin, manifest.layout.moe_backend):
+        fix = f"make a folder for this engine's --moe-backend {asked} with `{save_command(manifest, engine)}`"
+    else:
+        made_by = f"reshard {manifest.reshard_version or '?'} for vLLM {manifest.vllm_versions or '?'}"
+        fix = (
+            f"the engine built other parameters than the model this folder was saved from ({made_by}; this is "
+            f"vLLM {engine.vllm_version}): check the engine's model options (--hf-overrides, --quantization, a "
+            "model folder edited since), or save the original checkpoint again with this reshard"
+        )
     if missing_only:
         fix = (
             f"to load it anyway, the {len(problems)} parameter(s) left as initialised (as vLLM's sharded_state "
