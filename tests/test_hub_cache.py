@@ -159,7 +159,7 @@ def test_an_edited_cached_small_file_offline_is_exit_4(server, checkpoint, tmp_p
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
     p = reshard(server, home, "save", REPO, str(tmp_path / "off"), "--tp", "2", HF_HUB_OFFLINE="1")
-    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.returncode == 0 and _warnings(p.stderr) == [], p.stderr
 
 
 def test_cached_safetensors_stored_in_git_are_checked_against_their_blob_names(checkpoint, git_stored, tmp_path):
@@ -172,7 +172,7 @@ def test_cached_safetensors_stored_in_git_are_checked_against_their_blob_names(c
     assert reshard(server, home, "save", REPO, str(tmp_path / "good"), "--tp", "2").returncode == 0
     files = {f.name: f.read_bytes() for f in sorted(src.glob("*.safetensors"))}
     p = reshard(server, home, "save", REPO, str(tmp_path / "off"), "--tp", "2", HF_HUB_OFFLINE="1")
-    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.returncode == 0 and _warnings(p.stderr) == [], p.stderr
     checked = {n: (hashlib.sha256(d).hexdigest(), "hub-cache-blob-git-sha1 verified") for n, d in files.items()}
     assert source_files(tmp_path / "off") == checked
     blob = home / "hub" / "models--acme--tiny-qwen3" / "blobs" / git_sha1(files[edited])
@@ -189,3 +189,8 @@ def test_cached_safetensors_stored_in_git_are_checked_against_their_blob_names(c
     assert blob.read_bytes() == files[edited]
     checked = {n: (hashlib.sha256(d).hexdigest(), "hub-git-sha1 verified") for n, d in files.items()}
     assert source_files(tmp_path / "out") == checked
+
+
+def _warnings(stderr: str) -> list[str]:
+    """stderr's lines but the notes a save always prints there (the vLLM range, the plugin)."""
+    return [line for line in stderr.splitlines() if not line.startswith("note: ")]
