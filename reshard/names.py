@@ -107,6 +107,26 @@ def vllm_globs(*, tp: int, pp: int) -> list[str]:
     return [pattern.format(rank=t, tp_rank=t, pp_rank=p, part="*") for p in range(pp) for t in range(tp)]
 
 
+# what vLLM, transformers' tokenizers and processors read beside the weights (the folder's top level)
+ENGINE_READS = ("*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges*", "*.py")
+
+
+def unlisted_side_files(names: Iterable[str], copied: Iterable[str]) -> list[str]:
+    """Top-level files the engine or its tokenizer reads (config, tokenizer, chat template, generation
+    settings, remote code: what save copies) that an output's manifest does not list (added after the save)."""
+    listed = set(copied)
+    return [
+        n
+        for n in names
+        if "/" not in n
+        and n not in listed
+        and n != MANIFEST
+        and not n.startswith(HIDDEN_PREFIX)
+        and not fnmatch.fnmatch(n, PIECE_MANIFEST_GLOB)
+        and any(fnmatch.fnmatch(n, p) for p in ENGINE_READS)
+    ]
+
+
 def unlisted_rank_files(names: Iterable[str], listed: Collection[str], *, tp: int, pp: int) -> list[str]:
     """Of a folder's `names`, the rank files it does not list: named as reshard names them, or
     matched by vLLM's globs (which would load them with their rank), in name order."""

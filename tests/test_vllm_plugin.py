@@ -235,6 +235,18 @@ def test_missing_truncated_stray_and_foreign_files(out):
     assert "the manifest comes from another run" in _refused(out)
 
 
+def test_a_file_vllm_reads_added_after_the_save_is_refused(out):
+    """A chat template put beside the output after the save: vLLM would serve with it (verify fails it too)."""
+    from reshard.vllm_plugin.copied import copied_problems
+
+    m = read_manifest(out)
+    (out / "NOTES.md").write_text("mine")
+    assert copied_problems(out, m, hashed=False) == []
+    (out / "chat_template.jinja").write_text("{{ messages }}")
+    want = "chat_template.jinja is not in the manifest (added after the save?): vLLM or its tokenizer reads it"
+    assert copied_problems(out, m, hashed=False) == [want]
+
+
 def test_swapped_rank_files_are_refused_with_checksums_off(out):
     """With `{"checksums": false}` nothing hashes the files: their headers' own names tell a swap."""
     r0, r1 = "model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"
@@ -264,8 +276,8 @@ def test_copied_files_must_be_the_saved_ones(out):
     (out / "config.json").write_bytes(config + b" ")
     assert copied_problems(out, m, hashed=False)[0].startswith("config.json has ")
     (out / "config.json").unlink()
-    (out / "elsewhere.json").write_bytes(config)
-    os.symlink("elsewhere.json", out / "config.json")
+    (out.parent / "elsewhere.json").write_bytes(config)  # outside: a JSON file inside is one vLLM may read
+    os.symlink(out.parent / "elsewhere.json", out / "config.json")
     assert copied_problems(out, m, hashed=True) == [
         "config.json is a symlink (not followed), not a regular file in the folder"
     ]

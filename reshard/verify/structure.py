@@ -12,9 +12,7 @@ staging folders) is checked on the local one, what only a bucket can have in `ve
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from fnmatch import fnmatch
 from pathlib import Path
 
 from reshard.console import human_bytes
@@ -28,10 +26,8 @@ from reshard.manifest.pieces import read_pieces
 from reshard.names import (
     CONFIG,
     FILE_NAME_META,
-    HIDDEN_PREFIX,
     MANIFEST,
     OLD,
-    PIECE_MANIFEST_GLOB,
     PP_PATTERN,
     RANK_FILE_GLOBS,
     STAGING,
@@ -39,6 +35,7 @@ from reshard.names import (
     parse_rank_file,
     siblings,
     unlisted_rank_files,
+    unlisted_side_files,
 )
 from reshard.plan import natural_key
 from reshard.verify.report import CORRUPT, ERROR, LAYOUT, RERUN, CheckedFile, Finding, Report, rank_label
@@ -292,32 +289,12 @@ def _check_against_manifest(report: Report, folder: Folder) -> None:
         if not view.exists(name):
             report.add("missing-file", f"{name} (copied from the source) is missing", code=CORRUPT, file=name)
     if folder.manifest.copied_files:  # an output that records what it copied: nothing else is served with it
-        for name in sorted(_unlisted_side_files(view.names(), folder.manifest.copied)):
+        for name in sorted(unlisted_side_files(view.names(), folder.manifest.copied)):
             msg = (
                 f"{name} is not in the manifest (added after the save?): vLLM or its tokenizer would read it "
                 f"(a chat template, a tokenizer file, a config); remove it, or {RERUN}"
             )
             report.add("unlisted-file", msg, code=CORRUPT, file=name)
-
-
-# what vLLM, transformers' tokenizers and processors read beside the weights (the folder's top level)
-_ENGINE_READS = ("*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "vocab*", "merges*", "*.py")
-
-
-def _unlisted_side_files(names: Iterable[str], copied: Iterable[str]) -> list[str]:
-    """Top-level files the engine or its tokenizer reads (config, tokenizer, chat template, generation
-    settings, remote code: what save copies) that the manifest does not list."""
-    listed = set(copied)
-    return [
-        n
-        for n in names
-        if "/" not in n
-        and n not in listed
-        and n != MANIFEST
-        and not n.startswith(HIDDEN_PREFIX)
-        and not fnmatch(n, PIECE_MANIFEST_GLOB)
-        and any(fnmatch(n, p) for p in _ENGINE_READS)
-    ]
 
 
 def headers_vs_manifest(folder: Folder) -> list[Finding]:

@@ -4,7 +4,8 @@ vLLM built the engine from the folder's config.json before the loader runs: one 
 builds another model than the rank files were made for (other rope settings serve other tokens without
 a word; other layer counts fail with a message that blames the layout). So, as `reshard verify` does,
 every file the manifest's `copied_files` lists must be a regular file inside the folder (no symlink
-followed, no FIFO waited on), of its recorded size and, when checksums are verified, its digest. A bucket
+followed, no FIFO waited on), of its recorded size and, when checksums are verified, its digest; and no
+file the engine or its tokenizer reads (a chat template, a tokenizer file) may lie there unlisted. A bucket
 output's local config folder is checked by `remote.BucketWeights.config_problems`.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from reshard.format import NotRegular, open_inside
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import Manifest
+from reshard.names import unlisted_side_files
 
 
 def copied_problems(folder: Path, manifest: Manifest, *, hashed: bool, always: tuple[str, ...] = ()) -> list[str]:
@@ -49,6 +51,13 @@ def copied_problems(folder: Path, manifest: Manifest, *, hashed: bool, always: t
             out.append(f"{r.name}: cannot read ({e.strerror})")
         finally:
             os.close(fd)
+    if manifest.copied_files:  # an output that records what it copied: nothing else is served with it
+        try:
+            names = os.listdir(folder)
+        except OSError as e:
+            return [*out, f"cannot list the folder ({e.strerror})"]
+        for name in sorted(unlisted_side_files(names, manifest.copied)):
+            out.append(f"{name} is not in the manifest (added after the save?): vLLM or its tokenizer reads it")
     return out
 
 
