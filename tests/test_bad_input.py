@@ -417,35 +417,28 @@ def test_a_folder_that_cannot_be_listed_is_named(tiny, tmp_path, monkeypatch, co
     assert got == code and f"{bad}: Transport endpoint is not connected" in err and err.count("\n") == 1, err
 
 
-def test_a_shard_edited_in_place_with_its_mtime_restored_is_refused(tiny, tmp_path, monkeypatch):
-    """The same, by someone who set the modification time back (or within a coarse mtime's tick, as on
-    some network file systems): the change time, which no user can set, tells it."""
-    from reshard.sources.local import LocalSource
-
-    src = Path(shutil.copytree(tiny("llama"), tmp_path / "src"))
-    shard = next(src.glob("*.safetensors"))
-    real = LocalSource.open_reader
-
-    def open_reader(self):
-        reader = real(self)
-        st = shard.stat()
-        time.sleep(0.01)  # a change time of its own, on file systems of coarse timestamps too
-        with open(shard, "r+b") as f:
-            f.seek(st.st_size - 8)
-            f.write(bytes(8))
-        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-        return reader
-
-    monkeypatch.setattr(LocalSource, "open_reader", open_reader)
-    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
-    assert code == 4 and f"{shard} changed while this run read it" in err, err
-    assert not (tmp_path / "out").exists()
+def _touch(shard: Path) -> None:
+    """A new modification time, as a write would leave."""
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
 
 
-def test_a_shard_written_to_during_the_run_is_refused(tiny, tmp_path, monkeypatch):
+def _edit_and_set_mtime_back(shard: Path) -> None:
+    """Bytes changed in place, the modification time set back (or within a coarse mtime's tick, as on some
+    network file systems): only the change time, which no user can set, tells it."""
+    st = shard.stat()
+    time.sleep(0.01)  # a change time of its own, on file systems of coarse timestamps too
+    with open(shard, "r+b") as f:
+        f.seek(st.st_size - 8)
+        f.write(bytes(8))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("change", [_touch, _edit_and_set_mtime_back], ids=["written", "mtime-set-back"])
+def test_a_shard_written_to_during_the_run_is_refused(tiny, tmp_path, monkeypatch, change):
     """A source file written to while the save reads it (a second download over it, an editor): the output
     would hold a mix, and a --source-sha256 check recorded as verified would be false. Exit 4, nothing published.
-    (The change is simulated once the reads start: a new modification time.)"""
+    (The change is made once the reads start.)"""
     from reshard.sources.local import LocalSource
 
     src = Path(shutil.copytree(tiny("llama"), tmp_path / "src"))
@@ -454,8 +447,7 @@ def test_a_shard_written_to_during_the_run_is_refused(tiny, tmp_path, monkeypatc
 
     def open_reader(self):
         reader = real(self)
-        st = shard.stat()
-        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        change(shard)
         return reader
 
     monkeypatch.setattr(LocalSource, "open_reader", open_reader)
