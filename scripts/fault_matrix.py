@@ -32,7 +32,8 @@ ENV = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def reshard(*args: str, timeout: float = 600) -> tuple[int, str]:
-    """Exit code and what the user reads: stderr's last line, or verify's first finding."""
+    """Exit code and what the user reads: stderr's last line (past the notes a save prints there), or
+    verify's first finding."""
     verify = args[0] == "verify"
     p = subprocess.run(
         [sys.executable, "-m", "reshard", *args, *(["--json"] if verify else [])],
@@ -45,7 +46,7 @@ def reshard(*args: str, timeout: float = 600) -> tuple[int, str]:
         with contextlib.suppress(ValueError, KeyError, IndexError):
             found = [f for f in json.loads(p.stdout)["findings"] if f["severity"] == "error"]
             return p.returncode, (f"verify: {found[0]['message']}" if found else "")
-    lines = p.stderr.strip().splitlines()
+    lines = [ln for ln in p.stderr.strip().splitlines() if not ln.startswith("note: ")]
     return p.returncode, (lines[-1] if lines else "")
 
 

@@ -71,7 +71,7 @@ class S3Section:
             p.kill()
             _, err = p.communicate()
             code = "HUNG"
-        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        lines = [ln for ln in err.strip().splitlines() if ln.strip() and not ln.startswith("note: ")]
         said = lines[-1] if lines else f"(killed by signal {-p.returncode})" if isinstance(code, int) else ""
         self.row(name, Result(code, said, time.monotonic() - t0, 0.0), prefix, journaled)
 
