@@ -68,7 +68,7 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = TIM
             wall = time.monotonic() - t0
         peak = int(rss.read_text()) / 1024 if rss.exists() and rss.read_text() else 0.0
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip() and not ln.startswith("note: ")]  # a save's notes
     said = [ln for ln in lines if "error" in ln.lower()] or lines or stdout.strip().splitlines()[:1]
     msg = f"(no answer in {timeout:.0f} s: killed)" if code == "HUNG" else (said[-1] if said else "")
     return Result(code, msg, wall, peak, stdout)
