@@ -77,18 +77,99 @@ def test_a_manifest_re_uploaded_without_a_checksum_does_not_switch_the_check_off
     assert code == 7 and "was replaced after it was written" in err, err
 
 
-def test_deep_catches_a_flipped_byte_the_manifest_has_no_store_checksum_for(saved):
-    """An output whose manifest predates store checksums: HEADs cannot tell; --deep hashes and fails."""
+def _notes(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("note:")]
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_flipped_byte_the_manifest_has_no_store_checksum_for_is_hashed(saved, deep):
+    """An output whose manifest predates store checksums: HEADs cannot tell, so verify hashes every object
+    against the manifest's digests (it passed with a warning, exit 0); --deep did already."""
     m = saved.manifest()
     del m["store_sha256"]
     saved.replace("reshard.json", json.dumps(m).encode(), ChecksumAlgorithm="SHA256")
     saved.flip(RANK0)
-    code, rep, _ = _json(saved.url)
-    assert code == 0 and [f["kind"] for f in rep["findings"]] == ["store-checksum"]  # a warning: not checked
-    code, rep, err = _json(saved.url, "--deep")
+    code, rep, err = _json(saved.url, *(["--deep"] if deep else []))
     assert code == 7
-    assert [(f["kind"], f["file"]) for f in rep["findings"] if f["severity"] == "error"] == [("checksum", RANK0)]
+    assert [(f["kind"], f["file"]) for f in rep["findings"]] == [("checksum", RANK0)]
     _one_error_line(err, RANK0, "differs from the manifest")
+    said = [] if deep else ["note: the manifest records no store checksums"]
+    assert [n.split(" (")[0] for n in _notes(err)] == said and len(rep["notes"]) == len(said)
+
+
+def test_an_object_the_manifest_has_no_store_checksum_for_is_hashed_alone(saved):
+    """A manifest whose `store_sha256` lacks one object (an edited manifest): that object was passed with a
+    warning, unchecked; it is now hashed (it alone), so a flipped byte in it fails."""
+    m = saved.manifest()
+    del m["store_sha256"][RANK0]
+    saved.replace("reshard.json", json.dumps(m).encode(), ChecksumAlgorithm="SHA256")
+    saved.flip(RANK0)
+    code, rep, err = _json(saved.url)
+    assert code == 7 and [(f["kind"], f["file"]) for f in rep["findings"]] == [("checksum", RANK0)], err
+    assert _notes(err) == [f"note: {n}" for n in rep["notes"]] and len(rep["notes"]) == 1
+    assert rep["notes"][0].startswith(f"the manifest records no store checksum for {RANK0}: hashing {RANK0} ")
+    assert rep["stats"]["hashed_bytes"] == next(f["size"] for f in m["files"] if f["name"] == RANK0)
+    assert rep["stats"]["store_checksums_checked"] == len(m["store_sha256"])
+
+
+def _hiding(proxy, monkeypatch, flip: str | None = None) -> None:
+    """reshard pointed at `proxy`, which strips the x-amz-checksum-* headers of every answer (a store that keeps
+    none, or a proxy that drops them) and, with `flip`, changes a data byte of that object in every GET."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.hide_checksums = True
+
+    def lie(method: str, path: str, query: str, body: bytes) -> bytes:
+        if flip is None or method != "GET" or not path.endswith("/" + flip) or len(body) < 1000:
+            return body
+        data = bytearray(body)
+        data[-3] ^= 0x01  # a data byte of the object read whole: size and header unchanged
+        return bytes(data)
+
+    proxy.rewrite = lie
+
+
+def test_a_store_that_reports_no_checksums_and_serves_other_bytes_fails(saved, s3proxy, monkeypatch):
+    """The store stops reporting the objects' SHA256s and serves a changed rank file: verify passed it with a
+    warning (exit 0); it now hashes every object against the manifest's blake3s, says so in one note on
+    stderr and in --json, and fails (exit 7)."""
+    _hiding(s3proxy, monkeypatch, flip=RANK1)
+    code, out, err = run("verify", saved.url)
+    assert code == 7, (out, err)
+    _one_error_line(err, RANK1, "blake3 differs from the manifest")
+    assert len(_notes(err)) == 1 and "reports no SHA256 checksum for any object" in _notes(err)[0], err
+    assert "hashing 6 objects against the manifest's blake3 digests instead" in _notes(err)[0]
+    code, rep, err = _json(saved.url)
+    assert code == 7 and rep["checked"] == ["manifest", "structure", "keys", "checksums"]
+    assert [(f["kind"], f["file"]) for f in rep["findings"]] == [("checksum", RANK1)]
+    assert rep["notes"] == [n.removeprefix("note: ") for n in _notes(err)]
+    names = set(saved.names()) - {"reshard.json"}
+    assert rep["stats"]["store_checksums_missing"] == len(names) == 6
+    m = saved.manifest()
+    assert rep["stats"]["hashed_bytes"] == sum(f["size"] for f in m["files"])
+    assert rep["stats"]["side_files_checked"] == len(m["copied_files"])
+
+
+def test_a_store_that_reports_no_checksums_passes_once_hashed(saved, s3proxy, monkeypatch):
+    """The same store serving the bytes as saved: exit 0, no warning (every byte was checked), the note."""
+    _hiding(s3proxy, monkeypatch)
+    code, rep, err = _json(saved.url)
+    assert code == 0 and rep["findings"] == [], (err, rep["findings"])
+    assert "checksums" in rep["checked"] and "store-checksums" not in rep["checked"]
+    assert len(_notes(err)) == 1 and rep["notes"] == [_notes(err)[0].removeprefix("note: ")]
+    code, rep, err = _json(saved.url, "--deep")  # asked for: no note, and no "pass --deep" warning either
+    assert code == 0 and rep["findings"] == [] and rep["notes"] == [] and _notes(err) == [], err
+    assert "checksums" in rep["checked"]
+
+
+def test_a_store_that_reports_no_checksums_of_a_checksum_none_output_warns(s3env, tiny, s3proxy, monkeypatch):
+    """--checksum none: the manifest has no digests to hash against; a warning, exit 0, nothing hashed."""
+    out = bucket_output(s3env, tiny("llama"), tp=2, checksum="none")
+    _hiding(s3proxy, monkeypatch, flip=RANK1)
+    code, rep, err = _json(out.url)
+    assert code == 0 and _notes(err) == [] and rep["notes"] == [], err
+    assert [(f["kind"], f["severity"]) for f in rep["findings"]] == [("store-checksum", "warning")]
+    assert "--checksum none" in rep["findings"][0]["message"] and "--deep" not in rep["findings"][0]["message"]
+    assert "hashed_bytes" not in rep["stats"] and "checksums" not in rep["checked"]
 
 
 def test_a_flipped_side_file_fails(saved):

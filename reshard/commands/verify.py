@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from reshard.commands.options import Location, json_option, revision_option
-from reshard.console import byte_progress, emit_json, human_bytes, stdout
+from reshard.console import byte_progress, emit_json, human_bytes, stderr, stdout
 from reshard.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -95,7 +95,9 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
       the same checks, reading headers with ranged GETs; the listing as vLLM's runai_streamer_sharded
       makes it (over 1000 keys, rank-file keys nested under the prefix, an output above it: errors);
       instead of hashing, each object's SHA256 as the store reports it (HEAD) against the one the
-      manifest recorded at upload; --deep streams every object and hashes it too. Exit 4: the bucket
+      manifest recorded at upload; --deep streams every object and hashes it too, as verify does
+      unasked (a note on stderr says so) for objects whose checksum the store does not report (copied
+      to another store, a proxy that strips it) or the manifest lacks. Exit 4: the bucket
       cannot be read (credentials, endpoint, missing bucket).
 
     Exit codes: 0 ok (warnings allowed), 6 the layout differs from the recorded or asked one
@@ -141,6 +143,7 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
             deep=deep,
             revision=revision,
             progress=progress,
+            note=lambda line: stderr.print(f"note: {line}", markup=False, highlight=False),
         )
     seconds = time.monotonic() - t0
     try:

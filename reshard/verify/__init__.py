@@ -16,7 +16,8 @@ Four layers of checks, cheapest first:
 
 A bucket folder (`s3://bucket/prefix/`, `bucket.py`) gets the same checks through ranged reads, plus
 vLLM's listing (1000 keys, nested keys) and, instead of hashing every object, the store's checksum of
-each (a HEAD) against the manifest's; `deep` (alone) streams and hashes every object.
+each (a HEAD) against the manifest's; `deep` (alone) streams and hashes every object, as verify does
+unasked for the objects the store cannot vouch for (a note says so) when the manifest has digests.
 
 Findings, not exceptions: `verify()` returns a `Report` (`report.py`) whose exit code is 0 (ok),
 6 (the layout differs from the recorded or requested one) or 7 (corrupt or incomplete; wins over 6).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from reshard import vllm_versions
@@ -58,6 +60,7 @@ def verify(
     deep: bool = False,
     revision: str | None = None,
     progress: Progress | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> Report:
     """Check OUT_DIR; see the module docstring and `reshard verify --help`.
 
@@ -73,6 +76,7 @@ def verify(
             bucket without `against`: stream and hash every object (default: the store's checksums).
         revision: Hub revision of `against`.
         progress: progress(label, total_bytes) -> advance(n) callback, once per byte-heavy phase.
+        note: told each of `Report.notes` as it is made (before the work it announces).
 
     Raises:
         ValueError: deep without against (a local folder).
@@ -127,9 +131,13 @@ def verify(
     # header-vs-manifest differences the key check did not already tell
     report.findings += [f for f in pending if (f.file, f.tensor) not in told]
     hash_too = checksums and folder.manifest is not None
+    only: set[str] | None = None  # the objects to hash (None: every file)
     if hash_too and isinstance(view, BucketView):
-        bucket.check_store_sums(report, folder, view)
-        hash_too = deep  # every byte read only when asked: --deep
+        # every byte read when asked (--deep), or of the objects the store's checksums cannot vouch for
+        only = set(bucket.check_store_sums(report, folder, view, deep=deep))
+        for line in report.notes if note is not None else ():
+            note(line)
+        hash_too = bool(only)
         deep = deep and against is not None
     if deep and source is not None and plan is not None:
         report.checked.append("deep")
@@ -140,8 +148,8 @@ def verify(
         source.finish()
     if hash_too:
         report.checked.append("checksums" if folder.checksum != NONE else "sizes")  # --checksum none: sizes only
-        damaged = integrity.check_sums(report, folder, progress, against)
-        integrity.check_side_files(report, folder)
+        damaged = integrity.check_sums(report, folder, progress, against, only)
+        integrity.check_side_files(report, folder, only)
         if damaged and not deep:
             locate(report, folder, damaged, plan, source, against, progress)
     elif folder.manifest is not None and not checksums:  # --no-checksums: the sizes, which cost nothing

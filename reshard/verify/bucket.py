@@ -8,7 +8,9 @@ folder gets (structure, keys, checksums; read through `reshard.store.view.Bucket
 - an interrupted publish: reshard's commit journal beside the prefix (`prefix.reshard/`).
 - the store's checksums: every object's SHA256 as the store reports it (HEAD, ChecksumMode=ENABLED)
   against the one the manifest recorded when reshard uploaded it (`store_sha256`): an object
-  replaced after the save fails without a byte of it read. `--deep` hashes every byte instead.
+  replaced after the save fails without a byte of it read. `--deep` hashes every byte instead; so does
+  verify itself, said in a note, for the objects the store cannot vouch for (it reports no checksum, or
+  the manifest recorded none) where the manifest has digests to hash them against.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fnmatch import fnmatchcase
 
 from reshard import settings
 from reshard.errors import ReshardError
+from reshard.hashing import NONE
 from reshard.names import BUCKET_JOURNAL, MANIFEST
 from reshard.store.publish import VLLM_KEY_PATTERNS, VLLM_MAX_KEYS
 from reshard.store.view import BucketView
@@ -60,39 +63,39 @@ def check_listing(report: Report, view: BucketView) -> None:
         report.add("leftover", msg, code=CORRUPT, warn=True)
 
 
-def check_store_sums(report: Report, folder: Folder, view: BucketView) -> None:
-    """Each object's checksum as the store reports it against the manifest's `store_sha256`."""
+def check_store_sums(report: Report, folder: Folder, view: BucketView, *, deep: bool) -> list[str]:
+    """Each object's checksum as the store reports it against the manifest's `store_sha256`.
+
+    Returns the objects verify must hash itself: every one with `deep`; else those the store cannot
+    vouch for where the manifest has digests to hash them against (none recorded in the manifest, none
+    reported by the store: copied elsewhere, a proxy that strips them), with one note saying so (the
+    caller prints it: `report.notes`). Nothing to hash against (--checksum none): a warning instead."""
     manifest = folder.manifest
     assert manifest is not None
-    recorded = manifest.store_sha256
-    if not recorded:
-        msg = (
-            "the manifest records no store checksums (not saved to a bucket by this reshard): objects "
-            "not checked; pass --deep to hash every byte"
-        )
-        report.add("store-checksum", msg, code=0, warn=True)
-        return
     present = [f.name for f in folder.files if f.size is not None] + [
         s.name for s in manifest.copied_files if view.exists(s.name)
     ]
+    recorded = manifest.store_sha256
+    if not recorded:
+        why = "the manifest records no store checksums (not saved to a bucket by this reshard)"
+        return _unvouched(report, folder, present, present, why, deep=deep)
     with cf.ThreadPoolExecutor(settings.S3_CONCURRENCY.get(), thread_name_prefix="reshard-head") as pool:
         got = dict(zip(present, pool.map(lambda n: _head(view, n), present), strict=True))
     # the save's store reported a SHA256 for every object (reshard refuses one that does not); where none of
     # them has one now, the objects were copied to a store that keeps none. Decided from the recorded
     # objects, never from the manifest's own object: re-uploading it alone must not switch the check off.
     if got and all(h is None for h in got.values()):
-        msg = (
-            "the object store reports no SHA256 checksum for any object (copied to a store that keeps none?): "
-            "objects not checked; pass --deep to hash every byte"
+        why = (
+            "the object store reports no SHA256 checksum for any object (copied to a store that keeps none, "
+            "or a proxy that strips them?)"
         )
-        report.add("store-checksum", msg, code=0, warn=True)
-        return
+        return _unvouched(report, folder, present, present, why, deep=deep)
     report.checked.append("store-checksums")
+    unrecorded = []
     for name, have in got.items():
         want = recorded.get(name)
         if want is None:
-            msg = f"{name}: the manifest records no store checksum for it"
-            report.add("store-checksum", msg, code=0, file=name, warn=True)
+            unrecorded.append(name)
         elif isinstance(have, Exception):
             why = have.strerror if isinstance(have, OSError) else have
             report.add("store-checksum", f"{name}: cannot read its metadata ({why})", code=CORRUPT, file=name)
@@ -103,7 +106,35 @@ def check_store_sums(report: Report, folder: Folder, view: BucketView) -> None:
                 f"was written ({RERUN})"
             )
             report.add("store-checksum", msg, code=CORRUPT, file=name)
-    report.stats["store_checksums_checked"] = len(got)
+    report.stats["store_checksums_checked"] = len(got) - len(unrecorded)
+    why = f"the manifest records no store checksum for {_some(unrecorded)}"
+    return _unvouched(report, folder, present, unrecorded, why, deep=deep)
+
+
+def _unvouched(
+    report: Report, folder: Folder, present: list[str], names: list[str], why: str, *, deep: bool
+) -> list[str]:
+    """What to hash of the objects `present`, `names` of which the store's checksums did not vouch for."""
+    if deep:
+        return present
+    if not names:
+        return []
+    if folder.checksum == NONE:
+        msg = (
+            f"{why}, and the manifest records no digests (saved with --checksum none): contents of "
+            f"{_some(names)} not checked; sizes and headers were"
+        )
+        report.add("store-checksum", msg, code=0, warn=True)
+        return []
+    report.stats["store_checksums_missing"] = len(names)
+    report.notes.append(
+        f"{why}: hashing {_some(names)} against the manifest's {folder.checksum} digests instead, as --deep does"
+    )
+    return names
+
+
+def _some(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{len(names)} objects"
 
 
 def _head(view: BucketView, name: str) -> str | Exception | None:

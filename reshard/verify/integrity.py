@@ -15,9 +15,12 @@ from reshard.verify.structure import Folder
 MAX_THREADS = 16
 
 
-def check_sums(report: Report, folder: Folder, progress: Progress | None, against: str | None) -> list[CheckedFile]:
+def check_sums(
+    report: Report, folder: Folder, progress: Progress | None, against: str | None, only: set[str] | None = None
+) -> list[CheckedFile]:
     """Hash the files of the manifest's size not hashed yet (--deep hashes while comparing), compare
-    every sum with the manifest's (by the algorithm it names); returns the files that differ."""
+    every sum with the manifest's (by the algorithm it names); returns the files that differ.
+    only: these files alone (None: all)."""
     algorithm = folder.checksum
     report.stats["checksum"] = algorithm
     if algorithm == NONE:
@@ -28,6 +31,7 @@ def check_sums(report: Report, folder: Folder, progress: Progress | None, agains
         report.add("checksum", msg, code=0, warn=True)
         return []
     whole = [f for f in folder.files if f.entry and f.size is not None and f.size == f.entry.size]
+    whole = [f for f in whole if only is None or f.name in only]
     hashed = [f for f in whole if f.digest is not None]
     todo = [f for f in whole if f.digest is None]
     _hash(report, folder, todo, progress, algorithm)
@@ -39,11 +43,11 @@ def check_sums(report: Report, folder: Folder, progress: Progress | None, agains
     return damaged
 
 
-def check_side_files(report: Report, folder: Folder) -> None:
+def check_side_files(report: Report, folder: Folder, only: set[str] | None = None) -> None:
     """Every file reshard copied (config, tokenizer, ...) is there, of its size and checksum: an
-    edited config.json changes what vLLM builds as surely as a changed weight."""
+    edited config.json changes what vLLM builds as surely as a changed weight. only: these alone."""
     algorithm = folder.checksum
-    entries = folder.manifest.copied_files if folder.manifest else ()
+    entries = [e for e in (folder.manifest.copied_files if folder.manifest else ()) if only is None or e.name in only]
     view = folder.view
     for e in entries:
         try:

@@ -89,6 +89,9 @@ class Report:
     # how vLLM loads the folder when it passes: {"load_format", "strict", "model_loader_extra_config",
     # "serve"}; strict False: only with `--load-format reshard` and {"strict": false} (verify --lax)
     loads_with: dict | None = None
+    # lines the command prints on stderr as `note: ...` (how verify checked, not what it found): a bucket
+    # whose store cannot vouch for its objects is hashed instead (verify/bucket.py)
+    notes: list[str] = field(default_factory=list)
 
     def add(
         self,
@@ -164,6 +167,7 @@ class Report:
             "findings": [f.to_json() for f in self.findings],
             "stats": self.stats,
             "loads_with": self.loads_with,
+            "notes": self.notes,
         }
 
     def _file_json(self, s: CheckedFile) -> dict:
