@@ -1,4 +1,4 @@
-"""The lock object of an s3:// output (reshard/store/publish.py): one run per prefix; a lock whose
+"""The lock object of an s3:// output (reshard/store/lock.py): one run per prefix; a lock whose
 run is gone (same host, pid dead) or that nobody rewrote for LOCK_STALE seconds is taken over."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from reshard.errors import OutputError
-from reshard.store import parse_bucket_url
+from reshard.store import lock, parse_bucket_url
 from reshard.store import publish as pub
 from reshard.store.bucket import Bucket
 
@@ -52,13 +52,13 @@ def test_a_dead_run_of_this_host_is_taken_over_and_released(publisher):
 
 def test_a_lock_nobody_rewrites_goes_stale(publisher, monkeypatch):
     plant(publisher, "ci-runner-7", 4242)
-    monkeypatch.setattr(pub, "LOCK_STALE", -1)  # every lock is older than this
+    monkeypatch.setattr(lock, "LOCK_STALE", -1)  # every lock is older than this
     with publisher.locked("mine"):
         assert held_by(publisher) == "mine"
 
 
 def test_the_lock_is_rewritten_while_held(publisher, monkeypatch):
-    monkeypatch.setattr(pub, "LOCK_BEAT", 0.05)
+    monkeypatch.setattr(lock, "LOCK_BEAT", 0.05)
     writes = []
     real = publisher.bucket.put
     monkeypatch.setattr(publisher.bucket, "put", lambda key, data, **kw: (writes.append(key), real(key, data, **kw)))

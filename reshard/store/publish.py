@@ -29,13 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
-import threading
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from email.utils import parsedate_to_datetime
 from fnmatch import fnmatch
 
 from reshard.errors import OutputError, ReshardError, UnsupportedError
@@ -49,16 +43,14 @@ from reshard.names import (
     is_rank_file_name,
 )
 from reshard.publish import claim_checked, signals_held
-from reshard.store.bucket import Bucket, Conflict
+from reshard.store.bucket import Bucket
 from reshard.store.journal import Journal, read_journal
+from reshard.store.lock import MAX_SMALL, PrefixLock
 from reshard.store.upload import OpenUpload, Uploads
 
 VLLM_MAX_KEYS = 1000  # vLLM lists the prefix with one list_objects_v2 call: its first page only
 # what vLLM's runai_streamer_sharded matches against whole keys (fnmatch: `*` crosses "/")
 VLLM_KEY_PATTERNS = ("*model-rank-*-part-*.safetensors", "*model-pp-*-tp-*-part-*.safetensors")
-MAX_SMALL = 1 << 30  # bytes: a manifest, a lock or a journal read back
-LOCK_BEAT = 30  # seconds: a running save rewrites its lock object this often
-LOCK_STALE = 300  # seconds: a lock not rewritten for this long is a dead run's
 
 
 @dataclass
@@ -99,71 +91,9 @@ class BucketPublisher:
 
     # ---- 1. one run at a time ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def locked(self, run_id: str) -> Iterator[None]:
-        """Hold the prefix's lock object; it is rewritten every LOCK_BEAT seconds, so that a lock
-        not rewritten for LOCK_STALE seconds (by the store's clock) is a dead run's, taken over."""
-        body = json.dumps(
-            {"host": socket.gethostname(), "pid": os.getpid(), "run": run_id, "since": int(time.time())}
-        ).encode()
-        try:
-            etag = self.bucket.put(self.lock_key, body, create_only=True)
-        except Conflict:
-            etag = self._take_dead_lock(body)
-        stop = threading.Event()
-
-        def beat() -> None:
-            nonlocal etag
-            while not stop.wait(LOCK_BEAT):
-                with contextlib.suppress(Exception):
-                    etag = self.bucket.put(self.lock_key, body)
-
-        beater = threading.Thread(target=beat, name="reshard-s3-lock", daemon=True)
-        beater.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            beater.join()
-            with contextlib.suppress(Exception):  # our lock only: a delayed delete must not free another run's
-                self.bucket.delete_if(self.lock_key, etag)
-
-    def _lock_age(self) -> tuple[float | None, str]:
-        """Seconds since the lock object was last written, by the store's own clock (None if unknown), and its
-        ETag ("" if it is gone)."""
-        head = self.bucket.head(self.lock_key)
-        if head is None:
-            return None, ""
-        etag = str(head.get("ETag", ""))
-        with contextlib.suppress(Exception):
-            now = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
-            return (now - head["LastModified"]).total_seconds(), etag
-        return None, etag
-
-    def _take_dead_lock(self, body: bytes) -> str:
-        """Take over a dead run's lock (the ETag of ours), else say whose it is."""
-        host, pid, since = _lock_fields(self.bucket.get(self.lock_key, limit=MAX_SMALL))
-        age, etag = self._lock_age()
-        dead = host == socket.gethostname() and pid and not _alive(pid)
-        # that lock only (If-Match): another run taking it over at the same time keeps its own
-        if (dead or age is None or age > LOCK_STALE) and self.bucket.delete_if(self.lock_key, etag):
-            try:
-                return self.bucket.put(self.lock_key, body, create_only=True)
-            except Conflict:
-                pass
-        if not pid:  # not what reshard writes there
-            raise OutputError(
-                f"s3://{self.url.bucket}/{self.lock_key} is not a reshard lock, yet it is where {self.url}'s lock "
-                "goes (it is not taken over while it was written in the last "
-                f"{LOCK_STALE // 60} minutes)",
-                f"delete it if no reshard run is writing {self.url}, or wait",
-            )
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "an unknown time"
-        raise OutputError(
-            f"another reshard run (host {host}, pid {pid}, since {when}) is writing {self.url}",
-            f"wait for it: a run that died leaves a lock that is taken over {LOCK_STALE // 60} minutes after its "
-            f"last sign of life (or delete s3://{self.url.bucket}/{self.lock_key})",
-        )
+    def locked(self, run_id: str) -> contextlib.AbstractContextManager[None]:
+        """Hold the prefix's lock object (reshard.store.lock)."""
+        return PrefixLock(self.bucket, self.lock_key).held(run_id)
 
     # ---- 2. what interrupted runs left ---------------------------------------------------------
 
@@ -369,26 +299,3 @@ def _fit_hint(rank_bytes: int, room: int, max_part: int, foreign: int) -> str:
     if gib * (1 << 30) <= max_part:
         return f"use fewer, larger files{others}"
     return f"pass --max-part-size {gib}GiB (at most {room} files per rank){others}"
-
-
-def _lock_fields(raw: bytes | None) -> tuple[str, int, int]:
-    """(host, pid, since) of a lock reshard wrote; ("?", 0, 0) for anything else (a pid or time out of
-    range too: `os.kill` and `localtime` would overflow on them)."""
-    try:
-        held = json.loads(raw or b"{}")
-        host, pid, since = str(held["host"]), int(held["pid"]), int(held["since"])
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return "?", 0, 0
-    if not (0 < pid < 1 << 31 and 0 <= since < 1 << 40):
-        return "?", 0, 0
-    return host, pid, since
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
