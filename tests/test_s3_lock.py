@@ -13,6 +13,7 @@ from reshard.errors import OutputError
 from reshard.store import lock, parse_bucket_url
 from reshard.store import publish as pub
 from reshard.store.bucket import Bucket
+from tests.fixtures.cli import run
 
 
 @pytest.fixture
@@ -67,3 +68,29 @@ def test_the_lock_is_rewritten_while_held(publisher, monkeypatch):
     with publisher.locked("mine"):
         time.sleep(0.5)
     assert writes.count(publisher.lock_key) >= 3
+
+
+def _lock_deletes(proxy, bucket: str) -> list[int]:
+    """The statuses of the DELETEs of the lock of s3://BUCKET/model/ that went through `proxy` (0: dropped)."""
+    return [e[3] for e in proxy.log if e[0] == "DELETE" and e[1] == f"/{bucket}/model.reshard/lock.json"]
+
+
+def _faulty_lock_delete(proxy, monkeypatch, s3server, bucket: str, **faults) -> None:
+    """reshard pointed at `proxy`, whose faults hit only the DELETEs of the lock (each request retried once)."""
+    for k, v in s3server.env(endpoint=proxy.endpoint).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RESHARD_S3_RETRIES", "1")
+    proxy.only = lambda method, path, query: method == "DELETE" and path == f"/{bucket}/model.reshard/lock.json"
+    for k, v in faults.items():
+        setattr(proxy, k, v)
+
+
+def test_a_lock_delete_dropped_once_is_sent_again(tiny, s3server, s3bucket, s3proxy, monkeypatch):
+    """A network blip drops the lock's DELETE at the end of a save: botocore sends it again (with backoff,
+    RESHARD_S3_RETRIES times), so no lock is left for the next run to wait on, and nothing is said."""
+    _faulty_lock_delete(s3proxy, monkeypatch, s3server, s3bucket, drop=1)
+    code, _, err = run("save", str(tiny("llama")), f"s3://{s3bucket}/model/", "--tp", "2")
+    assert code == 0, err
+    assert _lock_deletes(s3proxy, s3bucket) == [0, 204]
+    assert s3server.client().list_objects_v2(Bucket=s3bucket, Prefix="model.reshard/").get("KeyCount") == 0
+    assert "lock.json" not in err
