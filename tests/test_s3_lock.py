@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -37,6 +38,11 @@ def test_a_live_run_elsewhere_is_refused_naming_it(publisher):
     with pytest.raises(OutputError, match="host ci-runner-7, pid 4242") as e, publisher.locked("mine"):
         pass
     assert "taken over 5 minutes" in str(e.value)
+    # how long ago its lock was rewritten (by the store's clock) tells a live run from one gone without deleting it
+    said = re.search(r"its lock was last rewritten (\d+) s ago, every 30 s while it runs", e.value.message)
+    assert said and int(said[1]) <= 5, e.value.message
+    wait = re.search(r"after its last sign of life, in (\d) min (\d+) s \(or delete", e.value.hint or "")
+    assert wait and 295 <= 60 * int(wait[1]) + int(wait[2]) <= 300, e.value.hint
     assert held_by(publisher) == "other"  # untouched
 
 
@@ -94,3 +100,37 @@ def test_a_lock_delete_dropped_once_is_sent_again(tiny, s3server, s3bucket, s3pr
     assert _lock_deletes(s3proxy, s3bucket) == [0, 204]
     assert s3server.client().list_objects_v2(Bucket=s3bucket, Prefix="model.reshard/").get("KeyCount") == 0
     assert "lock.json" not in err
+
+
+@pytest.mark.parametrize("fault, statuses", [("forbidden", [403]), ("slowdown", [503, 503])])
+def test_a_lock_left_behind_is_said_with_the_command_that_deletes_it(
+    tiny, s3server, s3bucket, s3proxy, monkeypatch, fault, statuses
+):
+    """The lock's DELETE still failing after botocore's retries (throttled throughout) or refused (403, not
+    retried): the lock was left without a word, and a save from another host was refused for 5 minutes as
+    if the finished run still wrote. The save still succeeds (its output is published); one note says the
+    lock is left, what that costs and the command that deletes it; a run it refuses says how long ago the
+    lock was last rewritten; once deleted as the note says, the next save goes ahead."""
+    src, url = str(tiny("llama")), f"s3://{s3bucket}/model/"
+    where = f"s3://{s3bucket}/model.reshard/lock.json"
+    _faulty_lock_delete(s3proxy, monkeypatch, s3server, s3bucket, **{fault: 100})
+    code, _, err = run("save", src, url, "--tp", "2")
+    assert code == 0, err
+    assert _lock_deletes(s3proxy, s3bucket) == statuses
+    notes = [line for line in err.splitlines() if where in line]
+    assert len(notes) == 1 and notes[0].startswith(f"note: this run's lock {where} could not be deleted ("), err
+    assert notes[0].endswith(
+        f"): a save to {url} from another host is refused until it is 5 minutes old (one from this host takes it "
+        f"over); delete it if no reshard run is writing there: aws s3 rm {where}"
+    ), notes[0]
+    client = s3server.client()
+    lock = json.loads(client.get_object(Bucket=s3bucket, Key="model.reshard/lock.json")["Body"].read())
+    lock["host"] = "ci-runner-7"  # as a run on another host finds it
+    client.put_object(Bucket=s3bucket, Key="model.reshard/lock.json", Body=json.dumps(lock).encode())
+    for k, v in s3server.env().items():
+        monkeypatch.setenv(k, v)
+    code, _, err = run("save", src, url, "--tp", "2", "--overwrite")
+    assert code == 5 and "its lock was last rewritten" in err and f"(or delete {where})" in err, err
+    client.delete_object(Bucket=s3bucket, Key="model.reshard/lock.json")  # what the note says to run
+    code, _, err = run("save", src, url, "--tp", "2", "--overwrite")
+    assert code == 0, err

@@ -4,7 +4,9 @@ never under it: vLLM lists the prefix whole).
 The lock is created if absent (If-None-Match: *) and rewritten every LOCK_BEAT seconds while the run
 lasts; another run's lock is refused (naming its host and pid), a lock of this host whose process is
 gone, or one nobody rewrote for LOCK_STALE seconds by the store's clock (a killed CI job), is taken over.
-A run deletes its lock, and a dead one, with If-Match its ETag: never a lock taken since.
+A run deletes its lock, and a dead one, with If-Match its ETag: never a lock taken since. A lock a
+run could not delete (the store failing past botocore's retries during its cleanup) is said in a note,
+with the command that deletes it; a run it refuses is told how long ago that lock was last rewritten.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
 
-from reshard.errors import OutputError
+from reshard.errors import OutputError, ReshardError
 from reshard.store.bucket import Bucket, Conflict
 
 MAX_SMALL = 1 << 30  # bytes: a manifest, a lock or a journal read back
@@ -60,8 +63,27 @@ class PrefixLock:
         finally:
             stop.set()
             beater.join()
-            with contextlib.suppress(Exception):  # our lock only: a delayed delete must not free another run's
-                self.bucket.delete_if(self.lock_key, etag)
+            self._release(etag)
+
+    def _release(self, etag: str) -> None:
+        """Delete our lock: ours only (If-Match), so that a delayed delete cannot free another run's. botocore
+        retries the request (RESHARD_S3_RETRIES, with backoff: a dropped connection, throttling, 5xx); a lock
+        still there after that is said on stderr, with what it costs and how to remove it. The run's outcome
+        stands: its output is published (or not) whatever becomes of the lock."""
+        try:
+            self.bucket.delete_if(self.lock_key, etag)
+            return
+        except Exception as e:
+            why = e.message if isinstance(e, ReshardError) else (str(e) or type(e).__name__)
+        where = f"s3://{self.url.bucket}/{self.lock_key}"
+        line = (
+            f"note: this run's lock {where} could not be deleted ({why}): a save to {self.url} from another host "
+            f"is refused until it is {LOCK_STALE // 60} minutes old (one from this host takes it over); delete it "
+            f"if no reshard run is writing there: aws s3 rm {where}"
+        )
+        with contextlib.suppress(OSError, ValueError):  # stderr closed: the lock goes stale all the same
+            sys.stderr.write(" ".join(line.split()) + "\n")
+            sys.stderr.flush()
 
     def _lock_age(self) -> tuple[float | None, str]:
         """Seconds since the lock object was last written, by the store's own clock (None if unknown), and its
@@ -94,10 +116,18 @@ class PrefixLock:
                 f"delete it if no reshard run is writing {self.url}, or wait",
             )
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "an unknown time"
+        # how long ago the run last rewrote its lock tells a live run (under LOCK_BEAT) from one that is gone
+        # but could not delete it (a store error during its cleanup): the user decides whether to wait
+        seen = (
+            f"; its lock was last rewritten {_span(age)} ago, every {LOCK_BEAT} s while it runs"
+            if age is not None
+            else ""
+        )
+        left = f", in {_span(LOCK_STALE - age)}" if age is not None and 0 <= age <= LOCK_STALE else ""
         raise OutputError(
-            f"another reshard run (host {host}, pid {pid}, since {when}) is writing {self.url}",
+            f"another reshard run (host {host}, pid {pid}, since {when}) is writing {self.url}{seen}",
             f"wait for it: a run that died leaves a lock that is taken over {LOCK_STALE // 60} minutes after its "
-            f"last sign of life (or delete s3://{self.url.bucket}/{self.lock_key})",
+            f"last sign of life{left} (or delete s3://{self.url.bucket}/{self.lock_key})",
         )
 
 
@@ -112,6 +142,12 @@ def _lock_fields(raw: bytes | None) -> tuple[str, int, int]:
     if not (0 < pid < 1 << 31 and 0 <= since < 1 << 40):
         return "?", 0, 0
     return host, pid, since
+
+
+def _span(seconds: float) -> str:
+    """'4 min 5 s', '40 s'."""
+    m, s = divmod(max(0, round(seconds)), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
 
 
 def _alive(pid: int) -> bool:
