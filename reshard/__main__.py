@@ -37,6 +37,51 @@ def hold_closed_streams() -> None:
         setattr(sys, name, ClosedStdout() if fd == 1 else open(fd, "w", closefd=False))  # noqa: SIM115
 
 
+OUT_OF_MEMORY_AT_START = (
+    "out of memory while starting: the memory limit (a `ulimit -v`, or the container's limit) does not leave "
+    "room to load reshard's modules (numpy's libraries); raise the limit"
+)
+
+
+def _numpy_loads() -> bool:
+    """Under an address-space limit (`ulimit -v`, RLIMIT_DATA), whether numpy can be loaded: OpenBLAS,
+    loaded with it, ends the process with exit 1 from C when its buffer is refused, which no Python code
+    can catch. A forked child, at the same point, tries first; a Python error it meets is left to this
+    process, which then meets it too. Without such a limit there is nothing to try."""
+    import resource
+
+    if "numpy" in sys.modules or all(
+        resource.getrlimit(r)[0] == resource.RLIM_INFINITY for r in (resource.RLIMIT_AS, resource.RLIMIT_DATA)
+    ):
+        return True
+    pid = os.fork()
+    if pid == 0:  # the child: silent, and never past this block
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            import numpy
+        finally:
+            os._exit(0)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        return False
+    import numpy  # noqa: F401  here, as in the child: with the same memory left
+
+    return True
+
+
+def _fail_at_start(message: str, code: int, kind: str) -> None:
+    """One line on stderr, under --json also the object on stdout every failure gives (reshard.cli._fail),
+    with no more imports than these: the CLI could not be imported. `message` holds no `"` or `\\`."""
+    if "--json" in sys.argv[1:]:
+        error = '{"code": ' + str(code) + ', "kind": "' + kind + '", "message": "' + message + '"}'
+        with contextlib.suppress(OSError, MemoryError):  # stdout closed by its reader: stderr still tells
+            print('{"ok": false, "error": ' + error + "}", flush=True)
+    with contextlib.suppress(OSError, MemoryError, ValueError):
+        print(f"reshard: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 def run() -> None:
     # reshard never multiplies matrices: numpy's OpenBLAS thread pool would only spin on a core
     # the writers need (2.5% of a save's CPU on 2 cores, perf). Before numpy is first imported.
@@ -48,6 +93,8 @@ def run() -> None:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
         if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # SIGHUP too (a closed terminal; not under nohup)
             signal.signal(signal.SIGHUP, signal.default_int_handler)
+        if not _numpy_loads():
+            _fail_at_start(OUT_OF_MEMORY_AT_START, 5, "OutputError")
         from reshard.bulk import as_command
         from reshard.cli import main
 
@@ -59,12 +106,17 @@ def run() -> None:
             if reads_only
             else "; nothing was published and a previous output is unchanged"
         )
-        if "--json" in sys.argv[1:]:  # as every failure under --json: one object on stdout (reshard.cli._fail)
-            error = '{"code": 130, "kind": "interrupted", "message": "' + message + '"}'
-            with contextlib.suppress(OSError):  # stdout closed by its reader: stderr still tells
-                print('{"ok": false, "error": ' + error + "}", flush=True)
-        print(f"reshard: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(130)
+        _fail_at_start(message, 130, "interrupted")
+    except Exception as e:  # memory refused while importing: numpy's library not mapped, a MemoryError
+        try:
+            from reshard.errors import memory_refused
+
+            refused = memory_refused(e)
+        except MemoryError:
+            refused = True
+        if not refused:
+            raise
+        _fail_at_start(OUT_OF_MEMORY_AT_START, 5, "OutputError")
     try:
         main()
     finally:

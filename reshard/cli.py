@@ -24,6 +24,7 @@ from reshard.errors import (
     StdoutUnwritable,
     UnsupportedError,
     UsageError,
+    memory_refused,
 )
 
 
@@ -196,7 +197,7 @@ def _main(argv: list[str] | None) -> None:
     except Exception as e:
         if debug:
             traceback.print_exc()
-        if isinstance(e, MemoryError) or "can't start new thread" in str(e):  # a ulimit -v, a container's limit
+        if memory_refused(e):  # a ulimit -v, a container's limit (numpy's or torch's library not mapped too)
             _fail(OUT_OF_MEMORY, ExitCode.BAD_OUTPUT, as_json, "OutputError")
         msg = f"internal error: {type(e).__name__}: {e} (rerun with RESHARD_DEBUG=1 and report it)"
         _fail(msg, ExitCode.INTERNAL, as_json, "InternalError")

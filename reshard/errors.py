@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from enum import IntEnum
 
 
@@ -59,6 +60,26 @@ def unreadable_source(where: object, e: OSError) -> SourceError:
 def permission_denied(path: object) -> tuple[str, str]:
     """The message and hint of a file this user may not read: a permission to grant, not damage to repair."""
     return f"cannot read {path} (permission denied)", "give this user read access to it"
+
+
+# What a shared library that cannot be mapped (numpy's, torch's, blake3's under a `ulimit -v`) or a thread that
+# cannot start says; not glibc's "cannot allocate memory in static TLS block", which no memory limit causes.
+_NO_MEMORY = ("failed to map segment", "cannot allocate memory", "can't start new thread")
+
+
+def memory_refused(e: BaseException | None) -> bool:
+    """Whether an error (or one it was raised from) says this process may not take more memory: a
+    MemoryError, ENOMEM, a thread that cannot start, a module whose shared library cannot be mapped."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM):
+            return True
+        text = str(e).lower() if isinstance(e, (ImportError, RuntimeError)) else ""
+        if "static tls" not in text and any(s in text for s in _NO_MEMORY):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class OutputError(ReshardError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from reshard.errors import UnsupportedError
+from reshard.errors import UnsupportedError, memory_refused
 
 TORCH_HINT = (
     "pip install 'reshard[torch]' (CPU wheel: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
@@ -17,5 +17,7 @@ def import_torch(why: str) -> ModuleType:
     try:
         import torch
     except ImportError as e:
+        if memory_refused(e):  # installed, but its libraries cannot be mapped under the memory limit: exit 5
+            raise
         raise UnsupportedError(f"{why} needs torch, which is not installed here", TORCH_HINT) from e
     return torch

@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from reshard import settings
-from reshard.errors import ReshardError, UnsupportedError, UsageError
+from reshard.errors import ReshardError, UnsupportedError, UsageError, memory_refused
 
 S3_HINT = "pip install 'reshard[s3]'"
 
@@ -28,6 +28,8 @@ def import_boto3() -> ModuleType:
     try:
         import boto3
     except ImportError as e:
+        if memory_refused(e):  # installed, but not loadable under the memory limit: exit 5 (reshard.cli)
+            raise
         raise UnsupportedError("s3:// needs boto3, which is not installed here", S3_HINT) from e
     return boto3
 
