@@ -103,8 +103,9 @@ def test_malformed_header(tiny, tmp_path, case):
     assert "model.safetensors" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("what", ["absent", "a folder", "a FIFO"])
+@pytest.mark.parametrize("what", ["absent", "a folder", "a FIFO", "a symlink loop", "a symlink to nothing"])
 def test_a_shard_the_index_names_that_is_not_a_file(tiny, tmp_path, what):
+    """A symlink loop or a dangling symlink is said to be one, not called missing (its name is there)."""
     import os
 
     src = corrupt(tiny, tmp_path, shards=2)
@@ -114,10 +115,29 @@ def test_a_shard_the_index_names_that_is_not_a_file(tiny, tmp_path, what):
         shard.mkdir()
     elif what == "a FIFO":
         os.mkfifo(shard)  # never opened, so never waited on
+    elif what == "a symlink loop":
+        shard.symlink_to(shard.name)
+    elif what == "a symlink to nothing":
+        shard.symlink_to("gone.safetensors")
     code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
     assert code == 4 and err.count("\n") == 1, err
-    says = "are missing" if what == "absent" else f"not a regular file ({what})"
+    says = {
+        "absent": "are missing",
+        "a symlink loop": "but a symlink that leads round in a loop",
+        "a symlink to nothing": "but a symlink to 'gone.safetensors', which does not exist",
+    }.get(what, f"not a regular file ({what})")
     assert shard.name in err and says in err, err
+
+
+@pytest.mark.parametrize("how", ["a loop", "nowhere"])
+def test_a_single_file_checkpoint_whose_file_is_a_broken_symlink(tiny, tmp_path, how):
+    """model.safetensors, no index: a symlink loop or a symlink to nothing says so."""
+    src = corrupt(tiny, tmp_path)
+    (src / "model.safetensors").unlink()
+    (src / "model.safetensors").symlink_to("model.safetensors" if how == "a loop" else "gone.safetensors")
+    code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
+    says = "a symlink that leads round in a loop" if how == "a loop" else "a symlink to 'gone.safetensors'"
+    assert code == 4 and err.count("\n") == 1 and f"model.safetensors: {says}" in err, err
 
 
 def test_an_empty_path_argument_is_a_usage_error(tiny):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -213,6 +214,20 @@ def _read_config(root: Path | FolderView) -> dict:
     return check_config(config, str(root))
 
 
+def _not_a_file(path: Path) -> str | None:
+    """Why `path`, which is no regular file, is there all the same: a symlink leading round in a loop or to
+    nothing, a folder, a FIFO, ...; None when nothing is there (a shard missing)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return f"a symlink to {os.readlink(path)!r}, which does not exist" if path.is_symlink() else None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink that leads round in a loop (to itself, or through others back to it)"
+        raise
+    return f"not a regular file ({kind(mode)})"
+
+
 def weight_files(root: Path) -> list[str]:
     """The safetensors files of `root`, in index order (or the single file, or every file)."""
     index = root / INDEX
@@ -224,10 +239,10 @@ def weight_files(root: Path) -> list[str]:
         except (OSError, ValueError, RecursionError) as e:
             raise SourceError(f"{index}: cannot parse ({e})", "download the checkpoint again") from e
         missing = [f for f in files if not (root / f).is_file()]
-        odd = [f for f in missing if (root / f).exists()]
+        odd = [(f, why) for f in missing if (why := _not_a_file(root / f))]
         if odd:
             raise SourceError(
-                f"{root / odd[0]}: named in {INDEX} but not a regular file ({kind((root / odd[0]).stat().st_mode)})",
+                f"{root / odd[0][0]}: named in {INDEX} but {odd[0][1]}",
                 "replace it with the shard's file, e.g. `hf download REPO`",
             )
         if missing:
@@ -238,6 +253,8 @@ def weight_files(root: Path) -> list[str]:
         return files
     if (root / SINGLE).is_file():
         return [SINGLE]
+    if why := _not_a_file(root / SINGLE):
+        raise SourceError(f"{root / SINGLE}: {why}", "replace it with the checkpoint's file, e.g. `hf download REPO`")
     found = sorted(p.name for p in root.glob("*.safetensors") if not p.name.startswith("consolidated"))
     if not found:
         hint = "reshard reads safetensors only; convert .bin checkpoints first"
