@@ -25,6 +25,7 @@ from reshard.errors import (
     UnsupportedError,
     UsageError,
     memory_refused,
+    printable,
 )
 
 
@@ -254,7 +255,7 @@ def _kind(e: ReshardError) -> str:
 def _fail(message: str, code: int, as_json: bool, kind: str) -> NoReturn:
     """One line on stderr; with --json also an object on stdout that CI can parse. The exit code is
     the one thing sure to arrive: a stream that cannot be written changes neither it nor the other."""
-    message = " ".join(message.split())  # one line, whatever the message held
+    message = " ".join(printable(message).split())  # one line, a path's control characters escaped
     if as_json:
         err = {"code": int(code), "kind": kind, "message": message}
         try:

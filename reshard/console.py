@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from reshard import settings
-from reshard.errors import StdoutUnwritable
+from reshard.errors import StdoutUnwritable, printable
 
 if TYPE_CHECKING:
     from reshard.checkpoint import Downloads
@@ -24,6 +24,10 @@ class _Console(Console):
     """rich's Console, but a closed pipe does not exit 1 (rich's default): a closed stderr silences
     the progress and the run goes on; a closed stdout raises BrokenPipeError, which the CLI ends
     quietly with 141 (reshard.cli)."""
+
+    def render_str(self, text: str, *args, **kwargs):  # every str printed, a table's cells too
+        """A path or name with control characters (`\\x1b[31m`, a line break) is shown escaped, never acted on."""
+        return super().render_str(printable(text), *args, **kwargs)
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
@@ -62,6 +66,15 @@ def _log_file() -> bool:
 
 stderr = _Console(stderr=True, highlight=False, soft_wrap=_log_file())
 stdout = _Console(highlight=False, soft_wrap=True, width=_result_width())
+
+
+def log_line(text: str) -> None:
+    """One line on stderr, written at once (print() writes the text and its newline apart, and threads log
+    together), its control characters escaped; a log that cannot be written (a full disk, a collector gone:
+    EPIPE) never ends the run."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(printable(text) + "\n")
+        sys.stderr.flush()
 
 
 def progress_disabled() -> bool:

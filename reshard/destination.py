@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reshard.console import log_line
 from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.io.writer import FileWriter, Sink
 from reshard.manifest import Manifest, manifest_bytes, read_manifest, write_manifest
@@ -126,9 +126,7 @@ class Bucket(Destination):
         held.enter_context(publisher.locked(run.tag))
         publisher.recover()
         if publisher.recovered:  # an interrupted run's commit, finished before this run's checks
-            with contextlib.suppress(OSError, ValueError):
-                sys.stderr.write(f"reshard: {self.url}: {publisher.recovered}\n")
-                sys.stderr.flush()
+            log_line(f"reshard: {self.url}: {publisher.recovered}")
         plan = run.plan
         sides = side_files(run.source) if run.source is not None else []
         rank_bytes: dict[int, int] = {}

@@ -18,6 +18,15 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130  # Ctrl-C; partial output removed
 
 
+def printable(text: str) -> str:
+    """`text` with each character a terminal or a log reader would act on written as a repr writes it (`\\x1b`,
+    `\\n`, `\\r`, `\\u202e`): a path given on the command line, or a name from a hostile folder, cannot colour,
+    erase or forge a line of reshard's output."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 class ReshardError(Exception):
     """Base of every expected failure. `hint` says what the user can do about it."""
 

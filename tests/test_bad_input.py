@@ -517,3 +517,24 @@ def test_a_manifest_this_user_cannot_read_says_so(tiny, tmp_path, monkeypatch):
     code, _, err = run("verify", str(out))
     foreign = ", or check a folder without manifest with --against SOURCE --tp T"  # verify's hint for any manifest
     assert (code, err) == (7, f"reshard: error: verify: corrupt or incomplete (exit 7): {denial[:-1]}{foreign})\n")
+
+
+def test_control_characters_in_a_path_are_shown_escaped(tiny, tmp_path):
+    """A path argument holding an escape sequence, a line break, a carriage return or a bidi override: every
+    line reshard prints (an error on stderr and in --json, verify's findings, a save's result and notes) shows
+    them as a repr does, so that a terminal or a CI log cannot be coloured, erased or given a forged line."""
+    name = "d\x1b[31m\nreshard: ok\r\u202e"
+    shown = f"{tmp_path}/d\\x1b[31m\\nreshard: ok\\r\\u202e"
+
+    def raw(text: str) -> set[str]:
+        return {c for c in text if not c.isprintable() and c != "\n"}
+
+    code, out, err = run("save", str(tmp_path / name), str(tmp_path / "out"), "--tp", "2", "--json")
+    message = json.loads(out)["error"]["message"]
+    assert (code, err) == (4, f"reshard: error: {message}\n") and message.startswith(f"{shown}: no such folder")
+    code, out, err = run("verify", str(tmp_path / name))
+    assert code == 7 and raw(out + err) == set() and err.count("\n") == 1, (out, err)
+    assert f"error: [missing] {shown}: no such folder" in out and f"(exit 7): {shown}: no such folder" in err
+    code, out, err = run("save", str(tiny("llama")), str(tmp_path / name), "--tp", "2")
+    assert code == 0 and raw(out + err) == set() and f" to {shown}\n" in out, (out, err)
+    assert (tmp_path / name / "reshard.json").is_file()

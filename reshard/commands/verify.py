@@ -11,7 +11,7 @@ import click
 
 from reshard.commands.options import Location, json_option, revision_option
 from reshard.console import byte_progress, emit_json, human_bytes, stderr, stdout
-from reshard.errors import ExitCode
+from reshard.errors import ExitCode, printable
 
 if TYPE_CHECKING:
     from reshard.verify import Report
@@ -169,7 +169,7 @@ def _fail_line(report: Report) -> None:
     rest = len(report.errors) - 1
     more = f" (and {rest} more error(s))" if rest else ""
     what = "corrupt or incomplete" if report.exit_code == ExitCode.CORRUPT else "layout differs"
-    line = " ".join(f"verify: {what} (exit {report.exit_code}): {first.message}{more}".split())
+    line = " ".join(printable(f"verify: {what} (exit {report.exit_code}): {first.message}{more}").split())
     print(f"reshard: error: {line}", file=sys.stderr, flush=True)
 
 

@@ -22,6 +22,7 @@ import os
 import re
 from pathlib import Path
 
+from reshard.console import log_line
 from reshard.errors import SourceError
 from reshard.names import CONFIG, HUB_PATTERNS
 from reshard.sources.local import LocalSource
@@ -159,7 +160,6 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
     hashing as it arrives, and rename that over the blob once it hashes to `want` (fsynced first).
     One line on stderr says so. Exit 4 if the Hub's bytes do not hash to `want` either (the cached
     copy is left as it was)."""
-    import sys
     import uuid
     from concurrent.futures import ThreadPoolExecutor
 
@@ -211,7 +211,4 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
         with contextlib.suppress(OSError):
             tmp.unlink()
     why = why or f"sha256 {got[:12]}…, the commit's is {want[:12]}…"
-    line = f"reshard: the cached copy of {where} was corrupt ({why}); fetched it again from the Hub and checked it\n"
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(line)
-        sys.stderr.flush()
+    log_line(f"reshard: the cached copy of {where} was corrupt ({why}); fetched it again from the Hub and checked it")

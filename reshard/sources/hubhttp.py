@@ -22,11 +22,9 @@ sha256 the commit holds, and the ETag and Content-Range total of each answer are
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import re
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +35,7 @@ from urllib.parse import quote, urlparse
 import numpy as np
 
 from reshard import settings
+from reshard.console import log_line
 from reshard.errors import SourceError
 from reshard.io.writer import NUMPY_COPY
 from reshard.sources import rawhttp
@@ -164,11 +163,7 @@ def with_retries(call: Callable[[], T], what: str, *, progress: Callable[[], int
                 "from what it kept in the HF cache",
             ) from err
         wait = min(30.0, settings.HUB_BACKOFF.get() * 2 ** (failures - 1))
-        # one write per line: print() writes the text and its newline apart, and connections retry at once
-        line = f"reshard: retrying in {wait:g} s ({failures}/{retries}): {what}: {type(err).__name__}: {msg}\n"
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.write(line)
-            sys.stderr.flush()
+        log_line(f"reshard: retrying in {wait:g} s ({failures}/{retries}): {what}: {type(err).__name__}: {msg}")
         time.sleep(wait)
 
 
