@@ -116,9 +116,13 @@ def _interruptible(fn: Callable[[], None]) -> None:
 
 
 def parse_ranks(spec: str | None, world: int) -> list[int] | None:
-    """'0-3', '0,2,5-7' -> sorted engine ranks; None means all."""
-    if not spec:
+    """'0-3', '0,2,5-7' -> sorted engine ranks; None (no --ranks) means all; '' is a usage error, never all."""
+    if spec is None:
         return None
+    if not spec.strip():
+        raise UsageError(
+            f"--ranks {spec!r} names no rank", "give a list like 0-3 or 0,2,5-7, or leave --ranks out for all"
+        )
     ranks: set[int] = set()
     try:
         for part in spec.split(","):

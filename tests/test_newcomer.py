@@ -157,7 +157,8 @@ def test_ranks_a_command_line_cannot_mean_are_usage_errors(tiny, tmp_path):
     """--ranks is known without the model (tp x pp are on the command line): a malformed list, a
     backwards range or a rank outside the layout is exit 2, one line saying what would do."""
     src = str(tiny("llama"))
-    for spec, says in (("x", "expected a list like 0-3"), ("1-0", "write it 0-1"), ("5", "ranks lie in 0..1")):
+    cases = (("x", "expected a list like 0-3"), ("1-0", "write it 0-1"), ("5", "ranks lie in 0..1"), ("", "no rank"))
+    for spec, says in (*cases, (" ", "no rank"), (",", "expected a list like 0-3")):
         code, _, err = run("save", src, str(tmp_path / "out"), "--tp", "2", "--ranks", spec)
         assert code == 2 and says in err and err.count("\n") == 1, (spec, err)
     assert not (tmp_path / "out").exists()
