@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fnmatch import fnmatch
@@ -28,6 +27,7 @@ from reshard.io.writer import FileWriter, Sink
 from reshard.manifest import Manifest, manifest_bytes, read_manifest, write_manifest
 from reshard.names import BUCKET_HANDOVER, BUCKET_HANDOVER_GLOB, MANIFEST, PIECE_MANIFEST_GLOB, is_rank_file_name
 from reshard.publish import staged, swap_in
+from reshard.scratch import scratch_dir
 from reshard.sidefiles import side_files
 from reshard.store import BucketURL, is_bucket_url, parse_bucket_url
 
@@ -141,7 +141,7 @@ class Bucket(Destination):
         publisher.abort_leftovers(prior)  # a killed run's, once this run is let to write here
         uploads = Uploads(objects)
         staging = BucketStaging(
-            Path(held.enter_context(tempfile.TemporaryDirectory(prefix="reshard-side-"))),
+            held.enter_context(scratch_dir("side")),  # a killed run's: removed by the next (reshard.scratch)
             publisher,
             uploads,
             prior,

@@ -51,6 +51,11 @@ BUCKET_JOURNAL = "commit.json"  # the uploads a publish completes; a later run f
 BUCKET_HANDOVER = "uploads-{rank}.json"  # a torchrun process's open uploads, for process 0 to commit
 BUCKET_HANDOVER_GLOB = "uploads-*.json"
 
+# ---- scratch outside OUT_DIR, named after the run that owns it (reshard.scratch) ------------------------
+
+SCRATCH_DIR = "reshard-{kind}.{owner}."  # in the temp folder: a random tail follows (tempfile.mkdtemp)
+SCRATCH_DIR_GLOB = "reshard-*.*-*-*.*"
+
 # ---- Hugging Face checkpoints ----------------------------------------------------------------------
 
 INDEX = "model.safetensors.index.json"

@@ -93,9 +93,23 @@ def test_corrupt_cached_blob_offline_is_exit_4_saying_how_to_download_it_again(s
     assert blob.read_bytes() == bad  # the cache is not touched offline
 
 
+def dead_owner() -> str:
+    """The owner a scratch name of a run that has ended carries (reshard.scratch): as a killed run's."""
+    code = "from reshard.scratch import owner; print(owner())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def test_corrupt_cached_blob_online_is_fetched_again_checked_and_used(server, checkpoint, corrupt_cache, tmp_path):
+    """The blob is fetched again into a file beside it: what runs killed while doing so left there is removed,
+    a file of a run still going is not."""
+    from reshard.scratch import owner
+
     src, ref = checkpoint
     home, blob, name, bad = corrupt_cache
+    killed = blob.with_name(f"{blob.name}.{dead_owner()}.0badf00d.reshard-refetch")
+    going = blob.with_name(f"{blob.name}.{owner()}.0badf00d.reshard-refetch")
+    killed.write_bytes(bad)
+    going.write_bytes(bad)
     held = os.open(blob, os.O_RDONLY)  # a reader that had the blob open before
     try:
         inode = os.fstat(held).st_ino
@@ -110,7 +124,8 @@ def test_corrupt_cached_blob_online_is_fetched_again_checked_and_used(server, ch
         assert os.stat(blob).st_ino != inode and os.pread(held, len(bad) + 1, 0) == bad
     finally:
         os.close(held)
-    assert [p.name for p in blob.parent.iterdir() if "." in p.name] == []  # no temp file left
+    assert [p.name for p in blob.parent.iterdir() if "." in p.name] == [going.name]  # no temp file left
+    going.unlink()
     p = reshard(server, home, "save", REPO, str(tmp_path / "again"), "--tp", "2", HF_HUB_OFFLINE="1")
     assert p.returncode == 0 and logs(p) == [], p.stderr  # offline now finds it good
 

@@ -174,3 +174,36 @@ def test_an_output_published_inside_the_prefix_during_the_run_stops_its_commit(t
 
 def objects_named(client, bucket: str, prefix: str) -> set[str]:
     return {o["Key"][len(prefix) :] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])}
+
+
+def _stopped(p, marker: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+
+
+def test_a_killed_runs_scratch_folder_is_removed_by_the_next_run_and_a_live_ones_kept(tiny, s3, s3server, tmp_path):
+    """An S3 save keeps the side files it uploads in a folder of the temp folder (TMPDIR); one killed (SIGKILL)
+    cannot remove it. The next run removes it; the folder of a run still going is left, and that run completes."""
+    client, bucket = s3
+    src = tiny("llama")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = s3_env(s3server, TMPDIR=str(scratch), RESHARD_S3_CONCURRENCY="1")
+    killed = paused(["save", str(src), url(bucket, "sk/a/"), "--tp", "2"], env, at="upload", marker=tmp_path / "a")
+    _stopped(killed, tmp_path / "a")
+    left = sorted(p.name for p in scratch.iterdir())
+    killed.kill()
+    killed.communicate(timeout=60)
+    live = paused(["save", str(src), url(bucket, "sk/b/"), "--tp", "2"], env, at="upload", marker=tmp_path / "b")
+    _stopped(live, tmp_path / "b")
+    held = sorted(p.name for p in scratch.iterdir() if p.name not in left)
+    assert len(left) == 1 and len(held) == 1 and left[0].startswith("reshard-side"), (left, held)
+    r = reshard(["save", str(src), url(bucket, "sk/c/"), "--tp", "2"], env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in scratch.iterdir()) == held
+    (tmp_path / "b").unlink()  # the live run goes on
+    _, err = live.communicate(timeout=120)
+    assert live.returncode == 0 and prefix_state(client, bucket, "sk/b/").verifies, err
+    assert list(scratch.iterdir()) == []

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import shutil
-import tempfile
 import threading
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from reshard.format import ITEMSIZE
 from reshard.hashing import NONE, hash_bytes, new_hasher
 from reshard.manifest import Manifest
 from reshard.names import MANIFEST
+from reshard.scratch import make_scratch_dir
 from reshard.sources.output import check_complete, read_output
 from reshard.sources.output_reader import OutputReader, Regions
 from reshard.store.url import BucketURL
@@ -54,7 +54,7 @@ class BucketOutputSource(Source):
         check_complete(str(url), manifest)
         self.checksums = checksums and manifest.checksum != NONE
         _check_objects(self.view, manifest, store=checksums)
-        self.root = Path(tempfile.mkdtemp(prefix="reshard-source-side-"))
+        self.root = make_scratch_dir("source-side")  # a killed run's: removed by the next (reshard.scratch)
         atexit.register(shutil.rmtree, self.root, True)
         _fetch_side_files(self.view, manifest, self.root)
         self._checkpoint, self.regions = read_output(self.view, manifest, self.root, {"url": str(url)})

@@ -164,6 +164,7 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
     from concurrent.futures import ThreadPoolExecutor
 
     from reshard import settings
+    from reshard.scratch import owner, sweep
     from reshard.sources.integrity import HUB, is_sha256, mismatch
     from reshard.sources.prefixhash import PrefixHasher
 
@@ -174,7 +175,9 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
     if not is_sha256(want):
         raise SourceError(f"{where}: the Hub names no sha256 for it, so its cached copy cannot be fetched again")
     blob = root.parent.parent / "blobs" / want
-    tmp = blob.with_name(f"{blob.name}.{uuid.uuid4().hex[:8]}.reshard-refetch")
+    sweep(blob.parent, "*.reshard-refetch")  # what killed runs left (reshard.scratch)
+    sweep(link.parent, ".*.reshard-link")
+    tmp = blob.with_name(f"{blob.name}.{owner()}.{uuid.uuid4().hex[:8]}.reshard-refetch")
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
@@ -199,7 +202,7 @@ def refetch(repo, root: Path, name: str, got: str, want: str, why: str | None = 
         finally:
             os.close(fd)
         os.replace(tmp, blob)
-        relinked = link.with_name(f".{link.name}.{uuid.uuid4().hex[:8]}.reshard-link")
+        relinked = link.with_name(f".{link.name}.{owner()}.{uuid.uuid4().hex[:8]}.reshard-link")
         os.symlink(os.path.relpath(blob, link.parent), relinked)
         os.replace(relinked, link)  # the link itself replaced, never followed
     except OSError as e:

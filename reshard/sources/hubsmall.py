@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 from reshard.errors import SourceError
+from reshard.scratch import owner, sweep
 from reshard.sources.hubhttp import HubRepo, hub_error, with_retries
 from reshard.sources.integrity import is_sha256
 
@@ -72,7 +73,9 @@ def store(storage: Path, commit: str, name: str, data: bytes, want: tuple[str, s
     link = storage / "snapshots" / commit / name
     blobs.mkdir(parents=True, exist_ok=True)
     link.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
+    tag = f"{owner()}.{uuid.uuid4().hex[:8]}"
+    sweep(blobs, "*.reshard-fetch")  # what killed runs left (reshard.scratch)
+    sweep(link.parent, ".*.reshard-link")
     tmp = blobs / f"{blob_name}.{tag}.reshard-fetch"
     try:
         with open(tmp, "xb") as f:

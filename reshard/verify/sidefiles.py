@@ -12,9 +12,7 @@ that SOURCE does not give, is an error (exit 7).
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 
 from reshard.checkpoint import Checkpoint
 from reshard.errors import ReshardError
@@ -22,6 +20,7 @@ from reshard.format import NotRegular
 from reshard.manifest import side_file_entries
 from reshard.plan import Plan
 from reshard.plan.remote import remote_code
+from reshard.scratch import scratch_dir
 from reshard.sidefiles import write_side_files
 from reshard.verify.report import CORRUPT, Report
 from reshard.verify.structure import Folder
@@ -39,9 +38,9 @@ def compare_side_files(report: Report, folder: Folder, ckpt: Checkpoint, plan: P
     trust = TRUST_FLAG in manifest.serve.split()  # as the save was run: its code copied or left out
     try:
         plan = replace(plan, remote_code=remote_code(ckpt, plan.architecture, trust))
-        with tempfile.TemporaryDirectory(prefix="reshard-verify-") as tmp:
-            names = write_side_files(ckpt, plan, Path(tmp))
-            want = {r.name: r for r in side_file_entries(Path(tmp), names, ALGORITHM)}
+        with scratch_dir("verify") as tmp:
+            names = write_side_files(ckpt, plan, tmp)
+            want = {r.name: r for r in side_file_entries(tmp, names, ALGORITHM)}
     except ReshardError as e:
         report.add("copied", f"cannot derive the copied files from {against}: {e}", code=CORRUPT, warn=True)
         return
