@@ -3,6 +3,7 @@
 A signal that arrives while the modules are still being imported would otherwise print a traceback.
 """
 
+import _signal  # signal's C half: set from an except clause with no Python frame a second Ctrl-C could enter
 import contextlib
 import errno
 import io
@@ -70,9 +71,22 @@ def _numpy_loads() -> bool:
     return True
 
 
+def _signals_ignored() -> None:
+    """The run is over (its last line printed, or about to be): a Ctrl-C or SIGTERM from here on changes
+    nothing. Ignored, a second one can neither end an error line half-written with a traceback, nor, once
+    Python has put the default action back, kill the process (-2, -15) in place of the run's exit code."""
+    signals = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP)
+    for signum in signals:
+        _signal.signal(signum, _signal.SIG_IGN)
+    # and blocked: Python's finalization puts SIG_DFL back in place of SIG_IGN (3.11), and one arriving then
+    # would kill the process; a blocked one waits, and is dropped when the process exits
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, signals)
+
+
 def _fail_at_start(message: str, code: int, kind: str) -> None:
     """One line on stderr, under --json also the object on stdout every failure gives (reshard.cli._fail),
     with no more imports than these: the CLI could not be imported. `message` holds no `"` or `\\`."""
+    _signals_ignored()  # a second Ctrl-C (a double press) while this is written
     if "--json" in sys.argv[1:]:
         error = '{"code": ' + str(code) + ', "kind": "' + kind + '", "message": "' + message + '"}'
         with contextlib.suppress(OSError, MemoryError):  # stdout closed by its reader: stderr still tells
@@ -83,11 +97,11 @@ def _fail_at_start(message: str, code: int, kind: str) -> None:
 
 
 def run() -> None:
-    # reshard never multiplies matrices: numpy's OpenBLAS thread pool would only spin on a core
-    # the writers need (2.5% of a save's CPU on 2 cores, perf). Before numpy is first imported.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    hold_closed_streams()
-    try:
+    try:  # from the first line: a Ctrl-C that lands anywhere from here on is exit 130 and one line
+        # reshard never multiplies matrices: numpy's OpenBLAS thread pool would only spin on a core
+        # the writers need (2.5% of a save's CPU on 2 cores, perf). Before numpy is first imported.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+        hold_closed_streams()
         import signal
 
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
@@ -100,6 +114,7 @@ def run() -> None:
 
         as_command()  # this process is reshard's own: its metadata may be frozen (reshard.bulk)
     except KeyboardInterrupt:
+        _signal.signal(_signal.SIGINT, _signal.SIG_IGN)  # first: a second Ctrl-C (a double press) changes nothing
         reads_only = sys.argv[1:2] in (["verify"], ["plan"])  # commands that write nothing
         message = "interrupted" + (
             f" ({sys.argv[1]} writes nothing)"
@@ -119,14 +134,8 @@ def run() -> None:
         _fail_at_start(OUT_OF_MEMORY_AT_START, 5, "OutputError")
     try:
         main()
-    finally:
-        # The run is over: its output published or refused, its last line printed. A Ctrl-C or
-        # SIGTERM from here on changes nothing; ignored, it can neither print a traceback from the
-        # interpreter's exit (atexit) nor, once Python has put the default action back, kill the
-        # process with -15 in place of the run's exit code.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    finally:  # the run is over: its output published or refused, its last line printed
+        _signals_ignored()
 
 
 if __name__ == "__main__":

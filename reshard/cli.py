@@ -152,15 +152,21 @@ def _on_signal(signum: int, frame: object) -> None:
     raise _Interrupted
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def main(argv: list[str] | None = None) -> None:
+    before = {s: signal.getsignal(s) for s in _SIGNALS}
     signal.signal(signal.SIGTERM, _on_signal)  # SIGTERM ends a run as Ctrl-C does
-    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # a terminal or ssh closed (not under nohup)
+    if before[signal.SIGHUP] == signal.SIG_DFL:  # a terminal or ssh closed (not under nohup)
         signal.signal(signal.SIGHUP, _on_signal)
-    before = signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     try:
         _main(argv)
-    finally:  # as it was (a caller's own Ctrl-C: tests run commands in their process)
-        signal.signal(signal.SIGINT, before)
+    finally:  # as they were (a caller's own Ctrl-C: tests run commands in their process)
+        for s, handler in before.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(s, handler)
 
 
 def _main(argv: list[str] | None) -> None:
@@ -179,6 +185,8 @@ def _main(argv: list[str] | None) -> None:
     except StdoutUnwritable as e:
         _unwritable(e, args)
     except (click.exceptions.Abort, KeyboardInterrupt, _Interrupted):
+        for s in _SIGNALS:  # a second Ctrl-C (a double press) while the line is written: ignored
+            signal.signal(s, signal.SIG_IGN)
         with contextlib.suppress(Exception):
             if sys.stderr.isatty():
                 print(file=sys.stderr)  # off the line a terminal's `^C` echo left

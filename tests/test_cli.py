@@ -361,13 +361,15 @@ def test_an_interrupt_while_the_modules_import_says_what_the_command_does(monkey
     monkeypatch.setattr(sys, "argv", ["reshard", command, "x"])
     import signal
 
-    held = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}  # run() sets them: put them back
+    held = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # run() sets them
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # and blocks them once it has failed
     try:
         with pytest.raises(SystemExit) as e:
             entry.run()
     finally:
         for s, handler in held.items():
             signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     assert e.value.code == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err

@@ -64,3 +64,42 @@ def test_torch_that_cannot_be_loaded_under_a_memory_limit_is_exit_5(tiny, tmp_pa
     wrong = {mib: (p.returncode, p.stderr[-300:]) for mib, p in runs.items() if not _refused_or_done(p)}
     assert wrong == {}
     assert any(p.returncode == 5 for p in runs.values())
+
+
+# stderr that sends this process a second Ctrl-C as the error line is written (a double press)
+_TWICE = """
+import os, signal, sys
+real = sys.stderr
+class Twice:
+    def write(self, s):
+        if s.strip():
+            os.kill(os.getpid(), signal.SIGINT)
+        return real.write(s)
+    def flush(self):
+        real.flush()
+    def isatty(self):
+        return False
+    def fileno(self):
+        return real.fileno()
+sys.stderr = Twice()
+"""
+
+
+@pytest.mark.parametrize("where", ["reshard.bulk.as_command", "reshard.settings.check_all"])
+def test_a_second_ctrl_c_while_the_interrupt_is_told_changes_nothing(tiny, where):
+    """A Ctrl-C while the modules import (as_command) or once the command started (check_all), and a second one
+    while its line is written: exit 130 and that one line, not a traceback, exit 1 or death by SIGINT (-2)."""
+    module, name = where.rsplit(".", 1)
+    code = (
+        f"{_TWICE}import {module}\n"
+        "def stop():\n    raise KeyboardInterrupt\n"
+        f"{module}.{name} = stop\n"
+        f"sys.argv = ['reshard', 'plan', {str(tiny('llama'))!r}, '--tp', '2']\n"
+        "from reshard.__main__ import run\n"
+        "run()\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stderr.count("\n")) == (130, 1) and p.stderr.startswith("reshard: error: interrupted"), (
+        p.returncode,
+        p.stderr,
+    )
