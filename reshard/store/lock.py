@@ -15,12 +15,12 @@ import contextlib
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
 
+from reshard.console import log_line
 from reshard.errors import OutputError, ReshardError
 from reshard.store.bucket import Bucket, Conflict
 
@@ -81,9 +81,7 @@ class PrefixLock:
             f"is refused until it is {LOCK_STALE // 60} minutes old (one from this host takes it over); delete it "
             f"if no reshard run is writing there: aws s3 rm {where}"
         )
-        with contextlib.suppress(OSError, ValueError):  # stderr closed: the lock goes stale all the same
-            sys.stderr.write(" ".join(line.split()) + "\n")
-            sys.stderr.flush()
+        log_line(" ".join(line.split()))  # stderr closed: the lock goes stale all the same
 
     def _lock_age(self) -> tuple[float | None, str]:
         """Seconds since the lock object was last written, by the store's own clock (None if unknown), and its
