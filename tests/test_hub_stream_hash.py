@@ -182,3 +182,109 @@ def test_groups_fetched_again_honestly_give_the_reference_bytes_without_a_second
     assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
     assert again  # the premise: groups fetched again
     assert server.served == (src / "model.safetensors").stat().st_size + sum(again)
+
+
+# ---- bytes several reads use (reshard.sources.hubshare) ------------------------------------------------
+# The tiny Llama-4 at TP 4: each head's q and k rows read twice (its even rows, then its odd rows: vLLM's
+# rotary order) and its 2 KV heads read by two ranks each. Each tensor its own request (RESHARD_HUB_SMALL=0),
+# as a release's are: they are megabytes.
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    """The tiny Llama-4, its `save --tp 4` from the folder, and the file's ranges the save reads."""
+    from reshard.layout import Layout
+    from reshard.plan import DEFAULT_MAX_PART, build_plan
+    from reshard.schedule import DEFAULT_CHUNK, schedule
+    from reshard.sources import open_source
+    from tests.fixtures.saving import save
+    from tests.fixtures.tiny import make_tiny
+
+    base = tmp_path_factory.mktemp("llama4share")
+    src = make_tiny("llama4", base / "src")
+    save(str(src), base / "ref", tp=4, max_part_size=DEFAULT_MAX_PART)
+    ckpt = open_source(str(src)).checkpoint
+    steps = schedule(build_plan(ckpt, Layout(tp=4)), ckpt.tensors, DEFAULT_CHUNK)
+    reads = [(r.info.offset + r.start, r.info.offset + r.start + r.nbytes) for s in steps for r in s.reads]
+    return src, base / "ref", reads
+
+
+def times_read(path: Path, reads: list[tuple[int, int]]) -> bytearray:
+    """How many of `reads` hold each byte of the file."""
+    times = bytearray(path.stat().st_size)
+    for a, b in reads:
+        for i in range(a, b):
+            times[i] += 1
+    return times
+
+
+def test_llama4_bytes_read_twice_are_fetched_once(llama4, hub, monkeypatch, tmp_path):
+    """The honest run fetches the file once (each byte read twice was fetched again, and the
+    whole file fetched again to prove them: 2.2x), and writes the reference's bytes."""
+    src, ref, reads = llama4
+    file = src / "model.safetensors"
+    assert max(times_read(file, reads)) == 4  # the premise: a KV head's rows read by 2 ranks, twice each
+    monkeypatch.setenv("RESHARD_HUB_SMALL", "0")
+    server = hub(src)
+    code, _, err = run("save", REPO, str(tmp_path / "out"), "--tp", "4", "--stream")
+    assert code == 0, err
+    assert server.served == file.stat().st_size
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+
+
+def test_llama4_bytes_not_kept_are_fetched_again_and_the_file_not(llama4, hub, monkeypatch, tmp_path):
+    """With no byte kept for the reads after the first, each read fetches its bytes: the bytes read twice
+    are fetched twice, checked against the first fetch, and the file is not fetched a second time."""
+    from reshard.sources import hubshare
+
+    src, ref, reads = llama4
+    file = src / "model.safetensors"
+    monkeypatch.setenv("RESHARD_HUB_SMALL", "0")
+    monkeypatch.setattr(hubshare, "KEEP", 0)
+    server = hub(src)
+    code, _, err = run("save", REPO, str(tmp_path / "out"), "--tp", "4", "--stream")
+    assert code == 0, err
+    again = sum(max(0, n - 1) for n in times_read(file, reads))
+    assert again and server.served == file.stat().st_size + again
+    assert rank_bytes(tmp_path / "out") == rank_bytes(ref)
+
+
+@pytest.mark.parametrize(
+    "keep, lie",
+    [(True, "first"), (False, "first"), (False, "again")],
+    ids=["kept-lied-first", "fetched-again-lied-first", "fetched-again-lied-again"],
+)
+def test_llama4_bytes_read_twice_served_wrong_once_are_exit_4(llama4, hub, monkeypatch, tmp_path, keep, lie):
+    """The CDN flips the bytes of each request holding bytes the save reads twice, on its first request of
+    them or on the next; the other requests, and the rest of each, are honest."""
+    from reshard.sources import hubshare
+
+    src, _, reads = llama4
+    twice = times_read(src / "model.safetensors", reads)
+    monkeypatch.setenv("RESHARD_HUB_SMALL", "0")
+    if not keep:
+        monkeypatch.setattr(hubshare, "KEEP", 0)
+    server = hub(src)
+    served = bytearray(len(twice))
+    lies = []
+
+    def corrupt(name: str, start: int, end: int) -> bool:
+        shared = max(twice[start:end], default=0) > 1
+        again = any(served[start:end])
+        served[start:end] = b"\x01" * (end - start)
+        if shared and again == (lie == "again"):
+            lies.append((start, end))
+            return True
+        return False
+
+    server.corrupt = corrupt
+    code, out, err = run("save", REPO, str(tmp_path / "out"), "--tp", "4", "--stream")
+    assert lies  # the premise
+    assert (code, out) == (4, ""), err
+    [line] = err.splitlines()
+    assert line.startswith(f"reshard: error: {REPO}/model.safetensors@{server.sha[:12]}: ")
+    if keep:  # the bytes kept are the bytes hashed: the sha256 is wrong
+        assert "is not the LFS sha256 the Hub commits to" in line
+    else:  # fetched again, the bytes differ from the first fetch's
+        assert "the download served other bytes for bytes " in line
+    assert not (tmp_path / "out").exists()

@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
 
 from reshard.checkpoint import Reader
 from reshard.format import TensorInfo
 from reshard.io.memory import ALIGN, Lease, Memory, Stopped
-from reshard.io.reader import AlignedReader, Prepared
+from reshard.io.reader import AlignedReader, ByteRange, Prepared
 
 READ_THREADS = 4  # source reads in flight
 # small reads (an MoE checkpoint's experts: ~200k of a few KB) are taken, made and handed over in runs:
@@ -20,17 +19,6 @@ READ_THREADS = 4  # source reads in flight
 SMALL_READ = 256 * 1024
 RUN_READS = 64
 RUN_BYTES = 2 * 1024 * 1024
-
-
-class ByteRange(Protocol):
-    """One read: bytes [start, start + nbytes) of a source tensor."""
-
-    @property
-    def info(self) -> TensorInfo: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def nbytes(self) -> int: ...
 
 
 class Prefetcher:
@@ -54,6 +42,8 @@ class Prefetcher:
         self.done: dict[int, tuple[memoryview, Lease] | BaseException] = {}
         self.ready: deque[tuple[memoryview, Lease] | BaseException] = deque()  # handed over, not yet got
         self.stopped = False
+        if self.aligned is not None:
+            self.aligned.expect(reads)
         if self.aligned is not None and self.aligned.threads:  # a reader may want more (HTTP connections)
             threads = self.aligned.threads
         n = max(1, min(threads if self.aligned is not None else 1, len(reads)))

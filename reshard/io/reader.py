@@ -20,8 +20,9 @@ import contextlib
 import errno
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from reshard import settings
 from reshard.errors import SourceError, unreadable_source
@@ -37,6 +38,17 @@ class Prepared(NamedTuple):
     fd: int | None
     offset: int
     size: int
+
+
+class ByteRange(Protocol):
+    """One read: bytes [start, start + nbytes) of a source tensor."""
+
+    @property
+    def info(self) -> TensorInfo: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
 
 
 class AlignedReader(abc.ABC):
@@ -61,6 +73,11 @@ class AlignedReader(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    def expect(self, reads: Sequence[ByteRange]) -> None:
+        """The reads to come, in order, told before the first is made (a Hub
+        reader fetches bytes that several of them use once: reshard.sources.hubshare). Default: nothing."""
+        return None
 
 
 class FileReader(AlignedReader):

@@ -4,7 +4,9 @@ Planning needs config.json and the safetensors headers only: config, tokenizer a
 files come through huggingface_hub's cache, and each weight file's header through two range requests
 (its 8-byte length, then the JSON), before any weight byte. `HubReader` then fetches exactly the byte
 ranges the executor's schedule asks for, on RESHARD_HUB_CONNECTIONS connections at once, straight into the
-executor's bounded read-ahead buffers (`reshard.io.memory`): download and re-sharding overlap.
+executor's bounded read-ahead buffers (`reshard.io.memory`): download and re-sharding overlap. Bytes
+that several reads use (Llama-4's q/k rows, read as even and odd rows per head) are fetched once
+(reshard.sources.hubshare), small neighbouring tensors together (reshard.sources.hubgroups).
 
 Two modes:
 - stream (`save --stream`): nothing of the source is stored; disk = the output.
@@ -30,6 +32,7 @@ import hashlib
 import json
 import shutil
 import struct
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,12 +40,13 @@ from reshard import settings
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
-from reshard.io.reader import AlignedReader, Prepared
+from reshard.io.reader import AlignedReader, ByteRange, Prepared
 from reshard.manifest.schema import SourceFileRecord
 from reshard.names import INDEX, SINGLE
 from reshard.sources.hubblob import Blob
 from reshard.sources.hubgroups import Groups
 from reshard.sources.hubhttp import HubRepo, Meter
+from reshard.sources.hubshare import Shares
 from reshard.sources.hubsmall import expected
 from reshard.sources.integrity import GIT, HUB, UNCHECKED, mismatch
 from reshard.sources.local import read_config
@@ -282,13 +286,24 @@ class HubReader(AlignedReader):
         self.blobs = blobs
         self.groups = groups
         self.hashers = hashers
+        self.shares = Shares(repo.where)
+
+    def expect(self, reads: Sequence[ByteRange]) -> None:
+        """The bytes that several of the reads to come use (grouped tensors aside: their group is
+        fetched once), to be fetched once (reshard.sources.hubshare)."""
+        of = self.groups.of
+        self.shares.plan(
+            (r.info.file, r.info.offset + r.start, r.info.offset + r.start + r.nbytes)
+            for r in reads
+            if r.info.name not in of
+        )
 
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         out = memoryview(buf)[:nbytes] if buf is not None else memoryview(bytearray(nbytes))
         pos = t.offset + start
         key = self.groups.of.get(t.name)
         if key is None:
-            self._fill(t.file, pos, out)
+            self.shares.read(t.file, pos, out, self._get, self.hashers[t.file].feed)
             return out
         data = self.groups.get(key, lambda buf, again: (self._get if again else self._fill)(t.file, key[1], buf))
         out[:] = memoryview(data)[pos - key[1] : pos - key[1] + nbytes]

@@ -12,8 +12,9 @@ the second time). So every range fed is, at the latest by `rest`:
   compared with the digest of the bytes the hash takes in for that span (fetched again by `rest`), or
 - behind: used after the hash passed its offset (fed by another read of the same bytes). Its BLAKE3
   digest is kept and `rest` proves it by a second pass over the whole file: read again, every behind
-  range's digest compared, and that pass's sha256 equal to the first's. The Hub reader keeps such
-  reads rare (a small-tensor group fetched again is compared by its own digest: reshard.sources.hubgroups).
+  range's digest compared, and that pass's sha256 equal to the first's. The Hub reader feeds no byte
+  twice where the schedule foresees it: bytes several reads use are fetched once (reshard.sources.hubshare),
+  a small-tensor group fetched again is compared by its own digest (reshard.sources.hubgroups).
 
 A comparison that fails is a SourceError (exit 4): the download served other bytes.
 """
