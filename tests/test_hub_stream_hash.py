@@ -1,15 +1,17 @@
 """`save --stream` from a lying CDN: the sha256 checked against the Hub's LFS sha256 vouches for every
-byte the rank files were written from (reshard.sources.prefixhash, reshard.sources.hubgroups), so a
+byte the rank files were written from (reshard.sources.prefixhash, .hubgroups, .hubshare), so a
 CDN that serves a range wrong once, and right when it is fetched again, is exit 4 with nothing
 published, however the save's reads fall:
 
 - used bytes after an unused tensor (a rotary `inv_freq`, MTP layers, a vision tower skipped by
   --language-model-only) wait for the hash; too many to hold, their digests are kept and the bytes
   fetched again for the hash must match them;
-- a group of small tensors dropped from memory and fetched again must match its first fetch.
+- a group of small tensors dropped from memory and fetched again must match its first fetch;
+- bytes several reads use (Llama-4's q/k rows, read as even and odd rows per head) are fetched and
+  hashed once, or, not kept, fetched again and compared with their first fetch.
 
-Saves run in-process (the hash's and the groups' limits made small by monkeypatch), against the
-project's Hub server (tests/fixtures/hubserver.py) with its `corrupt` hook.
+Saves run in-process (the hash's, the groups' and the shared bytes' limits made small by monkeypatch),
+against the project's Hub server (tests/fixtures/hubserver.py) with its `corrupt` hook.
 """
 
 from __future__ import annotations
