@@ -106,7 +106,7 @@ def test_used_bytes_after_an_unused_tensor_served_wrong_are_exit_4(checkpoint, h
     code, out, err = run("save", REPO, str(tmp_path / "out"), "--tp", "2", "--stream")
     assert (code, out) == (4, ""), err
     assert lies and honest  # the premise: used bytes served wrong, then the unused ones read for the hash
-    [line] = err.splitlines()
+    [line] = [line for line in err.splitlines() if not line.startswith("note: --stream: ")]
     assert line.startswith(f"reshard: error: {REPO}/model.safetensors@{server.sha[:12]}: ")
     if pending is None:  # what was held is hashed from the bytes used: the sha256 is wrong
         assert "is not the LFS sha256 the Hub commits to" in line
@@ -290,3 +290,64 @@ def test_llama4_bytes_read_twice_served_wrong_once_are_exit_4(llama4, hub, monke
     else:  # fetched again, the bytes differ from the first fetch's
         assert "the download served other bytes for bytes " in line
     assert not (tmp_path / "out").exists()
+
+
+# ---- reads far out of file order (an MoE's experts, stored by name) -----------------------------------
+
+
+def test_taken_again_is_what_the_hasher_takes_in_again():
+    """`prefixhash.taken_again` (the start-of-run estimate) counts exactly the bytes `rest` reads again when
+    a file's ranges come in that order, held within the same bound."""
+    import random
+
+    rng = random.Random(7)
+    size, pending = 1 << 20, 96 << 10
+    cuts = sorted(rng.sample(range(1, size), 300))
+    ranges = list(zip([0, *cuts], [*cuts, size], strict=True))
+    for trial in range(20):
+        order = ranges[:]
+        if trial:  # the first in file order: nothing again
+            for _ in range(trial * 10):
+                i, j = rng.randrange(len(order)), rng.randrange(len(order))
+                order[i], order[j] = order[j], order[i]
+        data = rng.randbytes(size)
+        taken = []
+
+        def read(pos, out, data=data, taken=taken):
+            out[:] = data[pos : pos + len(out)]
+            taken.append(len(out))
+
+        hasher = prefixhash.PrefixHasher(size)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(prefixhash, "PENDING", pending)
+            for a, b in order:
+                hasher.feed(a, data[a:b])
+            assert hasher.rest(read) == __import__("hashlib").sha256(data).hexdigest()
+        assert sum(taken) == prefixhash.taken_again((("f", a, b) for a, b in order), pending)
+        assert trial or not taken
+
+
+def test_an_moe_streamed_out_of_file_order_is_told_and_fetches_what_it_said(hub, monkeypatch, tmp_path):
+    """The tiny Qwen3-MoE's experts are stored by name (expert 10 before expert 2) and read by number; with a
+    hash buffer too small for them, `--stream` fetches them again for the sha256: the run says how much
+    before it starts, and fetches that much on top of the file (each tensor its own request, on one
+    connection: fed in the order they are made), writing the folder's bytes."""
+    from reshard.console import human_bytes
+    from tests.fixtures.saving import save
+    from tests.fixtures.tiny import make_tiny
+
+    src = make_tiny("qwen3-moe", tmp_path / "src")
+    save(str(src), tmp_path / "ref", tp=2)
+    monkeypatch.setenv("RESHARD_HUB_CONNECTIONS", "1")  # reads fed in the order they are made
+    monkeypatch.setenv("RESHARD_HUB_SMALL", "0")
+    monkeypatch.setattr(prefixhash, "PENDING", 64 * 1024)
+    server = hub(src)
+    code, _, err = run("save", REPO, str(tmp_path / "out"), "--tp", "2", "--stream")
+    assert code == 0, err
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    notes = [line for line in err.splitlines() if line.startswith("note: --stream: ")]
+    assert len(notes) == 1, err
+    again = server.served - size
+    assert again > size // 4  # the premise: much fetched again
+    assert f"about {human_bytes(again)} of its " in notes[0]
+    assert rank_bytes(tmp_path / "out") == rank_bytes(tmp_path / "ref")

@@ -32,12 +32,14 @@ import hashlib
 import json
 import shutil
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from reshard import settings
+from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Reader, Source
+from reshard.console import human_bytes, log_line
 from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, ByteRange, Prepared
@@ -50,7 +52,7 @@ from reshard.sources.hubshare import Shares
 from reshard.sources.hubsmall import expected
 from reshard.sources.integrity import GIT, HUB, UNCHECKED, mismatch
 from reshard.sources.local import read_config
-from reshard.sources.prefixhash import PrefixHasher
+from reshard.sources.prefixhash import PrefixHasher, taken_again
 from reshard.sources.validate import check_index
 
 _FILL = 64 * 1024 * 1024  # bytes per request when completing a cached blob
@@ -297,6 +299,35 @@ class HubReader(AlignedReader):
             for r in reads
             if r.info.name not in of
         )
+        if not self.blobs:  # --stream: what the hash must fetch again is downloaded twice; say so first
+            self._foresee(reads)
+
+    def _foresee(self, reads: Sequence[ByteRange]) -> None:
+        """The bytes a `--stream` save will fetch a second time for the files' sha256 (reads far ahead of
+        the hash's position in their file: an MoE release's experts, stored by name), told on stderr
+        when they are many, and counted in the download's progress."""
+        of, seen = self.groups.of, set()
+
+        def ranges() -> Iterator[tuple[str, int, int]]:
+            for r in reads:
+                key = of.get(r.info.name)
+                if key is None:
+                    yield r.info.file, r.info.offset + r.start, r.info.offset + r.start + r.nbytes
+                elif key not in seen:  # a group of small tensors: fetched and fed whole, at its first use
+                    seen.add(key)
+                    yield key
+
+        with paused_gc():
+            again = taken_again(ranges(), at={name: h.pos for name, h in self.hashers.items()})
+        total = self.repo.meter.total
+        self.repo.meter.total += again
+        if total and again > total // 20:
+            log_line(
+                f"note: --stream: this checkpoint's files hold its tensors in another order than the save uses "
+                f"them (an MoE's experts, stored by name); about {human_bytes(again)} of its {human_bytes(total)} "
+                "will be fetched a second time for the Hub's sha256 check. Without --stream the Hugging Face "
+                "cache keeps them and the check reads them back from disk."
+            )
 
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:
         out = memoryview(buf)[:nbytes] if buf is not None else memoryview(bytearray(nbytes))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import blake3
 
@@ -143,3 +143,38 @@ class PrefixHasher:
                 if again.rest(read) != got:
                     raise changed(self.where, 0, self.size)
             return got
+
+
+def taken_again(
+    ranges: Iterable[tuple[str, int, int]], pending: int | None = None, at: dict[str, int] | None = None
+) -> int:
+    """Bytes `PrefixHasher` would claim, and `rest` take in again, were the save's reads `ranges`
+    ((file, start, end), in the order they are made) fed to each file's hasher in that order: with
+    `--stream` a second download of them. A read that starts where its file's hash has got to
+    advances it (and the held reads it reaches); one ahead is held while the held bytes stay within
+    `pending` (default PENDING), one beyond is claimed. `at`: where each file's hash is now (its
+    header is fed first). An estimate where reads finish out of order on several connections, exact
+    when they are fed in order (tests/test_hub_stream_hash.py)."""
+    limit = PENDING if pending is None else pending
+    pos: dict[str, int] = dict(at or {})
+    held: dict[str, list[tuple[int, int]]] = {}  # per file: a heap of (start, end) held ahead
+    held_bytes: dict[str, int] = {}
+    again = 0
+    for file, start, end in ranges:
+        here = pos.get(file, 0)
+        if start > here:
+            n = held_bytes.get(file, 0)
+            if n + end - start <= limit:
+                heapq.heappush(held.setdefault(file, []), (start, end))
+                held_bytes[file] = n + end - start
+            else:
+                again += end - start
+            continue
+        here = max(here, end)
+        waiting = held.get(file, [])
+        while waiting and waiting[0][0] <= here:
+            s, e = heapq.heappop(waiting)
+            held_bytes[file] -= e - s
+            here = max(here, e)
+        pos[file] = here
+    return again
