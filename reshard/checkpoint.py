@@ -70,7 +70,7 @@ class Reader(Protocol):
 
 class Source(Protocol):
     """A checkpoint to read: its metadata, and a way to read its bytes. Sources subclass `Source`;
-    `downloads`, `check` and `finish` are optional, with their defaults here."""
+    `downloads`, `check`, `split` and `finish` are optional, with their defaults here."""
 
     @property
     def checkpoint(self) -> Checkpoint: ...
@@ -89,6 +89,11 @@ class Source(Protocol):
         filling `checkpoint.checked` (exit 4 on a mismatch). Called by the save before reading (once,
         under torchrun, by process 0), and by `open_reader` where it was not. Default: nothing (a
         source that checks as it reads)."""
+
+    def split(self, rank: int, world: int) -> None:
+        """This process is `rank` of the `world` processes of one save reading the source (torchrun,
+        before any reads): a source that checks its files after reading them checks its share at
+        `finish`. Default: nothing."""
 
     def finish(self) -> None:
         """Called once a save has read everything it needed: a source that keeps a copy of what it

@@ -99,6 +99,7 @@ def save(
         if options.ranks is not None:
             refuse_on_bucket(dest, "--ranks")
         src = open_source(source, options.revision, stream=options.stream, sha256_file=options.sha256)
+        src.split(*procs.part)
         check_lossless_reshard(src.checkpoint, layout.dtype)
         plan = build_plan(
             src.checkpoint, layout, max_part_size=options.max_part_size, trust_remote_code=options.trust_remote_code
@@ -211,6 +212,7 @@ class Processes:
     """Who writes the files: this process alone, or the processes of a torchrun group."""
 
     leader = True  # the process that holds OUT_DIR, publishes and reports
+    part = (0, 1)  # (this process, processes)
     shared = False  # several processes must agree on one run id
 
     @staticmethod
@@ -245,6 +247,7 @@ class Torchrun(Processes):
     def __init__(self, group: Group) -> None:
         self.group = group
         self.leader = group.rank == 0
+        self.part = (group.rank, group.size)
 
     def agree(self, fn: Callable[[], T]) -> T:
         result: T | None = None

@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from reshard.console import human_bytes
+from tests.fixtures.bytensor import read_by_tensor
 from tests.fixtures.cli import run
 from tests.fixtures.hubrun import rank_bytes
 from tests.fixtures.s3out import BucketOut, bucket_output
@@ -168,3 +170,98 @@ def test_a_small_object_whose_body_breaks_off_is_read_again(saved, tmp_path, s3p
     code, _, err = run("merge", saved.url, str(tmp_path / "hf2"))
     assert code == 4, err
     _one_error_line(err, "reshard.json", "broke off")
+
+
+RANK1 = "model-rank-1-part-0.safetensors"
+
+
+def _notes(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("note:")]
+
+
+def _strip_checksums(proxy, monkeypatch) -> None:
+    """reshard pointed at `proxy`, which strips the x-amz-checksum-* headers (a store that keeps none)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    proxy.hide_checksums = True
+
+
+@pytest.mark.parametrize("command", ["save", "merge"])
+def test_a_store_that_reports_no_checksums_and_serves_other_bytes_fails(saved, tmp_path, s3proxy, monkeypatch, command):
+    """The store reports no SHA256 for the objects and serves a rank file with a flipped byte, read by tensor:
+    the re-shard and the merge wrote the wrong bytes with exit 0, saying "store checksums were checked". The
+    rank files the store cannot vouch for are now hashed in a second read before anything is published: exit 7,
+    nothing written, one note saying so."""
+    saved.flip_tensor(RANK1)
+    _strip_checksums(s3proxy, monkeypatch)
+    read_by_tensor(monkeypatch)
+    dst = tmp_path / "dst"
+    code, _, err = run(
+        *(["save", saved.url, str(dst), "--tp", "4"] if command == "save" else ["merge", saved.url, str(dst)])
+    )
+    assert code == 7, err
+    _one_error_line(err, RANK1, "fails its blake3 checksum")
+    assert not dst.exists()
+    notes = _notes(err)
+    assert len(notes) == 1 and "reports no SHA256 checksum for any object" in notes[0], err
+    size = sum(f["size"] for f in saved.manifest()["files"])
+    assert f"hashing 2 rank files ({human_bytes(size)}) against the manifest's blake3 digests" in notes[0]
+
+
+def test_a_store_that_reports_no_checksums_passes_unchanged_bytes(saved, local_tp4, tmp_path, s3proxy, monkeypatch):
+    """The same store serving the bytes as written: the second read passes, the re-shard is the one from the
+    original checkpoint."""
+    _strip_checksums(s3proxy, monkeypatch)
+    read_by_tensor(monkeypatch)
+    dst = tmp_path / "tp4"
+    code, _, err = run("save", saved.url, str(dst), "--tp", "4", "--json")
+    assert code == 0, err
+    assert rank_bytes(dst) == rank_bytes(local_tp4)
+    assert "hashing 2 rank files" in _notes(err)[0] and len(_notes(err)) == 1, err
+
+
+def test_a_store_that_reports_checksums_is_not_read_twice(saved, local_tp4, tmp_path, s3proxy, monkeypatch):
+    """The normal path: the store vouches for every object (SHA256 as recorded), so rank files read by tensor
+    are not read again, and the note says they were not hashed."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3proxy.endpoint)
+    read_by_tensor(monkeypatch)
+    dst = tmp_path / "tp4"
+    code, _, err = run("save", saved.url, str(dst), "--tp", "4", "--json")
+    assert code == 0, err
+    assert rank_bytes(dst) == rank_bytes(local_tp4)
+    assert [n.split(" (")[0] for n in _notes(err)] == [
+        "note: 2 of 2 rank files were read by tensor, not whole in order: their bytes were not hashed"
+    ]
+
+
+def test_a_rank_file_the_manifest_has_no_store_checksum_for_is_hashed_alone(saved, tmp_path, monkeypatch):
+    """A manifest whose `store_sha256` lacks one rank file (an edited manifest) beside that file flipped: it was
+    read unchecked (exit 0); it is now hashed, it alone, and fails (exit 7)."""
+    m = saved.manifest()
+    del m["store_sha256"][RANK1]
+    saved.replace("reshard.json", json.dumps(m).encode(), ChecksumAlgorithm="SHA256")
+    saved.flip_tensor(RANK1)
+    read_by_tensor(monkeypatch)
+    code, _, err = run("merge", saved.url, str(tmp_path / "hf"))
+    assert code == 7, err
+    _one_error_line(err, RANK1, "fails its blake3 checksum")
+    size = next(f["size"] for f in m["files"] if f["name"] == RANK1)
+    assert _notes(err) == [
+        f"note: the manifest records no store checksum for {RANK1}: hashing {RANK1} ({human_bytes(size)}) against "
+        "the manifest's blake3 digests, a second read of their bytes"
+    ]
+
+
+def test_an_output_without_digests_on_a_store_without_checksums_is_said_unchecked(
+    s3env, tiny, tmp_path, s3proxy, monkeypatch
+):
+    """Saved with --checksum none and served without store checksums: nothing can check the bytes; the merge
+    goes on (exit 0) and says so, where it said nothing."""
+    out = bucket_output(s3env, tiny("llama"), tp=2, checksum="none")
+    _strip_checksums(s3proxy, monkeypatch)
+    code, _, err = run("merge", out.url, str(tmp_path / "hf"))
+    assert code == 0, err
+    assert _notes(err) == [
+        "note: the object store reports no SHA256 checksum for any object (copied to a store that keeps none, or a "
+        "proxy that strips them?), and the manifest records no digests (saved with --checksum none): the bytes of "
+        "2 rank files are read unchecked (their sizes were checked)"
+    ]

@@ -8,17 +8,18 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from reshard.names import DEFAULT_MAX_PART
 from tests.fixtures.saving import save
 
 
-def torchrun(args: list[str], env: dict) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], env: dict, module: str = "reshard") -> subprocess.CompletedProcess:
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
-    return subprocess.run([*cmd, "-m", "reshard", *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*cmd, "-m", module, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_two_processes_write_the_bytes_one_process_writes(tiny, tmp_path, s3server, s3bucket):
@@ -54,3 +55,26 @@ def test_a_process_failing_mid_upload_leaves_no_open_upload(tiny, s3server, s3pr
     assert not client.list_multipart_uploads(Bucket=s3bucket).get("Uploads")
     assert not client.list_objects_v2(Bucket=s3bucket, Prefix="x/").get("Contents")
     assert not client.list_objects_v2(Bucket=s3bucket, Prefix="x.reshard/").get("Contents")
+
+
+def test_a_bucket_source_the_store_cannot_vouch_for_is_hashed_once_between_the_processes(
+    tiny, tmp_path, s3env, s3proxy
+):
+    """Re-sharding a bucket output whose store reports no checksums, under torchrun, read by tensor (as a large
+    model is: no rank file hashed as it streams): each process hashes its share of the rank files in a second
+    read (one file each here, not both files twice), and the flipped one fails the job."""
+    from tests.fixtures.s3out import bucket_output
+
+    out = bucket_output(s3env, tiny("llama"), tp=2)
+    out.flip_tensor("model-rank-1-part-0.safetensors")
+    s3proxy.hide_checksums = True
+    env = {**os.environ, **s3env.env(endpoint=s3proxy.endpoint), "RESHARD_DISABLE_PROGRESS": "1"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    p = torchrun(["save", out.url, str(tmp_path / "tp4"), "--tp", "4"], env, module="tests.fixtures.bytensor")
+    assert p.returncode != 0 and "model-rank-1-part-0.safetensors fails its blake3 checksum" in p.stderr, p.stderr
+    hashing = sorted(
+        line.split(": hashing ")[1].split(" (")[0] for line in p.stderr.splitlines() if ": hashing " in line
+    )
+    assert hashing == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"], p.stderr
+    assert not (tmp_path / "tp4").exists()

@@ -6,15 +6,20 @@ Nothing of the rank files is copied to local disk: tensors are read with ranged 
 retried by botocore). The side files (config, tokenizer; small) are fetched into a temporary folder,
 each checked against the manifest's digest.
 
-What is checked, without reading the rank files twice:
+What is checked, reading each rank file once where the store vouches for it:
 - before anything is read: every file the manifest lists is there with its size, and (where the
   manifest recorded them) each object's SHA256 as the store reports it is the one reshard uploaded:
   an object replaced since fails here (exit 7, as a local output that fails its checks);
 - while reading: the bytes of each rank file are hashed as they arrive when they arrive in order (a
   few out-of-order reads are held back, bounded); a file read whole that way is checked against the
   manifest's digest when the save has read everything (`finish`, before anything is published): a
-  mismatch is exit 7. A file not read whole in order (a re-shard reads by tensor, not by file) is
-  said to be unchecked byte for byte, on stderr.
+  mismatch is exit 7. A file not read whole in order (a re-shard reads by tensor, not by file) and
+  vouched for by the store's checksum is said to be unhashed, in a note;
+- a file the store cannot vouch for (it reports no SHA256 for the objects: copied to a store that
+  keeps none, a proxy that strips them; or the manifest recorded none for it) and not read whole in
+  order is hashed in a second read at `finish`, said in a note first (a mismatch: exit 7); under
+  torchrun each process hashes its share of them. An output saved with --checksum none has no
+  digests to hash against: its bytes are then read unchecked, said in a note.
 
 A prefix with no manifest, a missing bucket and a store that cannot be read are exit 4 (not found,
 or unreadable); an output there that is malformed, incomplete or altered is exit 7.
@@ -25,14 +30,16 @@ from __future__ import annotations
 import atexit
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from reshard import settings
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.folderview import view_manifest
 from reshard.format import ITEMSIZE
 from reshard.hashing import NONE, hash_bytes, new_hasher
-from reshard.manifest import Manifest
+from reshard.manifest import FileRecord, Manifest
 from reshard.names import MANIFEST
 from reshard.scratch import make_scratch_dir
 from reshard.sources.output import check_complete, read_output
@@ -53,13 +60,23 @@ class BucketOutputSource(Source):
         self.manifest = manifest = _manifest(self.view)
         check_complete(str(url), manifest)
         self.checksums = checksums and manifest.checksum != NONE
-        _check_objects(self.view, manifest, store=checksums)
+        # the rank files the store's checksums cannot vouch for, and why
+        self.unvouched, self.why = _check_objects(self.view, manifest, store=checksums)
+        if self.unvouched and checksums and not self.checksums:
+            _note(
+                f"{self.why}, and the manifest records no digests (saved with --checksum none): the bytes of "
+                f"{_some(self.unvouched)} are read unchecked (their sizes were checked)"
+            )
         self.root = make_scratch_dir("source-side")  # a killed run's: removed by the next (reshard.scratch)
         atexit.register(shutil.rmtree, self.root, True)
         _fetch_side_files(self.view, manifest, self.root)
         self._checkpoint, self.regions = read_output(self.view, manifest, self.root, {"url": str(url)})
         self.fill = _unread(self.view, [f.name for f in manifest.files], self._checkpoint, self.regions)
         self.readers: list[BucketOutputReader] = []
+        self.share = (0, 1)  # (this process, processes) that read it: under torchrun, each hashes its share
+
+    def split(self, rank: int, world: int) -> None:
+        self.share = (rank, world)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -71,32 +88,70 @@ class BucketOutputSource(Source):
         return reader
 
     def finish(self) -> None:
-        """Every rank file read whole in order is checked against its digest (exit 7 otherwise);
-        the rest are told as unchecked."""
+        """Every rank file read whole in order is checked against its digest (exit 7 otherwise); the
+        others the store cannot vouch for are hashed now, a second read (this process's share of them
+        under torchrun); the rest (vouched for by the store's checksums) are told as unhashed."""
         if not self.checksums:
             return
-        from reshard.console import stderr
-
         checked: set[str] = set()
         for reader in self.readers:
             for name, stream in reader.streams.items():
                 if stream.whole:
                     if stream.digest() != stream.want:
-                        raise CorruptError(
-                            f"{self.view.where(name)} fails its {self.manifest.checksum} checksum as read from the "
-                            "bucket: the object changed after it was written",
-                            _HINT,
-                        )
+                        raise self._mismatch(name)
                     checked.add(name)
-        unchecked = [f.name for f in self.manifest.files if f.name not in checked]
-        if unchecked:
-            stderr.print(
-                f"note: {len(unchecked)} of {len(self.manifest.files)} rank files were read by tensor, not whole "
-                f"in order: their bytes were not hashed (sizes and store checksums were checked; `reshard verify "
-                f"{self.url} --deep` hashes them)",
-                markup=False,
-                highlight=False,
+        from reshard.console import human_bytes
+
+        files = self.manifest.files
+        rank, world = self.share
+        again = [
+            f for i, f in enumerate(files) if f.name in self.unvouched and f.name not in checked and i % world == rank
+        ]
+        if again:
+            streamed = f"; {len(checked)} read whole in order were hashed as they streamed" if checked else ""
+            _note(
+                f"{self.why}: hashing {_some([f.name for f in again])} ({human_bytes(sum(f.size for f in again))}) "
+                f"against the manifest's {self.manifest.checksum} digests, a second read of their bytes{streamed}"
             )
+            self._hash(again)
+        unhashed = [f.name for f in files if f.name not in checked and f.name not in self.unvouched]
+        if unhashed:
+            _note(
+                f"{len(unhashed)} of {len(files)} rank files were read by tensor, not whole in order: their bytes "
+                f"were not hashed (sizes and store checksums were checked; `reshard verify {self.url} --deep` "
+                "hashes them)"
+            )
+
+    def _hash(self, files: list[FileRecord]) -> None:
+        """Stream and hash `files` (several at once, largest first); the first that differs: exit 7."""
+        algorithm = self.manifest.checksum
+        workers = max(1, min(len(files), settings.S3_CONCURRENCY.get()))
+        with ThreadPoolExecutor(workers, thread_name_prefix="reshard-hash") as pool:
+            futures = {
+                pool.submit(self.view.digest, f.name, algorithm, size=f.size): f
+                for f in sorted(files, key=lambda f: -f.size)
+            }
+            try:
+                for fut in as_completed(futures):
+                    f = futures[fut]
+                    try:
+                        got = fut.result()
+                    except FileNotFoundError:
+                        raise CorruptError(
+                            f"{self.view.where(f.name)} is gone (deleted while it was read)", _HINT
+                        ) from None
+                    if got != f.digest:
+                        raise self._mismatch(f.name)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)  # the files not started yet: not read at all
+                raise
+
+    def _mismatch(self, name: str) -> CorruptError:
+        return CorruptError(
+            f"{self.view.where(name)} fails its {self.manifest.checksum} checksum as read from the bucket: the object "
+            "changed after it was written",
+            _HINT,
+        )
 
 
 class _Stream:
@@ -244,8 +299,10 @@ def _manifest(view: BucketView) -> Manifest:
         raise CorruptError(e.message, e.hint or _HINT) from None
 
 
-def _check_objects(view: BucketView, manifest: Manifest, *, store: bool) -> None:
-    """Every listed file there with its size; with `store`, each object's store SHA256 as recorded."""
+def _check_objects(view: BucketView, manifest: Manifest, *, store: bool) -> tuple[set[str], str]:
+    """Every listed file there with its size; with `store`, each object's store SHA256 as recorded.
+    Returns the rank files the store's checksums cannot vouch for (as `reshard verify` decides it:
+    none recorded in the manifest, none reported by the store for any object), and why."""
     problems = []
     for f in manifest.files:
         info = view.listing.get(f.name)
@@ -253,20 +310,39 @@ def _check_objects(view: BucketView, manifest: Manifest, *, store: bool) -> None
             problems.append(f"{f.name} is missing")
         elif info.size != f.size:
             problems.append(f"{f.name} has {info.size} bytes, the manifest says {f.size}")
+    names = [f.name for f in manifest.files]
     sums = manifest.store_sha256 if store else None
+    unvouched, why = set(), ""
+    if store and not sums:
+        unvouched, why = set(names), "the manifest records no store checksums (not saved to a bucket by this reshard)"
     if not problems and sums:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from reshard import settings
-
-        names = [f.name for f in manifest.files]
         with ThreadPoolExecutor(settings.S3_CONCURRENCY.get(), thread_name_prefix="reshard-head") as pool:
             have = dict(zip(names, pool.map(view.store_sha256, names), strict=True))
         if any(h is not None for h in have.values()):  # the store reports SHA256s (as verify decides it)
             problems += [f"{n} was replaced after it was written" for n in names if sums.get(n) not in (None, have[n])]
+            unvouched = {n for n in names if sums.get(n) is None}
+            why = f"the manifest records no store checksum for {_some(sorted(unvouched))}"
+        else:
+            unvouched = set(names)
+            why = (
+                "the object store reports no SHA256 checksum for any object (copied to a store that keeps none, "
+                "or a proxy that strips them?)"
+            )
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CorruptError(f"{view.url} cannot be used as SOURCE: {problems[0]}{more}", _HINT)
+    return unvouched, why
+
+
+def _some(names: list[str] | set[str]) -> str:
+    """One rank file by its name, or how many."""
+    return next(iter(names)) if len(names) == 1 else f"{len(names)} rank files"
+
+
+def _note(line: str) -> None:
+    from reshard.console import stderr
+
+    stderr.print(f"note: {line}", markup=False, highlight=False)
 
 
 def _fetch_side_files(view: BucketView, manifest: Manifest, root: Path) -> None:
