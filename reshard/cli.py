@@ -15,6 +15,7 @@ from typing import NoReturn
 import click
 
 from reshard import __version__, settings
+from reshard.console import keep_notes, kept_notes
 from reshard.errors import (
     CorruptError,
     ExitCode,
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str] | None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     as_json = "--json" in args
+    keep_notes(as_json)  # under --json, `note:` lines go into the JSON object (`notes`), not on stderr
     debug = False
     if (publish := sys.modules.get("reshard.publish")) is not None:
         publish.forget()  # an earlier run in this process (tests): what it published is not this run's
@@ -266,8 +268,9 @@ def _fail(message: str, code: int, as_json: bool, kind: str) -> NoReturn:
     message = " ".join(printable(message).split())  # one line, a path's control characters escaped
     if as_json:
         err = {"code": int(code), "kind": kind, "message": message}
+        notes = kept_notes()  # what it said before it failed (hashing a source, a lock left behind, ...)
         try:
-            print(json.dumps({"ok": False, "error": err}), flush=True)
+            print(json.dumps({"ok": False, "error": err, **({"notes": notes} if notes else {})}), flush=True)
         except BrokenPipeError:  # stdout closed by its reader: stderr still tells
             _discard(sys.stdout)
         except OSError as e:  # a full disk: the object CI would parse is lost, which stdout's code says

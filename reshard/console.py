@@ -77,6 +77,48 @@ def log_line(text: str) -> None:
         sys.stderr.flush()
 
 
+class _Notes:
+    """`note:` lines (how the command went about it: what it checked, what it left): printed on stderr as they
+    come, or, under --json, kept for the command's JSON object (`notes`), so that stdout holds the one object
+    and stderr nothing but an error line. Set per command run (`keep_notes`, by the CLI)."""
+
+    kept: list[str] | None = None
+
+
+def keep_notes(as_json: bool) -> None:
+    """A command starts: its notes are printed (as_json False) or kept for its JSON object."""
+    _Notes.kept = [] if as_json else None
+
+
+def note(line: str) -> None:
+    """One `note:` line: on stderr, or kept under --json (`kept_notes`)."""
+    kept = _Notes.kept
+    if kept is not None:
+        kept.append(line)
+        return
+    with contextlib.suppress(OSError, ValueError):  # a stderr closed or full: the run goes on
+        stderr.print(f"note: {line}", markup=False, highlight=False)
+
+
+def kept_notes() -> list[str]:
+    """The notes kept under --json since the last call, for the JSON object the command prints."""
+    kept = _Notes.kept
+    if kept is None:
+        return []
+    got = list(kept)
+    kept.clear()
+    return got
+
+
+def release_notes() -> None:
+    """The notes kept so far on stderr, and the next ones as they come: a command that prints no JSON
+    object after all (a torchrun process other than 0: process 0 reports)."""
+    lines = kept_notes()
+    _Notes.kept = None
+    for line in lines:
+        note(line)
+
+
 def progress_disabled() -> bool:
     return settings.DISABLE_PROGRESS.get()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.cli import run
+from tests.fixtures.saving import save
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:
@@ -537,3 +538,28 @@ def test_each_commands_help_lists_the_exit_codes_it_can_give(command, codes):
     code, out, _ = run(command, "--help")
     paragraph = out[out.index("Exit codes:") :].split("\n\n")[0]
     assert (code, {int(n) for n in re.findall(r"\b\d+\b", paragraph)}) == (0, codes)
+
+
+def test_json_puts_the_notes_in_its_object_and_none_on_stderr(tiny, tmp_path):
+    """Every command's `note:` lines: on stderr as they come, or with --json in the object's `notes` (save and plan
+    kept theirs there, but a source's own note, such as an output saved with --checksum none read back, went to
+    stderr beside the object and was missing from it; verify printed its notes in both). A failing command's
+    object has them too."""
+    out = tmp_path / "out"
+    save(str(tiny("qwen3")), out, tp=2, checksum="none")
+    said = f"{out} was saved with --checksum none: its files' sizes were checked, not their bytes"
+    code, _, err = run("merge", str(out), str(tmp_path / "hf"))
+    notes = [line.removeprefix("note: ") for line in err.splitlines() if line.startswith("note:")]
+    assert code == 0 and [n.split(" (")[0] for n in notes] == [said], err
+    runs = {
+        "merge": ["merge", str(out), str(tmp_path / "hf2"), "--json"],
+        "save": ["save", str(out), str(tmp_path / "tp1"), "--tp", "1", "--json"],
+        "plan": ["plan", str(out), "--tp", "1", "--json"],
+        "failing save": ["save", str(out), str(tmp_path / "tp3"), "--tp", "3", "--json"],
+    }
+    for what, args in runs.items():
+        code, stdout, err = run(*args)
+        obj = json.loads(stdout)
+        assert code == (3 if what == "failing save" else 0), err
+        assert obj["notes"][:1] == notes, (what, obj)  # save's and plan's own notes follow
+        assert [line for line in err.splitlines() if not line.startswith("reshard: error:")] == [], (what, err)

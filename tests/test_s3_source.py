@@ -195,9 +195,8 @@ def test_a_store_that_reports_no_checksums_and_serves_other_bytes_fails(saved, t
     _strip_checksums(s3proxy, monkeypatch)
     read_by_tensor(monkeypatch)
     dst = tmp_path / "dst"
-    code, _, err = run(
-        *(["save", saved.url, str(dst), "--tp", "4"] if command == "save" else ["merge", saved.url, str(dst)])
-    )
+    args = ["save", saved.url, str(dst), "--tp", "4"] if command == "save" else ["merge", saved.url, str(dst)]
+    code, _, err = run(*args)
     assert code == 7, err
     _one_error_line(err, RANK1, "fails its blake3 checksum")
     assert not dst.exists()
@@ -205,6 +204,10 @@ def test_a_store_that_reports_no_checksums_and_serves_other_bytes_fails(saved, t
     assert len(notes) == 1 and "reports no SHA256 checksum for any object" in notes[0], err
     size = sum(f["size"] for f in saved.manifest()["files"])
     assert f"hashing 2 rank files ({human_bytes(size)}) against the manifest's blake3 digests" in notes[0]
+    code, out, err = run(*args, "--json")  # the note in the failure's object, stderr the error line alone
+    assert code == 7 and json.loads(out)["notes"] == [n.removeprefix("note: ") for n in notes], out
+    _one_error_line(err, RANK1, "fails its blake3 checksum")
+    assert len(err.splitlines()) == 1, err
 
 
 def test_a_store_that_reports_no_checksums_passes_unchanged_bytes(saved, local_tp4, tmp_path, s3proxy, monkeypatch):
@@ -213,10 +216,13 @@ def test_a_store_that_reports_no_checksums_passes_unchanged_bytes(saved, local_t
     _strip_checksums(s3proxy, monkeypatch)
     read_by_tensor(monkeypatch)
     dst = tmp_path / "tp4"
-    code, _, err = run("save", saved.url, str(dst), "--tp", "4", "--json")
+    code, out, err = run("save", saved.url, str(dst), "--tp", "4", "--json")
     assert code == 0, err
     assert rank_bytes(dst) == rank_bytes(local_tp4)
-    assert "hashing 2 rank files" in _notes(err)[0] and len(_notes(err)) == 1, err
+    notes = json.loads(out)["notes"]  # --json: in the object, not on stderr
+    assert "hashing 2 rank files" in notes[0] and err == "", (notes, err)
+    code, out, err = run("merge", saved.url, str(tmp_path / "hf"), "--json")
+    assert code == 0 and json.loads(out)["notes"] == notes[:1] and err == "", (out, err)
 
 
 def test_a_store_that_reports_checksums_is_not_read_twice(saved, local_tp4, tmp_path, s3proxy, monkeypatch):
@@ -225,12 +231,13 @@ def test_a_store_that_reports_checksums_is_not_read_twice(saved, local_tp4, tmp_
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3proxy.endpoint)
     read_by_tensor(monkeypatch)
     dst = tmp_path / "tp4"
-    code, _, err = run("save", saved.url, str(dst), "--tp", "4", "--json")
+    code, _, err = run("save", saved.url, str(dst), "--tp", "4")
     assert code == 0, err
     assert rank_bytes(dst) == rank_bytes(local_tp4)
-    assert [n.split(" (")[0] for n in _notes(err)] == [
+    assert [n.split(" (")[0] for n in _notes(err)][:1] == [
         "note: 2 of 2 rank files were read by tensor, not whole in order: their bytes were not hashed"
     ]
+    assert "hashing" not in err
 
 
 def test_a_rank_file_the_manifest_has_no_store_checksum_for_is_hashed_alone(saved, tmp_path, monkeypatch):

@@ -93,8 +93,8 @@ def test_a_flipped_byte_the_manifest_has_no_store_checksum_for_is_hashed(saved, 
     assert code == 7
     assert [(f["kind"], f["file"]) for f in rep["findings"]] == [("checksum", RANK0)]
     _one_error_line(err, RANK0, "differs from the manifest")
-    said = [] if deep else ["note: the manifest records no store checksums"]
-    assert [n.split(" (")[0] for n in _notes(err)] == said and len(rep["notes"]) == len(said)
+    said = [] if deep else ["the manifest records no store checksums"]
+    assert [n.split(" (")[0] for n in rep["notes"]] == said and _notes(err) == []  # --json: in the object alone
 
 
 def test_an_object_the_manifest_has_no_store_checksum_for_is_hashed_alone(saved):
@@ -106,7 +106,7 @@ def test_an_object_the_manifest_has_no_store_checksum_for_is_hashed_alone(saved)
     saved.flip(RANK0)
     code, rep, err = _json(saved.url)
     assert code == 7 and [(f["kind"], f["file"]) for f in rep["findings"]] == [("checksum", RANK0)], err
-    assert _notes(err) == [f"note: {n}" for n in rep["notes"]] and len(rep["notes"]) == 1
+    assert _notes(err) == [] and len(rep["notes"]) == 1
     assert rep["notes"][0].startswith(f"the manifest records no store checksum for {RANK0}: hashing {RANK0} ")
     assert rep["stats"]["hashed_bytes"] == next(f["size"] for f in m["files"] if f["name"] == RANK0)
     assert rep["stats"]["store_checksums_checked"] == len(m["store_sha256"])
@@ -130,18 +130,20 @@ def _hiding(proxy, monkeypatch, flip: str | None = None) -> None:
 
 def test_a_store_that_reports_no_checksums_and_serves_other_bytes_fails(saved, s3proxy, monkeypatch):
     """The store stops reporting the objects' SHA256s and serves a changed rank file: verify passed it with a
-    warning (exit 0); it now hashes every object against the manifest's blake3s, says so in one note on
-    stderr and in --json, and fails (exit 7)."""
+    warning (exit 0); it now hashes every object against the manifest's blake3s, says so in one note (on
+    stderr; with --json in the object's `notes` alone, as every command's --json), and fails (exit 7)."""
     _hiding(s3proxy, monkeypatch, flip=RANK1)
     code, out, err = run("verify", saved.url)
     assert code == 7, (out, err)
     _one_error_line(err, RANK1, "blake3 differs from the manifest")
-    assert len(_notes(err)) == 1 and "reports no SHA256 checksum for any object" in _notes(err)[0], err
-    assert "hashing 6 objects against the manifest's blake3 digests instead" in _notes(err)[0]
+    said = _notes(err)
+    assert len(said) == 1 and "reports no SHA256 checksum for any object" in said[0], err
+    assert "hashing 6 objects against the manifest's blake3 digests instead" in said[0]
     code, rep, err = _json(saved.url)
     assert code == 7 and rep["checked"] == ["manifest", "structure", "keys", "checksums"]
     assert [(f["kind"], f["file"]) for f in rep["findings"]] == [("checksum", RANK1)]
-    assert rep["notes"] == [n.removeprefix("note: ") for n in _notes(err)]
+    assert rep["notes"] == [n.removeprefix("note: ") for n in said] and _notes(err) == []
+    _one_error_line(err, RANK1, "blake3 differs from the manifest")
     names = set(saved.names()) - {"reshard.json"}
     assert rep["stats"]["store_checksums_missing"] == len(names) == 6
     m = saved.manifest()
@@ -152,10 +154,13 @@ def test_a_store_that_reports_no_checksums_and_serves_other_bytes_fails(saved, s
 def test_a_store_that_reports_no_checksums_passes_once_hashed(saved, s3proxy, monkeypatch):
     """The same store serving the bytes as saved: exit 0, no warning (every byte was checked), the note."""
     _hiding(s3proxy, monkeypatch)
+    code, _, err = run("verify", saved.url)
+    said = _notes(err)
+    assert code == 0 and len(said) == 1, err
     code, rep, err = _json(saved.url)
     assert code == 0 and rep["findings"] == [], (err, rep["findings"])
     assert "checksums" in rep["checked"] and "store-checksums" not in rep["checked"]
-    assert len(_notes(err)) == 1 and rep["notes"] == [_notes(err)[0].removeprefix("note: ")]
+    assert rep["notes"] == [said[0].removeprefix("note: ")] and err == ""
     code, rep, err = _json(saved.url, "--deep")  # asked for: no note, and no "pass --deep" warning either
     assert code == 0 and rep["findings"] == [] and rep["notes"] == [] and _notes(err) == [], err
     assert "checksums" in rep["checked"]

@@ -287,3 +287,17 @@ def test_manifest_keys_are_read_only_in_the_manifest_package():
 def test_raw_manifest_read_finder_finds_them():
     code = 'a = manifest["layout"]\nb = m.get("files")\nc = folder.manifest["run_id"]\nd = lay["tp"]\ne = cfg["tp"]\n'
     assert [k for _, k in _raw_manifest_reads(ast.parse(code))] == ["layout", "files", "run_id", "tp"]
+
+
+def test_note_lines_are_printed_only_by_console_note():
+    """A `note:` line goes through reshard.console.note, which prints it on stderr or, under --json, keeps it for
+    the command's JSON object (`notes`): one printed elsewhere reached stderr beside the object and was missing
+    from it."""
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "console.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("note: "):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not bad, bad

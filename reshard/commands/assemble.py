@@ -8,7 +8,7 @@ import click
 
 from reshard.commands.options import Location, json_option
 from reshard.commands.save import plural
-from reshard.console import emit_json, stderr, stdout
+from reshard.console import emit_json, kept_notes, note, stdout
 from reshard.names import MANIFEST
 from reshard.serve import PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
@@ -48,14 +48,15 @@ def assemble_cmd(out_dir, as_json):
                 "serve": manifest.serve,
                 "serve_reshard": manifest.serve_reshard,
                 "vllm_versions": spec,
+                "notes": kept_notes(),
             }
         )
         return
     stdout.print(f"assembled {plural(len(manifest.files), 'file')} into {out_dir / MANIFEST}")
     if spec:
-        stderr.print(f"note: {serve_note(spec)}")
+        note(serve_note(spec))
     if manifest.serve_reshard:
-        stderr.print(f"note: {PLUGIN_NOTE}")
+        note(PLUGIN_NOTE)
     stdout.print(manifest.serve)
     if manifest.serve_reshard:
         stdout.print(manifest.serve_reshard)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from reshard.commands.options import ByteSize, Location, json_option
-from reshard.console import byte_progress, emit_json, human_bytes, stderr, stdout
+from reshard.console import byte_progress, emit_json, human_bytes, kept_notes, note, stdout
 from reshard.errors import SourceError
 
 
@@ -69,26 +69,26 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
             on_plan=on_plan,
         )
     if as_json:
-        emit_json(result)
+        emit_json({**result, "notes": kept_notes()})
         return
     stdout.print(
         f"wrote {len(result['files'])} files, {result['tensors']} tensors, {human_bytes(result['bytes'])} to {hf_dir}"
     )
     missing = result["not_in_output"]
     if missing:
-        stderr.print(
-            f"note: {len(missing)} tensor(s) of the original are not in the sharded output (vLLM does not load "
+        note(
+            f"{len(missing)} tensor(s) of the original are not in the sharded output (vLLM does not load "
             f"them, e.g. {missing[0]}) and were not written"
         )
     if result["language_model_only"]:
-        stderr.print(
-            "note: the output was saved with --language-model-only, so the merged checkpoint holds no vision "
+        note(
+            "the output was saved with --language-model-only, so the merged checkpoint holds no vision "
             f"encoder: serve it with `vllm serve {hf_dir} --language-model-only`"
         )
     for key, value in result["config_patch"].items():
-        stderr.print(f"note: config.json {key} set to {value}: the merged checkpoint has no such layers")
+        note(f"config.json {key} set to {value}: the merged checkpoint has no such layers")
     if result["lossy"]:
-        stderr.print(
-            f"note: {len(result['lossy'])} tensor(s) converted back from a narrower dtype: values differ "
+        note(
+            f"{len(result['lossy'])} tensor(s) converted back from a narrower dtype: values differ "
             "from the original (--allow-lossy)"
         )

@@ -6,7 +6,7 @@ import click
 
 from reshard import VLLM_VERSIONS
 from reshard.commands.options import Location, json_option, layout_options, revision_option, trust_remote_code_option
-from reshard.console import emit_json, human_bytes, stderr, stdout
+from reshard.console import emit_json, human_bytes, kept_notes, note, stdout
 from reshard.serve import PLUGIN_LOAD_FORMAT, PLUGIN_NOTE
 from reshard.vllm_versions import serve_note
 
@@ -45,6 +45,7 @@ def plan_cmd(source, layout, revision, show_tensors, out_dir, trust_remote_code,
     summary["vllm_versions"] = VLLM_VERSIONS
     summary["source_bytes"] = ckpt.total_bytes
     if as_json:
+        summary["notes"] = [*kept_notes(), *summary["notes"]]  # reading the source's, then the plan's
         if not show_tensors:
             for r in summary["ranks"]:
                 r.pop("tensors")
@@ -69,7 +70,7 @@ def plan_cmd(source, layout, revision, show_tensors, out_dir, trust_remote_code,
             for t in r["tensors"]:
                 stdout.print(f"  {t['name']}  {t['dtype']}  {t['shape']}")
     stdout.print(f"source {human_bytes(ckpt.total_bytes)}, output {human_bytes(plan.total_bytes)}")
-    for note in [*plan.notes, serve_note(), PLUGIN_NOTE]:
-        stderr.print(f"note: {note}")
+    for line in [*plan.notes, serve_note(), PLUGIN_NOTE]:
+        note(line)
     stdout.print(summary["serve"])
     stdout.print(summary["serve_reshard"])

@@ -17,7 +17,7 @@ from reshard.commands.options import (
     revision_option,
     trust_remote_code_option,
 )
-from reshard.console import byte_progress, emit_json, human_bytes, stderr, stdout
+from reshard.console import byte_progress, emit_json, human_bytes, kept_notes, note, release_notes, stdout
 from reshard.distributed import ranks_text
 from reshard.hashing import ALGORITHMS
 from reshard.hashing import DEFAULT as DEFAULT_CHECKSUM
@@ -159,7 +159,8 @@ def save_cmd(
     elif isinstance(result, (Saved, PieceSaved)):  # a piece that was the last one: the whole output
         assert result.manifest is not None
         _saved(result.manifest, result.out_dir, seconds, as_json)
-    # else a torchrun process other than 0: process 0 reports
+    else:  # a torchrun process other than 0: process 0 reports; what this one noted, on stderr
+        release_notes()
 
 
 def plural(n: int, word: str) -> str:
@@ -177,6 +178,7 @@ def _piece(result, as_json: bool) -> None:
                 "out_dir": str(result.out_dir),
                 "ranks": result.ranks,
                 "files": result.files,
+                "notes": kept_notes(),
             }
         )
     else:
@@ -202,7 +204,7 @@ def _saved(m, out_dir: str, seconds: float, as_json: bool) -> None:
                 "serve_reshard": m.serve_reshard,
                 "vllm_versions": m.vllm_versions,
                 "run_id": m.run_id,
-                "notes": list(m.notes),
+                "notes": [*kept_notes(), *m.notes],  # this run's notes, then the output's (the manifest's)
             }
         )
         return
@@ -210,9 +212,7 @@ def _saved(m, out_dir: str, seconds: float, as_json: bool) -> None:
         f"wrote {plural(len(m.files), 'file')}, {human_bytes(m.total_bytes)} in {seconds:.1f} s "
         f"({plural(m.layout.world, 'rank')}) to {out_dir}"
     )
-    for note in m.notes:
-        stderr.print(f"note: {note}")
-    stderr.print(f"note: {serve_note(m.vllm_versions or VLLM_VERSIONS)}")
-    stderr.print(f"note: {PLUGIN_NOTE}")
+    for line in [*m.notes, serve_note(m.vllm_versions or VLLM_VERSIONS), PLUGIN_NOTE]:
+        note(line)
     stdout.print(m.serve)
     stdout.print(m.serve_reshard)

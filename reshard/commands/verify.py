@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from reshard.commands.options import Location, json_option, revision_option
-from reshard.console import byte_progress, emit_json, human_bytes, stderr, stdout
+from reshard.console import byte_progress, emit_json, human_bytes, kept_notes, note, stdout
 from reshard.errors import ExitCode, printable
 
 if TYPE_CHECKING:
@@ -143,12 +143,13 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
             deep=deep,
             revision=revision,
             progress=progress,
-            note=lambda line: stderr.print(f"note: {line}", markup=False, highlight=False),
+            note=note,  # on stderr, or kept for --json's `notes`
         )
     seconds = time.monotonic() - t0
     try:
         if as_json:
             obj = report.to_json()
+            obj["notes"] = kept_notes()  # report.notes, and any the source of --against made
             obj["seconds"] = round(seconds, 3)
             emit_json(obj)
         else:

@@ -340,9 +340,9 @@ def _some(names: list[str] | set[str]) -> str:
 
 
 def _note(line: str) -> None:
-    from reshard.console import stderr
+    from reshard.console import note
 
-    stderr.print(f"note: {line}", markup=False, highlight=False)
+    note(line)
 
 
 def _fetch_side_files(view: BucketView, manifest: Manifest, root: Path) -> None:

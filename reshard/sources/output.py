@@ -44,10 +44,10 @@ class OutputSource(Source):
         if checksums:
             check_files(path, manifest)
             if manifest.checksum == NONE:
-                from reshard.console import stderr
+                from reshard.console import note
 
-                stderr.print(
-                    f"note: {path} was saved with --checksum none: its files' sizes were checked, not their bytes "
+                note(
+                    f"{path} was saved with --checksum none: its files' sizes were checked, not their bytes "
                     "(a damaged or swapped rank file is read as it is)"
                 )
         ref = {"path": str(path.resolve())}

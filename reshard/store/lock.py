@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from email.utils import parsedate_to_datetime
 
-from reshard.console import log_line
+from reshard.console import note
 from reshard.errors import OutputError, ReshardError
 from reshard.store.bucket import Bucket, Conflict
 
@@ -76,12 +76,11 @@ class PrefixLock:
         except Exception as e:
             why = e.message if isinstance(e, ReshardError) else (str(e) or type(e).__name__)
         where = f"s3://{self.url.bucket}/{self.lock_key}"
-        line = (
-            f"note: this run's lock {where} could not be deleted ({why}): a save to {self.url} from another host "
-            f"is refused until it is {LOCK_STALE // 60} minutes old (one from this host takes it over); delete it "
-            f"if no reshard run is writing there: aws s3 rm {where}"
+        note(  # stderr closed: the lock goes stale all the same
+            f"this run's lock {where} could not be deleted ({' '.join(str(why).split())}): a save to {self.url} "
+            f"from another host is refused until it is {LOCK_STALE // 60} minutes old (one from this host takes it "
+            f"over); delete it if no reshard run is writing there: aws s3 rm {where}"
         )
-        log_line(" ".join(line.split()))  # stderr closed: the lock goes stale all the same
 
     def _lock_age(self) -> tuple[float | None, str]:
         """Seconds since the lock object was last written, by the store's own clock (None if unknown), and its

@@ -89,7 +89,7 @@ class Report:
     # how vLLM loads the folder when it passes: {"load_format", "strict", "model_loader_extra_config",
     # "serve"}; strict False: only with `--load-format reshard` and {"strict": false} (verify --lax)
     loads_with: dict | None = None
-    # lines the command prints on stderr as `note: ...` (how verify checked, not what it found): a bucket
+    # `note: ...` lines (on stderr; with --json in its `notes`): how verify checked, not what it found: a bucket
     # whose store cannot vouch for its objects is hashed instead (verify/bucket.py)
     notes: list[str] = field(default_factory=list)
 
