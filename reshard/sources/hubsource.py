@@ -39,7 +39,7 @@ from pathlib import Path
 from reshard import settings
 from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Reader, Source
-from reshard.console import human_bytes, log_line
+from reshard.console import human_bytes, note
 from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, ByteRange, Prepared
@@ -322,8 +322,8 @@ class HubReader(AlignedReader):
         total = self.repo.meter.total
         self.repo.meter.total += again
         if total and again > total // 20:
-            log_line(
-                f"note: --stream: this checkpoint's files hold its tensors in another order than the save uses "
+            note(
+                f"--stream: this checkpoint's files hold its tensors in another order than the save uses "
                 f"them (an MoE's experts, stored by name); about {human_bytes(again)} of its {human_bytes(total)} "
                 "will be fetched a second time for the Hub's sha256 check. Without --stream the Hugging Face "
                 "cache keeps them and the check reads them back from disk."
