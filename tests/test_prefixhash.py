@@ -182,3 +182,30 @@ def test_feeds_from_threads(monkeypatch):
     for t in threads:
         t.join()
     assert h.rest(Reads()) == SHA
+
+
+@pytest.mark.parametrize("pending", [0, 3000, 1 << 30])
+def test_another_hash_and_error_are_taken_as_given(monkeypatch, pending):
+    """A bucket output's rank file is hashed with its manifest's algorithm (BLAKE3 by default) and a failed
+    comparison is its source's error (exit 7): the same custody, the hash and the error given."""
+    from reshard.errors import CorruptError
+    from reshard.hashing import hash_bytes, new_hasher
+
+    def fail(where: str, start: int, end: int) -> CorruptError:
+        return CorruptError(f"{where} {start}-{end}")
+
+    monkeypatch.setattr(prefixhash, "PENDING", pending)
+    h = PrefixHasher(len(DATA), "f", lambda: new_hasher("blake3"), fail)
+    for a, b in ranges(1):
+        h.feed(a, memoryview(DATA)[a:b])
+    assert h.rest(Reads()) == hash_bytes(DATA, "blake3")
+
+    h = PrefixHasher(len(DATA), "f", lambda: new_hasher("blake3"), fail)
+    h.feed(0, DATA[:100])
+    h.feed(5000, lie(DATA[5000:20000]))
+    if pending >= 15000:  # held: hashed from the bytes used, so the digest is not the file's
+        assert h.rest(Reads()) == hash_bytes(DATA[:5000] + lie(DATA[5000:20000]) + DATA[20000:], "blake3")
+        return
+    with pytest.raises(CorruptError) as e:
+        h.rest(Reads())
+    assert (str(e.value).split(" (")[0], e.value.exit_code) == ("f 5000-20000", 7)

@@ -16,7 +16,8 @@ the second time). So every range fed is, at the latest by `rest`:
   twice where the schedule foresees it: bytes several reads use are fetched once (reshard.sources.hubshare),
   a small-tensor group fetched again is compared by its own digest (reshard.sources.hubgroups).
 
-A comparison that fails is a SourceError (exit 4): the download served other bytes.
+A comparison that fails is a SourceError (exit 4): the download served other bytes. `new` and `fail` give
+another hash and error (a bucket SOURCE: its manifest's algorithm, exit 7; reshard.sources.bucket_custody).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable
 import blake3
 
 from reshard.errors import SourceError
+from reshard.hashing import Hasher
 
 PENDING = 256 * 1024 * 1024  # bytes held out of order, per file, before ranges are claimed instead
 BLOCK = 16 * 1024 * 1024  # bytes per read of `rest`
@@ -50,13 +52,23 @@ def changed(where: str, start: int, end: int) -> SourceError:
 
 class PrefixHasher:
     """sha256 of one file (`size` bytes, `where` in messages) fed with (offset, bytes) ranges in any
-    order, from several threads."""
+    order, from several threads. `new`: another hash to compute (a bucket output's rank file is hashed
+    with its manifest's algorithm, reshard.hashing.new_hasher); `fail(where, start, end)`: the error a
+    failed comparison raises (default `changed`, exit 4)."""
 
-    def __init__(self, size: int, where: str = "the file") -> None:
+    def __init__(
+        self,
+        size: int,
+        where: str = "the file",
+        new: Callable[[], Hasher] = hashlib.sha256,
+        fail: Callable[[str, int, int], Exception] = changed,
+    ) -> None:
         self.size = size
         self.where = where
+        self.new = new
+        self.fail = fail
         self.pos = 0  # bytes [0, pos) hashed
-        self.h = hashlib.sha256()
+        self.h = new()
         self.pending: dict[int, bytes] = {}  # held ranges by start, all after pos
         self.starts: list[int] = []  # heap of pending's keys
         self.held = 0
@@ -100,7 +112,7 @@ class PrefixHasher:
                 if end > b:
                     still.append((start, end, want, h))
                 elif h.digest() != want:
-                    raise changed(self.where, start, end)
+                    raise self.fail(self.where, start, end)
             self.open = still
         while self.starts and self.starts[0] < b:
             p = heapq.heappop(self.starts)
@@ -108,7 +120,7 @@ class PrefixHasher:
             self.held -= len(data)
             n = min(len(data), b - p)
             if view[p - a : p - a + n].tobytes() != data[:n]:
-                raise changed(self.where, p, p + n)
+                raise self.fail(self.where, p, p + n)
             if n == len(data):
                 continue
             if b in self.pending:  # another held range starts there: this one's end is claimed instead
@@ -126,6 +138,11 @@ class PrefixHasher:
             self.held -= len(data)
             self._hash(memoryview(data))
 
+    def unread(self) -> int:
+        """Bytes `rest` would read now (the claimed among them; not a second pass for ranges behind)."""
+        with self.lock:
+            return self.size - self.pos - self.held
+
     def rest(self, read: Read) -> str:
         """The digest, reading what was neither fed nor held (from `pos` on) by `read(pos, out)`."""
         with self.lock:
@@ -137,11 +154,11 @@ class PrefixHasher:
                 self._drain()
             got = self.h.hexdigest()
             if self.behind:
-                again = PrefixHasher(self.size, self.where)
+                again = PrefixHasher(self.size, self.where, self.new, self.fail)
                 again.claims = sorted(self.behind)
                 self.behind = []
                 if again.rest(read) != got:
-                    raise changed(self.where, 0, self.size)
+                    raise self.fail(self.where, 0, self.size)
             return got
 
 
