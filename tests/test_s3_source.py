@@ -9,10 +9,11 @@ import json
 import pytest
 
 from reshard.console import human_bytes
+from reshard.store import view as store_view
 from tests.fixtures.bytensor import read_by_tensor
 from tests.fixtures.cli import run
 from tests.fixtures.hubrun import rank_bytes
-from tests.fixtures.s3out import BucketOut, bucket_output
+from tests.fixtures.s3out import BucketOut, bucket_output, lie_once
 from tests.fixtures.saving import save
 
 RANK0 = "model-rank-0-part-0.safetensors"
@@ -252,10 +253,11 @@ def test_a_rank_file_the_manifest_has_no_store_checksum_for_is_hashed_alone(save
     assert code == 7, err
     _one_error_line(err, RANK1, "fails its blake3 checksum")
     size = next(f["size"] for f in m["files"] if f["name"] == RANK1)
-    assert _notes(err) == [
+    [note] = _notes(err)
+    assert note.startswith(
         f"note: the manifest records no store checksum for {RANK1}: hashing {RANK1} ({human_bytes(size)}) against "
-        "the manifest's blake3 digests, a second read of their bytes"
-    ]
+        "the manifest's blake3 digests from the bytes read, reading the "
+    ), err
 
 
 def test_an_output_without_digests_on_a_store_without_checksums_is_said_unchecked(
@@ -272,3 +274,55 @@ def test_an_output_without_digests_on_a_store_without_checksums_is_said_unchecke
         "proxy that strips them?), and the manifest records no digests (saved with --checksum none): the bytes of "
         "2 rank files are read unchecked (their sizes were checked)"
     ]
+
+
+@pytest.mark.parametrize("command", ["save", "merge"])
+def test_a_store_that_serves_other_bytes_once_fails(saved, tmp_path, s3proxy, monkeypatch, command):
+    """The store reports no checksums and serves a flipped byte to the first ranged GET of a tensor of a rank
+    file, the written bytes afterwards: the rank file read again whole at the end passed, and the re-shard or
+    merge wrote the flipped byte with exit 0. The check now hashes the bytes the save used: exit 7, nothing
+    written."""
+    _strip_checksums(s3proxy, monkeypatch)
+    read_by_tensor(monkeypatch)
+    told = lie_once(s3proxy, saved, RANK1)
+    dst = tmp_path / "dst"
+    code, _, err = run(
+        *(["save", saved.url, str(dst), "--tp", "4"] if command == "save" else ["merge", saved.url, str(dst)])
+    )
+    assert len(told) == 1, err
+    assert code == 7, err
+    _one_error_line(err, RANK1)
+    assert not dst.exists()
+
+
+def test_a_store_without_checksums_serves_each_rank_byte_once(saved, local_tp4, tmp_path, s3proxy, monkeypatch):
+    """Re-sharding from a store that reports no checksums, read by tensor: the rank files were read again whole
+    for the hash after the tensor reads; now the hash is fed the bytes read (the header, each tensor's), and only
+    what no read needed (padding) is read at the end: every rank byte is served once (the header read asks for no
+    more than its header here), and the output is the original's."""
+    _strip_checksums(s3proxy, monkeypatch)
+    read_by_tensor(monkeypatch)
+    monkeypatch.setattr(store_view, "_FIRST", 8)
+    dst = tmp_path / "tp4"
+    code, _, err = run("save", saved.url, str(dst), "--tp", "4")
+    assert code == 0, err
+    assert rank_bytes(dst) == rank_bytes(local_tp4)
+    files = saved.manifest()["files"]
+    served = {path.rsplit("/", 1)[1]: n for path, n in s3proxy.served.items() if "/model-rank-" in path}
+    assert served == {f["name"]: f["size"] for f in files}
+
+
+def test_a_store_without_checksums_merges_as_the_folder_does(saved, tiny, tmp_path, s3proxy, monkeypatch):
+    """The honest store without checksums, read by tensor: the merge checks the bytes it read and writes what a
+    merge of the same output in a folder writes."""
+    local = tmp_path / "tp2"
+    save(str(tiny("llama")), local, tp=2)
+    assert run("merge", str(local), str(tmp_path / "hf-local"))[0] == 0
+    _strip_checksums(s3proxy, monkeypatch)
+    read_by_tensor(monkeypatch)
+    code, _, err = run("merge", saved.url, str(tmp_path / "hf-bucket"))
+    assert code == 0, err
+    a, b = tmp_path / "hf-local", tmp_path / "hf-bucket"
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for p in a.iterdir():
+        assert (b / p.name).read_bytes() == p.read_bytes(), p.name

@@ -78,3 +78,23 @@ def test_a_bucket_source_the_store_cannot_vouch_for_is_hashed_once_between_the_p
     )
     assert hashing == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"], p.stderr
     assert not (tmp_path / "tp4").exists()
+
+
+def test_a_bucket_source_that_serves_other_bytes_once_fails_under_torchrun(tiny, tmp_path, s3env, s3proxy):
+    """The same store serving a flipped byte to the first read of a tensor of one rank file, the written bytes
+    afterwards: whichever process read it, the bytes it used are checked (the process hashing that file hashes
+    the bytes it read; another compares the ranges it used with a read of them again): the job fails."""
+    from tests.fixtures.s3out import bucket_output, lie_once
+
+    out = bucket_output(s3env, tiny("llama"), tp=2)
+    s3proxy.hide_checksums = True
+    told = lie_once(s3proxy, out, "model-rank-1-part-0.safetensors")
+    env = {**os.environ, **s3env.env(endpoint=s3proxy.endpoint), "RESHARD_DISABLE_PROGRESS": "1"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    p = torchrun(["save", out.url, str(tmp_path / "tp4"), "--tp", "4"], env, module="tests.fixtures.bytensor")
+    assert len(told) == 1, p.stderr
+    assert p.returncode != 0 and "model-rank-1-part-0.safetensors" in p.stderr, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("reshard: error:")]
+    assert errors and all("model-rank-1-part-0.safetensors" in line for line in errors), p.stderr
+    assert not (tmp_path / "tp4").exists()

@@ -43,8 +43,8 @@ def merge_cmd(out_dir, hf_dir, max_shard_size, overwrite, allow_lossy, as_json):
     OUT_DIR may be s3://bucket/prefix/ (endpoint and credentials from AWS_ENDPOINT_URL, AWS_PROFILE,
     ...): the rank files are read with ranged GETs, nothing of them stored locally; sizes and the
     store's checksums are checked first, and a rank file read whole in order is hashed as it streams;
-    one the store reports no checksum for is hashed in a second read (said in a note), the others are
-    said to be unhashed. Exit 4 when the bucket cannot be read.
+    one the store reports no checksum for is hashed from the bytes read and a read of the rest (said in
+    a note), the others are said to be unhashed. Exit 4 when the bucket cannot be read.
     """
     from reshard.merge import merge
     from reshard.store import is_bucket_url

@@ -17,8 +17,9 @@ What is checked, reading each rank file once where the store vouches for it:
   vouched for by the store's checksum is said to be unhashed, in a note;
 - a file the store cannot vouch for (it reports no SHA256 for the objects: copied to a store that
   keeps none, a proxy that strips them; or the manifest recorded none for it) and not read whole in
-  order is hashed in a second read at `finish`, said in a note first (a mismatch: exit 7); under
-  torchrun each process hashes its share of them. An output saved with --checksum none has no
+  order is hashed from the bytes the save read (every read of it is fed to its hasher) and a read of
+  the bytes it did not, at `finish`, said in a note first (a mismatch: exit 7); under torchrun each
+  process hashes its share of them (reshard.sources.bucket_custody). An output saved with --checksum none has no
   digests to hash against: its bytes are then read unchecked, said in a note.
 
 A prefix with no manifest, a missing bucket and a store that cannot be read are exit 4 (not found,
@@ -39,9 +40,10 @@ from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.folderview import view_manifest
 from reshard.format import ITEMSIZE
 from reshard.hashing import NONE, hash_bytes, new_hasher
-from reshard.manifest import FileRecord, Manifest
+from reshard.manifest import Manifest
 from reshard.names import MANIFEST
 from reshard.scratch import make_scratch_dir
+from reshard.sources.bucket_custody import Custody
 from reshard.sources.output import check_complete, read_output
 from reshard.sources.output_reader import OutputReader, Regions
 from reshard.store.url import BucketURL
@@ -74,6 +76,7 @@ class BucketOutputSource(Source):
         self.fill = _unread(self.view, [f.name for f in manifest.files], self._checkpoint, self.regions)
         self.readers: list[BucketOutputReader] = []
         self.share = (0, 1)  # (this process, processes) that read it: under torchrun, each hashes its share
+        self.custody: Custody | None = None  # the bytes read of the files the store cannot vouch for
 
     def split(self, rank: int, world: int) -> None:
         self.share = (rank, world)
@@ -83,14 +86,23 @@ class BucketOutputSource(Source):
         return self._checkpoint
 
     def open_reader(self) -> Reader:
+        if self.custody is None and self.checksums and self.unvouched:
+            rank, world = self.share
+            files = self.manifest.files
+            mine = {f.name for i, f in enumerate(files) if i % world == rank}
+            unvouched = [f for f in files if f.name in self.unvouched]
+            self.custody = Custody(unvouched, mine, self.manifest.checksum, self.view.where, _HINT)
+            for f in unvouched:  # the header each layout was read from: used, so vouched for too
+                self.custody.feed(f.name, 0, self.view.heads[f.name])
         reader = BucketOutputReader(self, self.regions)
         self.readers.append(reader)
         return reader
 
     def finish(self) -> None:
-        """Every rank file read whole in order is checked against its digest (exit 7 otherwise); the
-        others the store cannot vouch for are hashed now, a second read (this process's share of them
-        under torchrun); the rest (vouched for by the store's checksums) are told as unhashed."""
+        """Every rank file read whole in order is checked against its digest (exit 7 otherwise); those
+        the store cannot vouch for are checked from the bytes the save used, reading what it did not
+        (this process's share of them under torchrun: reshard.sources.bucket_custody); the rest
+        (vouched for by the store's checksums) are told as unhashed."""
         if not self.checksums:
             return
         checked: set[str] = set()
@@ -103,17 +115,16 @@ class BucketOutputSource(Source):
         from reshard.console import human_bytes
 
         files = self.manifest.files
-        rank, world = self.share
-        again = [
-            f for i, f in enumerate(files) if f.name in self.unvouched and f.name not in checked and i % world == rank
-        ]
-        if again:
-            streamed = f"; {len(checked)} read whole in order were hashed as they streamed" if checked else ""
+        custody = self.custody
+        if custody is not None and custody.hashers:
+            mine = [f for f in files if f.name in custody.hashers]
             _note(
-                f"{self.why}: hashing {_some([f.name for f in again])} ({human_bytes(sum(f.size for f in again))}) "
-                f"against the manifest's {self.manifest.checksum} digests, a second read of their bytes{streamed}"
+                f"{self.why}: hashing {_some([f.name for f in mine])} ({human_bytes(sum(f.size for f in mine))}) "
+                f"against the manifest's {self.manifest.checksum} digests from the bytes read, reading the "
+                f"{human_bytes(custody.unread())} not read"
             )
-            self._hash(again)
+        if custody is not None:
+            self._check(custody)
         unhashed = [f.name for f in files if f.name not in checked and f.name not in self.unvouched]
         if unhashed:
             _note(
@@ -122,26 +133,19 @@ class BucketOutputSource(Source):
                 "hashes them)"
             )
 
-    def _hash(self, files: list[FileRecord]) -> None:
-        """Stream and hash `files` (several at once, largest first); the first that differs: exit 7."""
-        algorithm = self.manifest.checksum
-        workers = max(1, min(len(files), settings.S3_CONCURRENCY.get()))
+    def _check(self, custody: Custody) -> None:
+        """Run the custody's checks (several files at once, largest first); the first that fails: exit 7."""
+        get = self.readers[0]._get if self.readers else None
+        assert get is not None, "checked after reading"
+        jobs = sorted(custody.jobs(get, self._mismatch), key=lambda job: -job[0])
+        if not jobs:
+            return
+        workers = max(1, min(len(jobs), settings.S3_CONCURRENCY.get()))
         with ThreadPoolExecutor(workers, thread_name_prefix="reshard-hash") as pool:
-            futures = {
-                pool.submit(self.view.digest, f.name, algorithm, size=f.size): f
-                for f in sorted(files, key=lambda f: -f.size)
-            }
+            futures = [pool.submit(job) for _, job in jobs]
             try:
                 for fut in as_completed(futures):
-                    f = futures[fut]
-                    try:
-                        got = fut.result()
-                    except FileNotFoundError:
-                        raise CorruptError(
-                            f"{self.view.where(f.name)} is gone (deleted while it was read)", _HINT
-                        ) from None
-                    if got != f.digest:
-                        raise self._mismatch(f.name)
+                    fut.result()
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)  # the files not started yet: not read at all
                 raise
@@ -227,15 +231,22 @@ class BucketOutputReader(OutputReader):
         self.lock = threading.Lock()
         self.held = 0
         self.streams: dict[str, _Stream] = {}
+        self.custody = source.custody  # the files the store cannot vouch for: every byte read is fed to it
         if source.checksums:
             m = source.manifest
-            self.streams = {f.name: _Stream(f.size, m.checksum, f.digest, source.fill[f.name]) for f in m.files}
+            self.streams = {
+                f.name: _Stream(f.size, m.checksum, f.digest, source.fill[f.name])
+                for f in m.files
+                if f.name not in source.unvouched
+            }
 
     def _pread(self, file: str, offset: int, nbytes: int) -> bytes:
         stream = self.streams.get(file)
         if stream is not None:
             self._fill(file, stream)  # the header, first
         data = self._get(file, offset, nbytes)
+        if self.custody is not None:
+            self.custody.feed(file, offset, data)
         if stream is not None:
             self._feed(stream, offset, data)
             self._fill(file, stream)

@@ -44,6 +44,7 @@ class BucketView(FolderView):
         self._lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(settings.S3_CONCURRENCY.get())  # GETs in flight
         self._headers: dict[tuple[str, int | None], Header] = {}
+        self.heads: dict[str, bytes] = {}  # each header's bytes as read (its length, then the JSON)
 
     # ---- the listing ------------------------------------------------------------------------------
 
@@ -108,6 +109,7 @@ class BucketView(FolderView):
             raw += self.read_range(name, len(head), 8 + n - len(head))
         if len(raw) < n:
             raise SourceError(f"{where}: truncated safetensors header", "the object is damaged")
+        self.heads[name] = bytes(head[:8]) + bytes(raw)
         return parse_header(raw, size, where, name.rsplit("/", 1)[-1])
 
     def read_range(self, name: str, start: int, length: int) -> bytes:
