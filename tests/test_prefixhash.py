@@ -209,3 +209,33 @@ def test_another_hash_and_error_are_taken_as_given(monkeypatch, pending):
     with pytest.raises(CorruptError) as e:
         h.rest(Reads())
     assert (str(e.value).split(" (")[0], e.value.exit_code) == ("f 5000-20000", 7)
+
+
+def test_a_bucket_sources_files_share_one_bound_of_held_bytes(monkeypatch):
+    """A re-shard from a bucket reads all its rank files at once: their hashers together hold at most
+    PENDING bytes out of order (each its share), not PENDING each; what does not fit is claimed and
+    still vouched for (the right digest passes, bytes served otherwise fail)."""
+    from types import SimpleNamespace
+
+    from reshard.errors import CorruptError
+    from reshard.hashing import hash_bytes
+    from reshard.sources.bucket_custody import Custody
+
+    monkeypatch.setattr(prefixhash, "PENDING", 4096)
+    rng = random.Random(3)
+    data = {f"f{i}": rng.randbytes(8192) for i in range(4)}
+    files = [SimpleNamespace(name=n, size=len(b), digest=hash_bytes(b, "blake3")) for n, b in data.items()]
+    custody = Custody(files, set(data), "blake3", str, "hint")
+    for name, b in data.items():
+        custody.feed(name, 2048, b[2048:5120])  # 3 KiB ahead of the hash, in each file
+    assert sum(h.held for h in custody.hashers.values()) <= 4096
+    assert sum(len(h.claims) for h in custody.hashers.values()) == 4
+    for name, h in custody.hashers.items():
+        assert h.rest(lambda pos, buf, b=data[name]: buf.__setitem__(slice(None), b[pos : pos + len(buf)])) == next(
+            f.digest for f in files if f.name == name
+        )
+    lying = Custody(files, set(data), "blake3", str, "hint")
+    for name, b in data.items():
+        lying.feed(name, 2048, b[2048:5120])
+    with pytest.raises(CorruptError, match="the bucket served other bytes for bytes 2048-5120"):
+        lying.hashers["f0"].rest(lambda pos, buf: buf.__setitem__(slice(None), bytes(len(buf))))

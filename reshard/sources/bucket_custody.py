@@ -22,6 +22,7 @@ from collections.abc import Callable
 from reshard.errors import CorruptError
 from reshard.hashing import new_hasher
 from reshard.manifest import FileRecord
+from reshard.sources import prefixhash
 from reshard.sources.prefixhash import PrefixHasher, digest
 
 Get = Callable[[str, int, int], bytes]  # get(file, offset, nbytes): bytes read from the store
@@ -37,8 +38,10 @@ class Custody:
         self.files = {f.name: f for f in files}
         self.hint = hint
         self.where = where
+        # a re-shard reads every rank file at once, tensor by tensor: their hashers share one file's bound
+        share = prefixhash.PENDING // max(1, len(mine & self.files.keys()))
         self.hashers = {
-            f.name: PrefixHasher(f.size, where(f.name), lambda: new_hasher(algorithm), self._changed)
+            f.name: PrefixHasher(f.size, where(f.name), lambda: new_hasher(algorithm), self._changed, share)
             for f in files
             if f.name in mine
         }

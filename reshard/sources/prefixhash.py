@@ -54,7 +54,8 @@ class PrefixHasher:
     """sha256 of one file (`size` bytes, `where` in messages) fed with (offset, bytes) ranges in any
     order, from several threads. `new`: another hash to compute (a bucket output's rank file is hashed
     with its manifest's algorithm, reshard.hashing.new_hasher); `fail(where, start, end)`: the error a
-    failed comparison raises (default `changed`, exit 4)."""
+    failed comparison raises (default `changed`, exit 4); `pending`: the bytes it may hold (default
+    PENDING; several files read at once share a budget so)."""
 
     def __init__(
         self,
@@ -62,8 +63,10 @@ class PrefixHasher:
         where: str = "the file",
         new: Callable[[], Hasher] = hashlib.sha256,
         fail: Callable[[str, int, int], Exception] = changed,
+        pending: int | None = None,
     ) -> None:
         self.size = size
+        self.limit = pending
         self.where = where
         self.new = new
         self.fail = fail
@@ -90,7 +93,7 @@ class PrefixHasher:
             if pos == self.pos:
                 self._hash(view)
                 self._drain()
-            elif pos not in self.pending and self.held + len(view) <= PENDING:
+            elif pos not in self.pending and self.held + len(view) <= (PENDING if self.limit is None else self.limit):
                 self.pending[pos] = bytes(view)
                 heapq.heappush(self.starts, pos)
                 self.held += len(view)
@@ -154,7 +157,7 @@ class PrefixHasher:
                 self._drain()
             got = self.h.hexdigest()
             if self.behind:
-                again = PrefixHasher(self.size, self.where, self.new, self.fail)
+                again = PrefixHasher(self.size, self.where, self.new, self.fail, self.limit)
                 again.claims = sorted(self.behind)
                 self.behind = []
                 if again.rest(read) != got:
