@@ -1,12 +1,20 @@
 """One weight file of a Hub repo in huggingface_hub's cache, filled at the offsets the save reads
 (`blobs/<name>.reshard-partial`, the ranges it holds listed in `<name>.reshard-ranges`), renamed to
 `blobs/<name>` and linked from the snapshot once it is complete and checked (reshard.sources.hubsource).
+
+One process fills a partial blob at a time: it holds an exclusive `flock` on it until the blob is
+published, discarded or closed. Another run reading the same commit into the same cache at once (the
+processes of a torchrun save, `--ranks` pieces on one machine, two saves) finds it `busy` and stores
+nothing of that file: it fetches what it needs and checks it as `--stream` does. Two writers of one
+blob renamed it into place twice (the second rename failed: exit 4) and one could write its bytes
+through the blob the other had published, unchecked.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import os
 import threading
 from pathlib import Path
@@ -27,10 +35,18 @@ class Blob:
         self.ends: list[int] = []
         self.fd: int | None = None
         self.log_fd: int | None = None  # a partial blob's range log (a complete one has none)
-        if final.is_file() and final.stat().st_size == size:
-            self.starts, self.ends, self.fd = [0], [size], os.open(final, os.O_RDONLY)
-            return
-        self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)
+        self.busy = False  # another process is filling the partial blob: this run stores nothing of the file
+        while True:
+            if final.is_file() and final.stat().st_size == size:
+                self.starts, self.ends, self.fd = [0], [size], os.open(final, os.O_RDONLY)
+                return
+            self.fd = _claim(self.partial)
+            if self.fd is not None:
+                break
+            if self.partial.exists():  # locked by another process
+                self.busy = True
+                return
+            # else renamed into place by the process that held it: look again
         if os.fstat(self.fd).st_size != size:
             os.ftruncate(self.fd, size)
             self.log.unlink(missing_ok=True)
@@ -103,7 +119,7 @@ class Blob:
 
     def publish(self, link: Path) -> None:
         """The complete blob under its final name, and the snapshot's link to it."""
-        if self.partial.exists():
+        if self.log_fd is not None:  # a partial blob, ours
             assert self.fd is not None
             os.fsync(self.fd)
             os.replace(self.partial, self.final)
@@ -115,10 +131,14 @@ class Blob:
 
     def discard(self) -> None:
         """Delete a partial blob (reshard's own file); a complete one is left for the user to judge."""
-        if self.partial.exists():
-            self.close()
+        if self.log_fd is not None:  # ours (locked): removed before the lock goes with the descriptor
             self.partial.unlink(missing_ok=True)
             self.log.unlink(missing_ok=True)
+            self.close()
+
+    def __del__(self) -> None:  # a save that failed before `finish`: its descriptors, and the lock, go with it
+        with contextlib.suppress(Exception):
+            self.close()
 
     def close(self) -> None:
         for fd in (self.fd, self.log_fd):
@@ -126,3 +146,26 @@ class Blob:
                 os.close(fd)
         self.fd = None
         self.log_fd = None
+
+
+def _claim(partial: Path) -> int | None:
+    """A descriptor of `partial` (created if need be) that this process alone holds (an exclusive
+    `flock`, released when it is closed); None while another process holds it, or when the file it
+    opened is no longer `partial` (the holder renamed it into place). Where the file system has no
+    locks, the descriptor unlocked, as before."""
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        return fd
+    try:
+        now, held = os.stat(partial), os.fstat(fd)
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return None

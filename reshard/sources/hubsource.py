@@ -148,7 +148,10 @@ class HubSource(Source):
             storage = _storage(ckpt)
             (storage / "blobs").mkdir(parents=True, exist_ok=True)
             for name in ckpt.files:
-                blob = self.blobs[name] = Blob(storage / "blobs" / self._blob_name(name), ckpt.file_sizes[name])
+                blob = Blob(storage / "blobs" / self._blob_name(name), ckpt.file_sizes[name])
+                if blob.busy:  # another process fills it: this file is read as --stream reads it
+                    continue
+                self.blobs[name] = blob
                 if not blob.put_head(self.heads[name]):
                     raise SourceError(
                         f"{self.repo.repo_id}/{name}@{self.repo.commit[:12]}: the cached {blob.final} holds another "
@@ -163,7 +166,7 @@ class HubSource(Source):
                     f"the source needs {need / 1e9:.1f} GB more",
                     "use `save --stream` (stores nothing) or point HF_HOME at a larger disk",
                 )
-            self.meter.total = need
+            self.meter.total = need + sum(ckpt.file_sizes[f] for f in ckpt.files if f not in self.blobs)
         elif self.stream:
             self.meter.total = ckpt.total_bytes
         return HubReader(self.repo, self.blobs, Groups(ckpt.tensors, self.repo.where), self.hashers)
@@ -193,16 +196,18 @@ class HubSource(Source):
     def finish(self) -> None:
         """After a successful save: check each file's sha256 (the bytes no tensor needed fetched,
         or read from the blob); cached mode: complete each blob and link it into the snapshot."""
-        if self.stream:
-            for name in self._checkpoint.files:
+        for name in self._checkpoint.files:  # stored nothing of (--stream, or another process fills its blob)
+            if name not in self.blobs:
                 self._verify(name, lambda pos, buf, name=name: self.repo.fetch(name, pos, buf, self.meter.add))
-            return
-        try:
-            self._finish()
-        except OSError as e:
-            raise SourceError(
-                f"cannot complete the Hugging Face cache: {e}", "use `save --stream` or set HF_HOME"
-            ) from e
+        if not self.stream:
+            try:
+                self._finish()
+            except OSError as e:
+                raise SourceError(
+                    f"cannot complete the Hugging Face cache: {e}", "use `save --stream` or set HF_HOME"
+                ) from e
+        order = {name: i for i, name in enumerate(self._checkpoint.files)}
+        self._checkpoint.checked.sort(key=lambda record: order[record.name])
 
     def _finish(self) -> None:
         ckpt = self._checkpoint
