@@ -265,6 +265,14 @@ def refuse_on_bucket(dest: Destination, what: str) -> None:  # for --ranks piece
         )
 
 
+def refuse_own_source(dest: Destination, source: str) -> None:
+    """An s3:// output re-sharded into its own prefix: refused, as a folder into itself is
+    (outdir.check_apart), before anything is read or written: the commit would replace the source. (A prefix
+    inside or around it is refused as lying in or above another output, by the bucket's own checks.)"""
+    if isinstance(dest, Bucket) and is_bucket_url(source) and parse_bucket_url(source) == dest.url:
+        raise OutputError(f"OUT_DIR {dest.url} is inside the source {dest.url}", "write elsewhere")
+
+
 def foreign_rank_files(out_dir: Path) -> list[str]:
     """Names in OUT_DIR that vLLM's rank-file globs match and its output's manifest does not list (a user's
     `model-rank-0-part-0.backup.safetensors`); none where there is no readable manifest (then every such

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from reshard import __version__
 from reshard.checkpoint import Checkpoint, Source
-from reshard.destination import Destination, Run, Staging, destination, refuse_on_bucket
+from reshard.destination import Destination, Run, Staging, destination, refuse_on_bucket, refuse_own_source
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
 from reshard.errors import OutputError, ReshardError, UnsupportedError
 from reshard.execute import Progress, WriteOptions, run_executor
@@ -98,6 +98,7 @@ def save(
     try:
         if options.ranks is not None:
             refuse_on_bucket(dest, "--ranks")
+        refuse_own_source(dest, source)
         src = open_source(source, options.revision, stream=options.stream, sha256_file=options.sha256)
         src.split(*procs.part)
         check_lossless_reshard(src.checkpoint, layout.dtype)

@@ -65,6 +65,19 @@ def test_reshard_from_one_bucket_prefix_to_another(s3env, saved, local_tp4):
     assert code == 0, out + err
 
 
+@pytest.mark.parametrize("where", ["model/", "model"])
+def test_a_reshard_into_its_own_source_prefix_is_refused_as_for_a_folder(saved, where):
+    """`save s3://B/model/ s3://B/model/ --overwrite` replaced the source with its re-shard (a folder into
+    itself is exit 5, 'inside the source folder'; a prefix inside or around the source is exit 3, as another
+    output there); now exit 5 too, before anything is written."""
+    before = {n: saved.read(n) for n in saved.names()}
+    code, out, err = run("save", saved.url, f"s3://{saved.bucket}/{where}", "--tp", "4", "--overwrite")
+    assert (code, out) == (5, ""), err
+    _one_error_line(err, "is inside the source", saved.url)
+    assert {n: saved.read(n) for n in saved.names()} == before
+    assert not saved.client.list_objects_v2(Bucket=saved.bucket, Prefix="model.reshard/").get("Contents")
+
+
 def test_merge_from_the_bucket_equals_merge_from_the_folder(s3env, tiny, tmp_path):
     """A tp 1 output merged back: its one rank file is read in order, so it is hashed as it streams."""
     local = tmp_path / "tp1"
