@@ -304,13 +304,13 @@ class HubReader(AlignedReader):
             for r in reads
             if r.info.name not in of
         )
-        if not self.blobs:  # --stream: what the hash must fetch again is downloaded twice; say so first
-            self._foresee(reads)
+        if len(self.blobs) < len(self.hashers):  # files stored nothing of: what their hash takes in again is fetched
+            self._foresee([r for r in reads if r.info.file not in self.blobs], told=not self.blobs)
 
-    def _foresee(self, reads: Sequence[ByteRange]) -> None:
-        """The bytes a `--stream` save will fetch a second time for the files' sha256 (reads far ahead of
-        the hash's position in their file: an MoE release's experts, stored by name), told on stderr
-        when they are many, and counted in the download's progress."""
+    def _foresee(self, reads: Sequence[ByteRange], told: bool) -> None:
+        """The bytes a save will fetch a second time for the sha256 of the files it stores nothing of (reads
+        far ahead of the hash's position in their file: an MoE release's experts, stored by name), counted
+        in the download's progress and, `told` (--stream), said in a note when they are many."""
         of, seen = self.groups.of, set()
 
         def ranges() -> Iterator[tuple[str, int, int]]:
@@ -326,7 +326,7 @@ class HubReader(AlignedReader):
             again = taken_again(ranges(), at={name: h.pos for name, h in self.hashers.items()})
         total = self.repo.meter.total
         self.repo.meter.total += again
-        if total and again > total // 20:
+        if told and total and again > total // 20:
             note(
                 f"--stream: this checkpoint's files hold its tensors in another order than the save uses "
                 f"them (an MoE's experts, stored by name); about {human_bytes(again)} of its {human_bytes(total)} "
