@@ -48,6 +48,7 @@ from reshard.sources.output import check_complete, read_output
 from reshard.sources.output_reader import OutputReader, Regions
 from reshard.store.url import BucketURL
 from reshard.store.view import BucketView
+from reshard.store.view import unvouched as vouched_for
 
 MAX_HELD = 64 << 20  # bytes of out-of-order reads held back per reader for the in-order hash
 MAX_FILL = 16 << 20  # bytes of a span no tensor read needs (the header, a dropped replica) fetched to hash on
@@ -325,20 +326,15 @@ def _check_objects(view: BucketView, manifest: Manifest, *, store: bool) -> tupl
     sums = manifest.store_sha256 if store else None
     unvouched, why = set(), ""
     if store and not sums:
-        unvouched, why = set(names), "the manifest records no store checksums (not saved to a bucket by this reshard)"
+        missing, why = vouched_for(names, sums, None)
+        unvouched = set(missing)
     if not problems and sums:
         with ThreadPoolExecutor(settings.S3_CONCURRENCY.get(), thread_name_prefix="reshard-head") as pool:
             have = dict(zip(names, pool.map(view.store_sha256, names), strict=True))
-        if any(h is not None for h in have.values()):  # the store reports SHA256s (as verify decides it)
+        missing, why = vouched_for(names, sums, have, "rank files")
+        unvouched = set(missing)
+        if any(h is not None for h in have.values()):  # the store reports SHA256s: each as recorded
             problems += [f"{n} was replaced after it was written" for n in names if sums.get(n) not in (None, have[n])]
-            unvouched = {n for n in names if sums.get(n) is None}
-            why = f"the manifest records no store checksum for {_some(sorted(unvouched))}"
-        else:
-            unvouched = set(names)
-            why = (
-                "the object store reports no SHA256 checksum for any object (copied to a store that keeps none, "
-                "or a proxy that strips them?)"
-            )
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CorruptError(f"{view.url} cannot be used as SOURCE: {problems[0]}{more}", _HINT)

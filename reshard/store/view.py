@@ -189,3 +189,24 @@ def _invalid_range(e: BaseException) -> bool:
     from reshard.store.client import error_code, status
 
     return error_code(e) == "InvalidRange" or status(e) == 416
+
+
+def unvouched(
+    names: list[str], recorded: dict[str, str] | None, reported: dict[str, object] | None, noun: str = "objects"
+) -> tuple[list[str], str]:
+    """Which of the objects `names` the store's checksums cannot vouch for, and why: `reshard verify` and a
+    bucket SOURCE decide it alike. Every one when the manifest recorded no store checksums, or when the
+    store reports none for any object (`reported`: each object's SHA256 as the store reports it, None for
+    none, an error counting as reported; copied to a store that keeps none, a proxy that strips them);
+    else those the manifest recorded none for. The save's store reported one for every object (reshard
+    refuses one that does not), so it is decided from the objects, never from the manifest's own."""
+    if not recorded:
+        return list(names), "the manifest records no store checksums (not saved to a bucket by this reshard)"
+    if reported and all(v is None for v in reported.values()):
+        return list(names), (
+            "the object store reports no SHA256 checksum for any object (copied to a store that keeps none, "
+            "or a proxy that strips them?)"
+        )
+    missing = [n for n in names if recorded.get(n) is None]
+    some = missing[0] if len(missing) == 1 else f"{len(missing)} {noun}"
+    return missing, f"the manifest records no store checksum for {some}"

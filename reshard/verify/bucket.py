@@ -23,7 +23,7 @@ from reshard.errors import ReshardError
 from reshard.hashing import NONE
 from reshard.names import BUCKET_JOURNAL, MANIFEST
 from reshard.store.publish import VLLM_KEY_PATTERNS, VLLM_MAX_KEYS
-from reshard.store.view import BucketView
+from reshard.store.view import BucketView, unvouched
 from reshard.verify.report import CORRUPT, RERUN, Report
 from reshard.verify.structure import Folder
 
@@ -76,29 +76,21 @@ def check_store_sums(report: Report, folder: Folder, view: BucketView, *, deep: 
         s.name for s in manifest.copied_files if view.exists(s.name)
     ]
     recorded = manifest.store_sha256
-    if not recorded:
-        why = "the manifest records no store checksums (not saved to a bucket by this reshard)"
-        return _unvouched(report, folder, present, present, why, deep=deep)
-    with cf.ThreadPoolExecutor(settings.S3_CONCURRENCY.get(), thread_name_prefix="reshard-head") as pool:
-        got = dict(zip(present, pool.map(lambda n: _head(view, n), present), strict=True))
-    # the save's store reported a SHA256 for every object (reshard refuses one that does not); where none of
-    # them has one now, the objects were copied to a store that keeps none. Decided from the recorded
-    # objects, never from the manifest's own object: re-uploading it alone must not switch the check off.
-    if got and all(h is None for h in got.values()):
-        why = (
-            "the object store reports no SHA256 checksum for any object (copied to a store that keeps none, "
-            "or a proxy that strips them?)"
-        )
-        return _unvouched(report, folder, present, present, why, deep=deep)
+    got: dict[str, object] = {}
+    if recorded:
+        with cf.ThreadPoolExecutor(settings.S3_CONCURRENCY.get(), thread_name_prefix="reshard-head") as pool:
+            got = dict(zip(present, pool.map(lambda n: _head(view, n), present), strict=True))
+    names, why = unvouched(present, recorded, got)
+    if not recorded or (got and all(h is None for h in got.values())):  # none vouched for
+        return _unvouched(report, folder, present, names, why, deep=deep)
     report.checked.append("store-checksums")
-    unrecorded = []
     for name, have in got.items():
         want = recorded.get(name)
         if want is None:
-            unrecorded.append(name)
+            continue  # hashed instead (below)
         elif isinstance(have, Exception):
-            why = have.strerror if isinstance(have, OSError) else have
-            report.add("store-checksum", f"{name}: cannot read its metadata ({why})", code=CORRUPT, file=name)
+            err = have.strerror if isinstance(have, OSError) else have
+            report.add("store-checksum", f"{name}: cannot read its metadata ({err})", code=CORRUPT, file=name)
         elif have != want:
             said = f"checksum {have}" if have else "no SHA256 (uploaded by something else)"
             msg = (
@@ -106,9 +98,8 @@ def check_store_sums(report: Report, folder: Folder, view: BucketView, *, deep: 
                 f"was written ({RERUN})"
             )
             report.add("store-checksum", msg, code=CORRUPT, file=name)
-    report.stats["store_checksums_checked"] = len(got) - len(unrecorded)
-    why = f"the manifest records no store checksum for {_some(unrecorded)}"
-    return _unvouched(report, folder, present, unrecorded, why, deep=deep)
+    report.stats["store_checksums_checked"] = len(got) - len(names)
+    return _unvouched(report, folder, present, names, why, deep=deep)
 
 
 def _unvouched(
