@@ -120,6 +120,7 @@ def cli() -> None:
       RESHARD_HUB_TIMEOUT=60      repo ids: seconds without a byte before a request fails
       RESHARD_HUB_MIN_SPEED=65536 repo ids: a body slower than this (bytes/s) after its first timeout is retried
       RESHARD_HUB_SMALL=1048576   repo ids: smaller neighbouring tensors fetched together (0: never)
+      RESHARD_STREAM_SPILL=8589934592  --stream: bytes read ahead of the sha256 kept on disk (TMPDIR), not fetched twice
       RESHARD_S3_CONCURRENCY=8    s3://: parts uploaded at once
       RESHARD_S3_PART_SIZE=16777216  s3://: bytes per uploaded part (at least 5 MiB)
       RESHARD_S3_RETRIES=8        s3://: retries of a failing request (throttling, dropped connections)

@@ -144,6 +144,14 @@ HUB_SMALL = Setting(
     "Hub tensors smaller than this, side by side in a file, are fetched together (0: each its own request)",
     _whole(0),
 )
+STREAM_SPILL = Setting(
+    "RESHARD_STREAM_SPILL",
+    8 << 30,
+    "a whole number of bytes >= 0",
+    "with --stream, bytes read ahead of a file's sha256 kept on disk in the temp folder (TMPDIR) rather than "
+    "fetched a second time (0: none; at most half the folder's free space, none where it is in memory)",
+    _whole(0),
+)
 S3_CONCURRENCY = Setting(
     "RESHARD_S3_CONCURRENCY",
     8,
@@ -181,6 +189,7 @@ ALL: tuple[Setting, ...] = (
     HUB_TIMEOUT,
     HUB_MIN_SPEED,
     HUB_SMALL,
+    STREAM_SPILL,
     S3_CONCURRENCY,
     S3_PART_SIZE,
     S3_RETRIES,

@@ -83,14 +83,20 @@ def unused_bytes(path: Path) -> tuple[int, int]:
     return 8 + n + a, 8 + n + b
 
 
-@pytest.mark.parametrize("pending", [None, 4096], ids=["held", "too-many-to-hold"])
-def test_used_bytes_after_an_unused_tensor_served_wrong_are_exit_4(checkpoint, hub, monkeypatch, tmp_path, pending):
+@pytest.mark.parametrize(
+    ("pending", "spill"), [(None, None), (4096, None), (4096, "0")], ids=["held", "spilled", "too-many-to-hold"]
+)
+def test_used_bytes_after_an_unused_tensor_served_wrong_are_exit_4(
+    checkpoint, hub, monkeypatch, tmp_path, pending, spill
+):
     """The CDN flips every range after the unused tensor until the hash reads the unused tensor, then
     serves honest bytes (F1)."""
     _, _, src = checkpoint
     monkeypatch.setenv("RESHARD_HUB_SMALL", "0")  # each tensor its own range, as large ones are
     if pending is not None:
         monkeypatch.setattr(prefixhash, "PENDING", pending)
+    if spill is not None:
+        monkeypatch.setenv("RESHARD_STREAM_SPILL", spill)
     gap = unused_bytes(src / "model.safetensors")
     server = hub(src)
     honest, lies = [], []
@@ -108,7 +114,7 @@ def test_used_bytes_after_an_unused_tensor_served_wrong_are_exit_4(checkpoint, h
     assert lies and honest  # the premise: used bytes served wrong, then the unused ones read for the hash
     [line] = [line for line in err.splitlines() if not line.startswith("note: --stream: ")]
     assert line.startswith(f"reshard: error: {REPO}/model.safetensors@{server.sha[:12]}: ")
-    if pending is None:  # what was held is hashed from the bytes used: the sha256 is wrong
+    if spill is None:  # what was held (in memory or on disk) is hashed from the bytes used: the sha256 is wrong
         assert "is not the LFS sha256 the Hub commits to" in line
     else:  # what could not be held was used wrong and fetched again right
         assert "the download served other bytes for bytes " in line
@@ -340,6 +346,7 @@ def test_an_moe_streamed_out_of_file_order_is_told_and_fetches_what_it_said(hub,
     save(str(src), tmp_path / "ref", tp=2)
     monkeypatch.setenv("RESHARD_HUB_CONNECTIONS", "1")  # reads fed in the order they are made
     monkeypatch.setenv("RESHARD_HUB_SMALL", "0")
+    monkeypatch.setenv("RESHARD_STREAM_SPILL", "0")  # nothing waits on disk (tests/test_spill.py: what does)
     monkeypatch.setattr(prefixhash, "PENDING", 64 * 1024)
     server = hub(src)
     code, _, err = run("save", REPO, str(tmp_path / "out"), "--tp", "2", "--stream")

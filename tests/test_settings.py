@@ -31,6 +31,7 @@ BAD = {
     "RESHARD_HUB_TIMEOUT": ["abc", "0", "inf"],
     "RESHARD_HUB_MIN_SPEED": ["64KiB", "-1", "2.5"],
     "RESHARD_HUB_SMALL": ["1MiB", "-1"],
+    "RESHARD_STREAM_SPILL": ["8GiB", "-1"],
     "RESHARD_S3_CONCURRENCY": ["many", "0"],
     "RESHARD_S3_PART_SIZE": ["16MiB", "1048576", "6442450944"],  # 6 GiB: above S3's largest part
     "RESHARD_S3_RETRIES": ["abc", "-1"],

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from reshard.console import log_line
 from reshard.errors import SourceError
-from reshard.names import CONFIG, HUB_PATTERNS
+from reshard.names import CONFIG, HUB_PATTERNS, INDEX, SINGLE
 from reshard.sources.local import LocalSource
+from reshard.sources.validate import check_index
+
+if TYPE_CHECKING:
+    from reshard.sources.hubhttp import HubRepo
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -53,11 +59,34 @@ def open_hub(repo_id: str, revision: str | None, *, headers_only: bool, stream: 
     return _online(repo, headers_only=headers_only, stream=stream)
 
 
+def weight_names(repo: HubRepo, root: Path) -> list[str]:
+    """The repo's safetensors files, as `reshard.sources.local.weight_files` picks them."""
+    if INDEX in repo.files:
+        try:
+            files = check_index(json.loads((root / INDEX).read_text()), f"{repo.repo_id}/{INDEX}")
+        except (OSError, ValueError, RecursionError) as e:
+            raise SourceError(f"{repo.repo_id}/{INDEX}: cannot parse ({e})") from e
+        missing = [f for f in files if f not in repo.files]
+        if missing:
+            raise SourceError(
+                f"{repo.repo_id}@{repo.commit[:12]}: {INDEX} names files the repo lacks: {', '.join(missing[:3])}"
+            )
+        return files
+    if SINGLE in repo.files:
+        return [SINGLE]
+    found = sorted(
+        f for f in repo.files if f.endswith(".safetensors") and "/" not in f and not f.startswith("consolidated")
+    )
+    if not found:
+        raise SourceError(f"{repo.repo_id}: no *.safetensors weights in the repo", "reshard reads safetensors only")
+    return found
+
+
 def _online(repo, *, headers_only: bool, stream: bool):
     from fnmatch import fnmatch
 
     from reshard.sources import hubsmall
-    from reshard.sources.hubsource import HubSource, weight_names
+    from reshard.sources.hubsource import HubSource
 
     if CONFIG not in repo.files:
         raise SourceError(

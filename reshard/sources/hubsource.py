@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import shutil
 import struct
 from collections.abc import Iterator, Sequence
@@ -44,7 +43,7 @@ from reshard.errors import SourceError
 from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, ByteRange, Prepared
 from reshard.manifest.schema import SourceFileRecord
-from reshard.names import INDEX, SINGLE
+from reshard.sources import prefixhash
 from reshard.sources.hubblob import Blob
 from reshard.sources.hubgroups import Groups
 from reshard.sources.hubhttp import HubRepo, Meter
@@ -53,32 +52,9 @@ from reshard.sources.hubsmall import expected
 from reshard.sources.integrity import GIT, HUB, UNCHECKED, mismatch
 from reshard.sources.local import read_config
 from reshard.sources.prefixhash import PrefixHasher, taken_again
-from reshard.sources.validate import check_index
+from reshard.sources.spill import Spill, usable
 
 _FILL = 64 * 1024 * 1024  # bytes per request when completing a cached blob
-
-
-def weight_names(repo: HubRepo, root: Path) -> list[str]:
-    """The repo's safetensors files, as `reshard.sources.local.weight_files` picks them."""
-    if INDEX in repo.files:
-        try:
-            files = check_index(json.loads((root / INDEX).read_text()), f"{repo.repo_id}/{INDEX}")
-        except (OSError, ValueError, RecursionError) as e:
-            raise SourceError(f"{repo.repo_id}/{INDEX}: cannot parse ({e})") from e
-        missing = [f for f in files if f not in repo.files]
-        if missing:
-            raise SourceError(
-                f"{repo.repo_id}@{repo.commit[:12]}: {INDEX} names files the repo lacks: {', '.join(missing[:3])}"
-            )
-        return files
-    if SINGLE in repo.files:
-        return [SINGLE]
-    found = sorted(
-        f for f in repo.files if f.endswith(".safetensors") and "/" not in f and not f.startswith("consolidated")
-    )
-    if not found:
-        raise SourceError(f"{repo.repo_id}: no *.safetensors weights in the repo", "reshard reads safetensors only")
-    return found
 
 
 class HubSource(Source):
@@ -91,6 +67,7 @@ class HubSource(Source):
         self.etags: dict[str, str | None] = {}
         self.blobs: dict[str, Blob] = {}
         self.heads: dict[str, bytes] = {}  # each file's first bytes (length and header), kept for the cache
+        self.spill: Spill | None = None  # where bytes read ahead of a file's hash wait, for files stored nothing of
         tensors: dict[str, TensorInfo] = {}
         sizes: dict[str, int] = {}
         with ThreadPoolExecutor(min(settings.HUB_CONNECTIONS.get(), len(files))) as pool:
@@ -169,7 +146,15 @@ class HubSource(Source):
             self.meter.total = need + sum(ckpt.file_sizes[f] for f in ckpt.files if f not in self.blobs)
         elif self.stream:
             self.meter.total = ckpt.total_bytes
-        return HubReader(self.repo, self.blobs, Groups(ckpt.tensors, self.repo.where), self.hashers)
+        if len(self.blobs) < len(self.hashers) and self.spill is None:  # files stored nothing of
+            budget, why = usable(settings.STREAM_SPILL.get())
+            self.spill = Spill(budget, why)
+            spilling = [h for name, h in self.hashers.items() if name not in self.blobs]
+            for hasher in spilling:
+                hasher.spill = self.spill
+                if budget:  # what waits beyond one file's bound in memory, all files together, waits on disk
+                    hasher.limit = prefixhash.PENDING // len(spilling)
+        return HubReader(self.repo, self.blobs, Groups(ckpt.tensors, self.repo.where), self.hashers, self.spill)
 
     def _want(self, name: str) -> tuple[str, str] | None:
         """What `name`'s bytes must hash to, and how (hubsmall.expected): the commit's LFS sha256; for a
@@ -196,9 +181,13 @@ class HubSource(Source):
     def finish(self) -> None:
         """After a successful save: check each file's sha256 (the bytes no tensor needed fetched,
         or read from the blob); cached mode: complete each blob and link it into the snapshot."""
-        for name in self._checkpoint.files:  # stored nothing of (--stream, or another process fills its blob)
-            if name not in self.blobs:
-                self._verify(name, lambda pos, buf, name=name: self.repo.fetch(name, pos, buf, self.meter.add))
+        try:
+            for name in self._checkpoint.files:  # stored nothing of (--stream, or another process fills its blob)
+                if name not in self.blobs:
+                    self._verify(name, lambda pos, buf, name=name: self.repo.fetch(name, pos, buf, self.meter.add))
+        finally:
+            if self.spill is not None:
+                self.spill.close()
         if not self.stream:
             try:
                 self._finish()
@@ -287,7 +276,15 @@ def _storage(ckpt: Checkpoint) -> Path:
 class HubReader(AlignedReader):
     """Ranges of a repo's weight files from the Hub (or from the cached blob, where it has them)."""
 
-    def __init__(self, repo: HubRepo, blobs: dict[str, Blob], groups: Groups, hashers: dict[str, PrefixHasher]) -> None:
+    def __init__(
+        self,
+        repo: HubRepo,
+        blobs: dict[str, Blob],
+        groups: Groups,
+        hashers: dict[str, PrefixHasher],
+        spill: Spill | None = None,
+    ) -> None:
+        self.spill = spill
         self.threads = settings.HUB_CONNECTIONS.get()  # the prefetcher's reads in flight: HTTP connections
         self.repo = repo
         self.blobs = blobs
@@ -322,16 +319,24 @@ class HubReader(AlignedReader):
                     seen.add(key)
                     yield key
 
+        budget = self.spill.budget if self.spill is not None else 0
         with paused_gc():
-            again = taken_again(ranges(), at={name: h.pos for name, h in self.hashers.items()})
+            limits = [h.limit for name, h in self.hashers.items() if name not in self.blobs and h.limit is not None]
+            at = {name: h.pos for name, h in self.hashers.items()}
+            again = taken_again(ranges(), min(limits, default=None), at, spill=budget)
         total = self.repo.meter.total
         self.repo.meter.total += again
         if told and total and again > total // 20:
+            why = (self.spill.why if self.spill is not None else None) or (
+                f"at most {human_bytes(budget)} of them wait on disk (RESHARD_STREAM_SPILL)"
+                if budget
+                else "none of them waits on disk (RESHARD_STREAM_SPILL=0)"
+            )
             note(
                 f"--stream: this checkpoint's files hold its tensors in another order than the save uses "
                 f"them (an MoE's experts, stored by name); about {human_bytes(again)} of its {human_bytes(total)} "
-                "will be fetched a second time for the Hub's sha256 check. Without --stream the Hugging Face "
-                "cache keeps them and the check reads them back from disk."
+                f"will be fetched a second time for the Hub's sha256 check: {why}. Without --stream the Hugging "
+                "Face cache keeps them and the check reads them back from disk."
             )
 
     def read(self, t: TensorInfo, start: int, nbytes: int, buf: bytearray | memoryview | None = None) -> memoryview:

@@ -7,7 +7,9 @@ save used, not of other bytes fetched later for the same offsets (a CDN may serv
 the second time). So every range fed is, at the latest by `rest`:
 
 - hashed as it arrives (it starts where the hash has got to), or
-- held (at most PENDING bytes per file) and hashed from those same bytes once the hash gets there, or
+- held (at most PENDING bytes per file, or the bound given) and hashed from those same bytes once the hash gets there, or
+- spilled: held on disk instead, beyond PENDING, where a `Spill` is given (reshard.sources.spill: a
+  `--stream` save), and hashed from the bytes read back from this run's own file, or
 - claimed: too far ahead to hold (or a second range at a held offset), its BLAKE3 digest kept, and
   compared with the digest of the bytes the hash takes in for that span (fetched again by `rest`), or
 - behind: used after the hash passed its offset (fed by another read of the same bytes). Its BLAKE3
@@ -26,16 +28,25 @@ import hashlib
 import heapq
 import threading
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import blake3
 
 from reshard.errors import SourceError
 from reshard.hashing import Hasher
+from reshard.sources.spill import Spill
 
 PENDING = 256 * 1024 * 1024  # bytes held out of order, per file, before ranges are claimed instead
 BLOCK = 16 * 1024 * 1024  # bytes per read of `rest`
 
 Read = Callable[[int, memoryview], None]  # read(pos, out): bytes [pos, pos + len(out)) of the file
+
+
+class Spilled(NamedTuple):
+    """A held range kept on disk: `n` bytes at `at` in its file's spill."""
+
+    at: int
+    n: int
 
 
 def digest(data: memoryview | bytes | bytearray) -> bytes:
@@ -55,7 +66,8 @@ class PrefixHasher:
     order, from several threads. `new`: another hash to compute (a bucket output's rank file is hashed
     with its manifest's algorithm, reshard.hashing.new_hasher); `fail(where, start, end)`: the error a
     failed comparison raises (default `changed`, exit 4); `pending`: the bytes it may hold (default
-    PENDING; several files read at once share a budget so)."""
+    PENDING; several files read at once share a budget so); `spill`: where to hold ranges beyond it,
+    on disk (else they are claimed)."""
 
     def __init__(
         self,
@@ -64,6 +76,7 @@ class PrefixHasher:
         new: Callable[[], Hasher] = hashlib.sha256,
         fail: Callable[[str, int, int], Exception] = changed,
         pending: int | None = None,
+        spill: Spill | None = None,
     ) -> None:
         self.size = size
         self.limit = pending
@@ -72,9 +85,11 @@ class PrefixHasher:
         self.fail = fail
         self.pos = 0  # bytes [0, pos) hashed
         self.h = new()
-        self.pending: dict[int, bytes] = {}  # held ranges by start, all after pos
+        self.pending: dict[int, bytes | Spilled] = {}  # held ranges by start, all after pos
         self.starts: list[int] = []  # heap of pending's keys
-        self.held = 0
+        self.held = 0  # bytes held in memory
+        self.spill = spill
+        self.spilled = 0  # bytes held in the spill
         self.claims: list[tuple[int, int, bytes]] = []  # heap: (start, end, BLAKE3) of ranges not yet hashed
         self.open: list[tuple[int, int, bytes, blake3.blake3]] = []  # claims the hash is inside
         self.behind: list[tuple[int, int, bytes]] = []  # ranges used after their bytes were hashed
@@ -97,8 +112,55 @@ class PrefixHasher:
                 self.pending[pos] = bytes(view)
                 heapq.heappush(self.starts, pos)
                 self.held += len(view)
+            elif pos not in self.pending and self.spill is not None and self._put(pos, view):
+                pass
             else:
                 heapq.heappush(self.claims, (pos, end, digest(view)))
+
+    def _put(self, pos: int, view: memoryview) -> bool:
+        """Hold `view` (at `pos`) in the spill, where it fits."""
+        assert self.spill is not None
+        at = self.spill.put(self.where, view)
+        if at is None:
+            return False
+        self.pending[pos] = Spilled(at, len(view))
+        heapq.heappush(self.starts, pos)
+        self.spilled += len(view)
+        return True
+
+    def _take(self, p: int, n: int | None = None) -> bytes:
+        """The held range at `p` (its first `n` bytes; the rest held on at p + n), out of `pending`."""
+        held = self.pending.pop(p)
+        if not isinstance(held, Spilled):
+            self.held -= len(held)
+            if n is not None and n < len(held):
+                self._keep(p + n, held[n:])
+                return held[:n]
+            return held
+        assert self.spill is not None
+        n = held.n if n is None else min(n, held.n)
+        data = self.spill.get(self.where, held.at, n)
+        self.spilled -= n
+        if n < held.n:
+            if p + n in self.pending:  # another held range starts there: this one's end is claimed instead
+                self.spilled -= held.n - n
+                rest = self.spill.get(self.where, held.at + n, held.n - n)
+                heapq.heappush(self.claims, (p + n, p + held.n, digest(rest)))
+            else:
+                self.pending[p + n] = Spilled(held.at + n, held.n - n)
+                heapq.heappush(self.starts, p + n)
+        if not self.spilled:
+            self.spill.empty(self.where)
+        return data
+
+    def _keep(self, pos: int, data: bytes) -> None:
+        """Hold the end of a held range again, from `pos` (claimed where another held range starts there)."""
+        if pos in self.pending:
+            heapq.heappush(self.claims, (pos, pos + len(data), digest(data)))
+        else:
+            self.pending[pos] = data
+            heapq.heappush(self.starts, pos)
+            self.held += len(data)
 
     def _hash(self, view: memoryview) -> None:
         """Take in bytes [pos, pos + len(view)): into the sha256, the claims over them, and compared
@@ -119,32 +181,19 @@ class PrefixHasher:
             self.open = still
         while self.starts and self.starts[0] < b:
             p = heapq.heappop(self.starts)
-            data = self.pending.pop(p)
-            self.held -= len(data)
-            n = min(len(data), b - p)
-            if view[p - a : p - a + n].tobytes() != data[:n]:
-                raise self.fail(self.where, p, p + n)
-            if n == len(data):
-                continue
-            if b in self.pending:  # another held range starts there: this one's end is claimed instead
-                heapq.heappush(self.claims, (b, p + len(data), digest(data[n:])))
-            else:
-                self.pending[b] = data[n:]
-                heapq.heappush(self.starts, b)
-                self.held += len(data) - n
+            data = self._take(p, b - p)
+            if view[p - a : p - a + len(data)] != data:
+                raise self.fail(self.where, p, p + len(data))
         self.pos = b
 
     def _drain(self) -> None:
         while self.starts and self.starts[0] == self.pos:
-            p = heapq.heappop(self.starts)
-            data = self.pending.pop(p)
-            self.held -= len(data)
-            self._hash(memoryview(data))
+            self._hash(memoryview(self._take(heapq.heappop(self.starts))))
 
     def unread(self) -> int:
         """Bytes `rest` would read now (the claimed among them; not a second pass for ranges behind)."""
         with self.lock:
-            return self.size - self.pos - self.held
+            return self.size - self.pos - self.held - self.spilled
 
     def rest(self, read: Read) -> str:
         """The digest, reading what was neither fed nor held (from `pos` on) by `read(pos, out)`."""
@@ -166,35 +215,52 @@ class PrefixHasher:
 
 
 def taken_again(
-    ranges: Iterable[tuple[str, int, int]], pending: int | None = None, at: dict[str, int] | None = None
+    ranges: Iterable[tuple[str, int, int]],
+    pending: int | None = None,
+    at: dict[str, int] | None = None,
+    spill: int = 0,
 ) -> int:
     """Bytes `PrefixHasher` would claim, and `rest` take in again, were the save's reads `ranges`
     ((file, start, end), in the order they are made) fed to each file's hasher in that order: with
     `--stream` a second download of them. A read that starts where its file's hash has got to
     advances it (and the held reads it reaches); one ahead is held while the held bytes stay within
-    `pending` (default PENDING), one beyond is claimed. `at`: where each file's hash is now (its
-    header is fed first). An estimate where reads finish out of order on several connections, exact
-    when they are fed in order (tests/test_hub_stream_hash.py)."""
+    `pending` (default PENDING), then spilled while the spill (`spill` bytes, all files; a file's
+    part freed when none of its spilled bytes waits, as `Spill.empty`) has room; one beyond is
+    claimed. `at`: where each file's hash is now (its header is fed first). An estimate where reads
+    finish out of order on several connections, exact when they are fed in order
+    (tests/test_hub_stream_hash.py, tests/test_spill.py)."""
     limit = PENDING if pending is None else pending
     pos: dict[str, int] = dict(at or {})
-    held: dict[str, list[tuple[int, int]]] = {}  # per file: a heap of (start, end) held ahead
+    held: dict[str, list[tuple[int, int, bool]]] = {}  # per file: a heap of (start, end, spilled) held ahead
     held_bytes: dict[str, int] = {}
-    again = 0
+    waits: dict[str, int] = {}  # per file: spilled bytes waiting
+    written: dict[str, int] = {}  # per file: bytes in its spill
+    used = again = 0
     for file, start, end in ranges:
         here = pos.get(file, 0)
         if start > here:
             n = held_bytes.get(file, 0)
             if n + end - start <= limit:
-                heapq.heappush(held.setdefault(file, []), (start, end))
+                heapq.heappush(held.setdefault(file, []), (start, end, False))
                 held_bytes[file] = n + end - start
+            elif used + end - start <= spill:
+                heapq.heappush(held.setdefault(file, []), (start, end, True))
+                used += end - start
+                waits[file] = waits.get(file, 0) + end - start
+                written[file] = written.get(file, 0) + end - start
             else:
                 again += end - start
             continue
         here = max(here, end)
         waiting = held.get(file, [])
         while waiting and waiting[0][0] <= here:
-            s, e = heapq.heappop(waiting)
-            held_bytes[file] -= e - s
+            s, e, spilled = heapq.heappop(waiting)
+            if spilled:
+                waits[file] -= e - s
+                if not waits[file]:
+                    used -= written.pop(file)
+            else:
+                held_bytes[file] -= e - s
             here = max(here, e)
         pos[file] = here
     return again
