@@ -6,9 +6,11 @@ import base64
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -180,3 +182,34 @@ def test_stop_leaves_no_weed_running(tmp_path):
         "Read",
         "List",
     ]
+
+
+def _temp_entries() -> dict[str, tuple[int, str]]:
+    """Everything in /tmp (where weed mini binds its gRPC sockets, whatever TMPDIR says) and in the temp dir
+    (where glog writes unless told otherwise): path -> (inode, the target of a symlink)."""
+    entries = {}
+    for d in {"/tmp", tempfile.gettempdir()}:
+        with os.scandir(d) as it:
+            for e in it:
+                target = os.readlink(e.path) if e.is_symlink() else ""
+                entries[e.path] = (e.inode(), target)
+    return entries
+
+
+def test_start_kill_restart_stop_leave_nothing_in_the_temp_dirs(tmp_path):
+    before = _temp_entries()
+    server = S3Server(tmp_path / "s3").start()
+    marks = {str(server.pid), *map(str, server.ports.values())}
+    server.kill()  # a crash: weed unlinks nothing itself
+    server.start(same_ports=True)
+    marks.add(str(server.pid))
+    server.stop()
+    # other processes on the machine write there too: only weed's files naming this weed's pids or ports count
+    left = sorted(
+        f"{path} -> {target}" if target else path
+        for path, (inode, target) in _temp_entries().items()
+        if before.get(path) != (inode, target)
+        and "weed" in f"{path} {target}"
+        and marks & set(re.findall(r"\d+", f"{path} {target}"))
+    )
+    assert left == []
