@@ -37,6 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))  # textonly, also when run as a script (the `_run` subprocess)
 import textonly  # noqa: E402
+import vllm_ipc  # noqa: E402
 
 # Fixed token-id prompts; 999 is the last real vocabulary row of the tiny
 # checkpoints (1000 rows, padded by vLLM to a multiple of 64 per rank).
@@ -137,13 +138,14 @@ def greedy_tokens_many(
         out = Path(tmp) / "tokens.json"
         log = Path(tmp) / "log.txt"
         spec = dict(runs=specs, prompts=prompts or PROMPTS, max_tokens=max_tokens, out=str(out))
-        with open(log, "w") as fh:
+        env = textonly.env(specs[0]["model"], _env())
+        with open(log, "w") as fh, vllm_ipc.private_ipc_dir(env):
             try:
                 proc = subprocess.run(
                     [sys.executable, str(HERE), "_run", json.dumps(spec)],
                     stdout=fh,
                     stderr=subprocess.STDOUT,
-                    env=textonly.env(specs[0]["model"], _env()),
+                    env=env,
                     timeout=timeout,
                     cwd=tmp,
                 )

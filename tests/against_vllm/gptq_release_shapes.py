@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from tests.against_vllm import release_shapes, vllm_patches, vllm_state  # noqa: E402
+from tests.against_vllm import release_shapes, vllm_ipc, vllm_patches, vllm_state  # noqa: E402
 from tests.fixtures import gptq_releases  # noqa: E402
 
 _rank = release_shapes._rank
@@ -50,10 +50,11 @@ def main(argv: list[str]) -> int:
     release_shapes.REGISTRIES = (gptq_releases,)
     release_shapes._rank = _gptq_rank  # the forked ranks call it by this name
     release_shapes._write_tokenizer = _tokenizer_and_headers
-    for release in argv or list(gptq_releases.RELEASES):
-        res = release_shapes.record(release)
-        res["vllm"] = vllm.__version__
-        (gptq_releases.HERE / f"{release}.json").write_text(json.dumps(res, indent=0, sort_keys=True) + "\n")
+    with vllm_ipc.private_ipc_dir(os.environ):  # the forked ranks' sockets
+        for release in argv or list(gptq_releases.RELEASES):
+            res = release_shapes.record(release)
+            res["vllm"] = vllm.__version__
+            (gptq_releases.HERE / f"{release}.json").write_text(json.dumps(res, indent=0, sort_keys=True) + "\n")
     return 0
 
 

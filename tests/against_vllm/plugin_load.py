@@ -39,15 +39,16 @@ def load_cases(cases: list[dict], *, timeout: float = 900) -> list[list[dict]]:
             "out": tmp,
         }
         log = Path(tmp) / "log.txt"
-        from tests.against_vllm import textonly
+        from tests.against_vllm import textonly, vllm_ipc
         from tests.against_vllm.vllm_state import vllm_env
 
-        with open(log, "w") as fh:
+        env = textonly.env(cases[0]["folder"], vllm_env({"VLLM_LOGGING_LEVEL": "INFO"}))  # torchvision stub
+        with open(log, "w") as fh, vllm_ipc.private_ipc_dir(env):
             proc = subprocess.run(
                 [sys.executable, str(HERE), "_run", json.dumps(spec)],
                 stdout=fh,
                 stderr=subprocess.STDOUT,
-                env=textonly.env(cases[0]["folder"], vllm_env({"VLLM_LOGGING_LEVEL": "INFO"})),  # torchvision stub
+                env=env,
                 timeout=timeout,
                 cwd=tmp,
             )

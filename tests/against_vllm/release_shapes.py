@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE / "stubs"))  # torchvision, for vLLM's Qwen3.5 code (stubs/torchvision)
 
 import tests.fixtures.llama4_releases as llama4_releases  # noqa: E402
-from tests.against_vllm import vllm_patches, vllm_state  # noqa: E402
+from tests.against_vllm import vllm_ipc, vllm_patches, vllm_state  # noqa: E402
 from tests.fixtures import dsa_releases, fp4_releases, qwen_next_releases, releases, vision_releases  # noqa: E402
 from tests.fixtures.tiny import _write_tokenizer  # noqa: E402
 
@@ -145,12 +145,13 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault(k, v)
     import vllm
 
-    for release in argv or [r for reg in REGISTRIES for r in reg.RELEASES]:
-        res = record(release)
-        res["vllm"] = vllm.__version__
-        where = _registry(release).HERE
-        where.mkdir(exist_ok=True)
-        (where / f"{release}.json").write_text(json.dumps(res, indent=0, sort_keys=True) + "\n")
+    with vllm_ipc.private_ipc_dir(os.environ):  # the forked ranks' sockets
+        for release in argv or [r for reg in REGISTRIES for r in reg.RELEASES]:
+            res = record(release)
+            res["vllm"] = vllm.__version__
+            where = _registry(release).HERE
+            where.mkdir(exist_ok=True)
+            (where / f"{release}.json").write_text(json.dumps(res, indent=0, sort_keys=True) + "\n")
     return 0
 
 

@@ -32,7 +32,7 @@ ROOT = HERE.parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.against_vllm import vllm_state  # noqa: E402
+from tests.against_vllm import vllm_ipc, vllm_state  # noqa: E402
 
 _SCALARS = (bool, int, float, str, type(None))
 # plain (non-Module) objects whose attributes take part in the forward: attention impls, quant methods
@@ -213,12 +213,13 @@ def served_state(
     spec = dict(hf_dir=str(Path(hf_dir).resolve()), sharded_dir=str(Path(sharded_dir).resolve()), tp=tp)
     spec.update(dump_dir=str(Path(dump_dir).resolve()), dtype=dtype, load_format=load_format)
     log = Path(dump_dir) / "served-state.log"
-    with open(log, "w") as fh:
+    env = vllm_state.vllm_env()
+    with open(log, "w") as fh, vllm_ipc.private_ipc_dir(env):
         proc = subprocess.run(
             [sys.executable, str(HERE), "_dump", json.dumps(spec)],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env=vllm_state.vllm_env(),
+            env=env,
             timeout=timeout,
         )
     if proc.returncode != 0:

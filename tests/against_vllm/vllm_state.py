@@ -53,6 +53,7 @@ from typing import Any
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))  # textonly, also when run as a script (the `_dump` subprocess)
 import textonly  # noqa: E402
+import vllm_ipc  # noqa: E402
 import vllm_patches  # noqa: E402
 
 VLLM_ENV = {
@@ -181,12 +182,13 @@ def dump_expected_each(
         norm.append(c)
     spec = {"cases": norm}
     log = Path(norm[0]["dump_dir"]) / "vllm-dump.log"
-    with open(log, "w") as fh:
+    env = textonly.env(hf_dir, vllm_env())
+    with open(log, "w") as fh, vllm_ipc.private_ipc_dir(env):
         proc = subprocess.run(
             [sys.executable, str(HERE), "_dump", json.dumps(spec)],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env=textonly.env(hf_dir, vllm_env()),
+            env=env,
             timeout=timeout,
         )
     out: list[list[Path] | Exception] = []
