@@ -35,6 +35,7 @@ from pathlib import Path
 from reshard.names import parse_rank_file, rank_files_in
 from scripts.benchlib import ROOT, put_section, scrub
 from scripts.make_synthetic import make_config, parse_size, write_checkpoint
+from tests.against_vllm.vllm_ipc import private_ipc_dir
 
 SCRIPT = r"""
 import json, sys, time
@@ -113,13 +114,14 @@ def run_one(vpy: str, script: Path, path: Path, fmt: str, tp: int, extra: dict, 
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
     t0 = time.perf_counter()
-    p = subprocess.run(
-        [vpy, str(script), str(path), fmt, str(tp), json.dumps(extra)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    with private_ipc_dir(env):  # its ZMQ sockets, else left in /tmp
+        p = subprocess.run(
+            [vpy, str(script), str(path), fmt, str(tp), json.dumps(extra)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+        )
     wall = time.perf_counter() - t0
     text = p.stdout + p.stderr
     with open(log, "a") as fh:

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from scripts.benchlib import ROOT, Bench, med, run_measured
+from tests.against_vllm.vllm_ipc import private_ipc_dir
 
 VLLM_SCRIPT = r"""
 import sys, time
@@ -53,13 +54,14 @@ def vllm(b: Bench, ck: dict, tp: int) -> dict | None:
             log = b.work / f"vllm-{fmt}.log"
             log.write_text("")
             try:
-                r = run_measured(
-                    [str(vpy), str(script), str(path), fmt, str(tp)],
-                    log=log,
-                    env=env,
-                    timeout=b.a.vllm_timeout,
-                    sync=False,
-                )
+                with private_ipc_dir(env):  # its ZMQ sockets, else left in /tmp
+                    r = run_measured(
+                        [str(vpy), str(script), str(path), fmt, str(tp)],
+                        log=log,
+                        env=env,
+                        timeout=b.a.vllm_timeout,
+                        sync=False,
+                    )
             except RuntimeError as e:
                 b.notes.append(f"vLLM {fmt} failed: {str(e).splitlines()[0]} (log kept: {log})")
                 b.a.keep = True
