@@ -492,3 +492,36 @@ def test_a_tensor_in_two_files_of_a_rank_is_named(clean):
     assert checks.duplicates([*entries, copy]) == [
         f"{entries[0].tensors[0].name} is in {entries[0].name} and model-rank-0-part-1.safetensors"
     ]
+
+
+# ---- control characters ------------------------------------------------------------------------------------
+
+HOSTILE = "out\x1b[31m\nx"  # a colour escape and a line break
+ESCAPED = "out\\x1b[31m\\nx"  # as reshard.errors.printable writes them
+
+
+def test_control_characters_in_a_folder_or_file_name_are_escaped_in_what_the_plugin_raises(clean, tmp_path):
+    """As on the CLI (reshard.errors.printable): a folder or rank file named with an escape sequence or a line
+    break cannot colour, erase or forge a line of vLLM's log; the message is the one of a folder whose name
+    holds the escapes as text."""
+    folder = tmp_path / HOSTILE
+    shutil.copytree(clean[1], folder)
+    name, stray = "model-rank-1-part-0.safetensors", "model-rank-1-part-\x1b[2K.safetensors"
+    (folder / name).rename(folder / stray)  # vLLM's glob takes it: a stray file, and the rank's file missing
+    with pytest.raises(ReshardLoadError) as info:
+        _files(folder)
+    problems = [f"{name} is missing", "model-rank-1-part-\\x1b[2K.safetensors is not in the manifest (a stray file "
+                "sharded_state would also load)"]  # fmt: skip
+    e = replace(_engine_for(read_manifest(folder)), tp_rank=1)
+    assert str(info.value) == messages.files_message(tmp_path / ESCAPED, e, problems)
+    with pytest.raises(ReshardLoadError) as info:
+        checks.parse_options({"weights": "s3://bucket/a\nb/"})
+    assert str(info.value).startswith("--load-format reshard: s3://bucket/a\\nb/: "), str(info.value)
+
+
+def test_control_characters_are_escaped_in_what_the_plugin_logs():
+    """The WARNINGs the loader logs name the folder (and the parameters left as initialised): escaped."""
+    got = messages.missing_message(Path(HOSTILE), ENGINE, ["x\ny"])
+    assert got == messages.missing_message(Path(ESCAPED), ENGINE, ["x\\ny"]) and "\\x1b[31m" in got
+    got = messages.unverified_message(Path(HOSTILE), ENGINE)
+    assert got == messages.unverified_message(Path(ESCAPED), ENGINE) and "\\x1b[31m" in got

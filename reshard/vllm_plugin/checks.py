@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from reshard.errors import ReshardError, SourceError
+from reshard.errors import ReshardError, SourceError, printable
 from reshard.format import DTYPE_CODES, TensorInfo, kind, read_header
 from reshard.layout import Layout
 from reshard.manifest import FileRecord, Manifest
@@ -25,7 +25,12 @@ from reshard.vllm_versions import in_range
 
 
 class ReshardLoadError(ValueError):
-    """The folder does not fit the engine, or a file is not what the manifest says. One message."""
+    """The folder does not fit the engine, or a file is not what the manifest says. One message, its control
+    characters escaped (`printable`) as in every line the CLI prints: a folder, bucket or file name holding an
+    escape sequence or a line break cannot colour, erase or forge a line of vLLM's log."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(printable(message))
 
 
 @dataclass(frozen=True)
@@ -39,15 +44,15 @@ class Options:
 
 
 def parse_options(extra: dict | None) -> Options:
-    """The loader's options from vLLM's `model_loader_extra_config` (a JSON object). ValueError
-    names an unknown key or a wrong type."""
+    """The loader's options from vLLM's `model_loader_extra_config` (a JSON object). ReshardLoadError (a
+    ValueError) names an unknown key or a wrong type."""
     extra = dict(extra or {})
     checksums = extra.pop("checksums", True)
     threads = extra.pop("threads", Options.threads)
     strict = extra.pop("strict", True)
     weights = extra.pop(PLUGIN_WEIGHTS_KEY, None)
     if extra:
-        raise ValueError(
+        raise ReshardLoadError(
             f"--load-format reshard: unknown --model-loader-extra-config key(s) {sorted(extra)}; "
             'it takes {"checksums": false} (skip checksum verification), {"threads": N}, '
             '{"strict": false} (load a folder that lacks some parameters, leaving them as initialised) and '
@@ -56,19 +61,19 @@ def parse_options(extra: dict | None) -> Options:
         )
     for key, value in (("checksums", checksums), ("strict", strict)):
         if not isinstance(value, bool):
-            raise ValueError(f'--load-format reshard: "{key}" must be true or false, not {value!r}')
+            raise ReshardLoadError(f'--load-format reshard: "{key}" must be true or false, not {value!r}')
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f'--load-format reshard: "threads" must be a positive integer, not {threads!r}')
+        raise ReshardLoadError(f'--load-format reshard: "threads" must be a positive integer, not {threads!r}')
     if weights is not None:
         if not isinstance(weights, str) or not weights.startswith(STORE_SCHEME):
-            raise ValueError(
+            raise ReshardLoadError(
                 f'--load-format reshard: "{PLUGIN_WEIGHTS_KEY}" must be an {STORE_SCHEME}bucket/prefix/ URL, '
                 f"not {weights!r}"
             )
         try:
             weights = str(parse_bucket_url(weights))
         except ReshardError as e:
-            raise ValueError(f"--load-format reshard: {e}") from None
+            raise ReshardLoadError(f"--load-format reshard: {e}") from None
     return Options(checksums=checksums, threads=threads, strict=strict, weights=weights)
 
 

@@ -113,12 +113,7 @@ class ReshardModelLoader(BaseModelLoader):
             files = checks.check_files(folder, manifest, entries, engine)
         verify = self.options.checksums and algorithm != "none"
         if self.options.checksums and algorithm == "none":  # the folder's choice, not this engine's: say so
-            logger.warning(
-                "reshard: %s: %s records no checksums (saved with --checksum none): the files' contents cannot "
-                "be verified, only their sizes and headers; re-save with checksums to have them verified",
-                engine.label,
-                where,
-            )
+            logger.warning(messages.unverified_message(where, engine))
         logger.info(
             "reshard: %s: reading %d file(s), %s, checksums %s",
             engine.label,

@@ -1,10 +1,12 @@
 """The messages `--load-format reshard` raises or logs: the first differences, then what to do instead
-(a `reshard save` line for this engine, the folder's own serve line, `{"strict": false}`), in one line."""
+(a `reshard save` line for this engine, the folder's own serve line, `{"strict": false}`), in one line.
+Those it raises are escaped by ReshardLoadError, those it logs here (`printable`), as the CLI's lines are."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from reshard.errors import printable
 from reshard.manifest import Manifest
 from reshard.serve import STORE_SCHEME, plain_line, serve_in
 from reshard.vllm_plugin.engine import Engine
@@ -20,9 +22,17 @@ def _first(problems: list[str]) -> str:
 def missing_message(folder: Path | str, engine: Engine, missing: list[str]) -> str:
     """The WARNING a non-strict load logs: how many parameters the folder lacks, the first named."""
     names = ", ".join(missing[:SHOWN]) + (f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else "")
-    return (
+    return printable(
         f"reshard: {folder} ({engine.label}): {len(missing)} parameter(s) of the model are not in the folder, "
         f'left as initialised ({{"strict": false}}): {names}'
+    )
+
+
+def unverified_message(folder: Path | str, engine: Engine) -> str:
+    """The WARNING a load of a folder saved with `--checksum none` logs: its contents cannot be verified."""
+    return printable(
+        f"reshard: {engine.label}: {folder} records no checksums (saved with --checksum none): the files' contents "
+        "cannot be verified, only their sizes and headers; re-save with checksums to have them verified"
     )
 
 
