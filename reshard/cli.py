@@ -15,7 +15,7 @@ from typing import NoReturn
 import click
 
 from reshard import __version__, settings
-from reshard.console import keep_notes, kept_notes
+from reshard.console import keep_notes, kept_notes, release_notes
 from reshard.errors import (
     CorruptError,
     ExitCode,
@@ -223,8 +223,10 @@ def _main(argv: list[str] | None) -> None:
 
 
 def _unwritable(e: StdoutUnwritable, args: list[str]) -> None:
-    """stdout cannot be written: its result is lost, said on stderr (no --json object: stdout is the problem)."""
+    """stdout cannot be written: its result is lost, said on stderr (no --json object: stdout is the problem),
+    after the notes the lost --json object held (`note:` lines, as without --json)."""
     _discard(sys.stdout)  # no second failure at exit's flush
+    release_notes(e.notes)
     writes = args[:1] in (["save"], ["merge"], ["assemble"]) and not _HELP.intersection(args)  # help: it never ran
     done = " (the command itself had finished: `reshard verify` the output it wrote)" if writes else ""
     _fail(f"cannot write the result to stdout: {e}{done}", ExitCode.BAD_OUTPUT, False, "OutputError")
@@ -272,10 +274,12 @@ def _fail(message: str, code: int, as_json: bool, kind: str) -> NoReturn:
         notes = kept_notes()  # what it said before it failed (hashing a source, a lock left behind, ...)
         try:
             print(json.dumps({"ok": False, "error": err, **({"notes": notes} if notes else {})}), flush=True)
-        except BrokenPipeError:  # stdout closed by its reader: stderr still tells
+        except BrokenPipeError:  # stdout closed by its reader: stderr still tells, notes first as without --json
             _discard(sys.stdout)
+            release_notes(notes)
         except OSError as e:  # a full disk: the object CI would parse is lost, which stdout's code says
             _discard(sys.stdout)
+            release_notes(notes)
             message = f"cannot write the result to stdout: {e.strerror or e}; the command had failed: {message}"
             code = ExitCode.BAD_OUTPUT
     try:

@@ -110,10 +110,11 @@ def kept_notes() -> list[str]:
     return got
 
 
-def release_notes() -> None:
+def release_notes(lost: list[str] | None = None) -> None:
     """The notes kept so far on stderr, and the next ones as they come: a command that prints no JSON
-    object after all (a torchrun process other than 0: process 0 reports)."""
-    lines = kept_notes()
+    object after all (a torchrun process other than 0: process 0 reports), or whose object could not be
+    written (`lost`: the notes it held, said first)."""
+    lines = [*(lost or ()), *kept_notes()]
     _Notes.kept = None
     for line in lines:
         note(line)
@@ -129,8 +130,9 @@ def emit_json(obj: object) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         raise
-    except OSError as e:
-        raise StdoutUnwritable(e) from e
+    except OSError as e:  # its notes are not lost with it: the CLI says them on stderr
+        notes = obj.get("notes") if isinstance(obj, dict) else None
+        raise StdoutUnwritable(e, notes if isinstance(notes, list) else None) from e
 
 
 def human_bytes(n: float) -> str:

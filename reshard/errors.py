@@ -100,7 +100,9 @@ class CorruptError(ReshardError):
 
 
 class StdoutUnwritable(Exception):
-    """stdout cannot be written (a file on a full disk, EIO): the command's result cannot be delivered."""
+    """stdout cannot be written (a file on a full disk, EIO): the command's result cannot be delivered.
+    `notes`: those of the --json object that was lost, for stderr (reshard.cli)."""
 
-    def __init__(self, e: OSError) -> None:
+    def __init__(self, e: OSError, notes: list[str] | None = None) -> None:
         super().__init__(e.strerror or str(e))
+        self.notes = list(notes or ())

@@ -477,6 +477,49 @@ def test_a_json_failure_on_a_full_stdout_is_exit_5_and_one_line(tiny):
     assert (p.returncode, p.stderr) == (5, line)
 
 
+@pytest.fixture(scope="module")
+def unchecked(tiny, tmp_path_factory):
+    """An output saved with --checksum none: a command reading it notes that its bytes are not checked."""
+    out = tmp_path_factory.mktemp("unchecked") / "out"
+    save(str(tiny("qwen3")), out, tp=2, checksum="none")
+    return out
+
+
+@pytest.mark.parametrize("tp", ["1", "3"])
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+def test_the_notes_of_a_json_object_that_cannot_be_written_go_to_stderr(unchecked, tp, stdout):
+    """--json keeps the notes for its object; stdout a full disk or closed (`>&-`): the object is lost, and its
+    notes were lost with it (exit 5 and the error line only). They are said on stderr, as without --json, before
+    the one error line."""
+    args = ["plan", str(unchecked), "--tp", tp, "--json"]
+    code, out, err = run(*args)
+    assert code == (0 if tp == "1" else 3) and json.loads(out)["notes"], err
+    notes = [f"note: {n}" for n in json.loads(out)["notes"]]
+    failed = "" if tp == "1" else f"; the command had failed: {json.loads(out)['error']['message']}"
+    command = [sys.executable, "-m", "reshard", *args]
+    if stdout == "full":
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        why = "No space left on device"
+    else:
+        p = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+        why = "it was closed when reshard started"
+    line = f"reshard: error: cannot write the result to stdout: {why}{failed}"
+    assert (p.returncode, p.stderr.splitlines()) == (5, [*notes, line])
+
+
+def test_the_notes_of_a_failure_whose_object_a_closed_pipe_lost_go_to_stderr(unchecked):
+    """stdout a pipe whose reader is gone: a failing command's object is lost, its error line (and exit code) are
+    not; nor, now, its notes."""
+    args = ["plan", str(unchecked), "--tp", "3", "--json"]
+    _, out, _ = run(*args)
+    pipe = _closed_pipe()
+    p = subprocess.run([sys.executable, "-m", "reshard", *args], stdout=pipe, stderr=subprocess.PIPE, text=True)
+    os.close(pipe)
+    said = [*(f"note: {n}" for n in json.loads(out)["notes"]), f"reshard: error: {json.loads(out)['error']['message']}"]
+    assert (p.returncode, p.stderr.splitlines()) == (3, said)
+
+
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
 def test_a_failure_with_stderr_gone_keeps_its_exit_code(tiny, json_flag):
     """stderr a pipe whose reader is gone (`2>&1 >/dev/null | true`): the error line is lost, its exit code is
