@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 from scripts import bench_check, bench_plan, bench_rank, bench_s3, bench_save, bench_scale, bench_vllm
-from scripts.bench_report import keep_hub_section, report
+from scripts.bench_report import keep_hub_section, previous, report
 from scripts.benchlib import GB, ROOT, Bench, disk_speeds, machine, section_of, timed_alone
 from scripts.make_synthetic import parse_size
 
@@ -139,7 +139,7 @@ def run(b: Bench) -> None:
                     shutil.rmtree(p, ignore_errors=True)
     from scripts.bench_loaders import HEADING as LOADERS
 
-    text = keep_hub_section(a.out, report(b.results))  # `bench hub`'s section survives a full run
+    text = keep_hub_section(a.out, report(b.results, previous(a.out)))  # `bench hub`'s section survives a full run
     if "scale" in b.results and not a.quick:
         text = f"{text.rstrip()}\n\n{bench_scale.section(b.results['scale'])}"
     for heading in (LOADERS, bench_scale.HEADING):  # and so do `bench loaders`' and `bench scale`'s
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="rewrite --out from --work/results.json, run nothing")
     a = ap.parse_args(argv)
     if a.report_only:
-        a.out.write_text(keep_hub_section(a.out, report(json.loads((a.work / "results.json").read_text()))))
+        results = json.loads((a.work / "results.json").read_text())
+        a.out.write_text(keep_hub_section(a.out, report(results, previous(a.out))))
         return 0
     a.argv = argv
     if a.quick:

@@ -1,9 +1,11 @@
 """docs/benchmarks.md from `python -m scripts.bench`'s results (build/bench/results.json): `report` renders
-it (`--report-only` re-renders it without running anything), `targets` its table of targets, and
-`keep_hub_section` carries the section `python -m scripts.bench hub` wrote over a rewrite."""
+it (`--report-only` re-renders it without running anything), keeping the sections a run skipped as the file
+had them, `targets` its table of targets, and `keep_hub_section` carries the section `python -m scripts.bench
+hub` wrote over a rewrite."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from scripts import bench_check, bench_s3_report
@@ -11,9 +13,13 @@ from scripts.bench_hub import MARK
 from scripts.benchlib import GB, GIB, fmt_b, fmt_s
 
 
-def report(r: dict) -> str:
-    """docs/benchmarks.md up to the hub section, from a run's results (results.json)."""
+def report(r: dict, previous: str = "") -> str:
+    """docs/benchmarks.md up to the hub section, from a run's results (results.json). A numbered section the run
+    did not measure (--skip-vllm, --skip-check, --skip-s3, no `weed`) keeps its text from `previous` (the file
+    being rewritten: its date line, and the sections written by hand after it, up to the next numbered section
+    or the targets), where a partial re-run dropped it."""
     L = _machine(r)
+    kept = _previous_sections(previous)
     measured = {
         "disk": _disk,
         "compare": _compare,
@@ -24,10 +30,30 @@ def report(r: dict) -> str:
         "source_check": lambda r: bench_check.section(r["source_check"]),
         "s3": lambda r: bench_s3_report.section(r["s3"]),
     }
-    for key, section in measured.items():
+    for number, (key, section) in enumerate(measured.items()):  # numbered 0 to 7 in this order
         if r.get(key):  # the sections a run measured
             L += section(r)
+        elif number in kept:
+            L += kept[number]
     return "\n".join([*L, *targets(r), *_how(), *_notes(r.get("notes", [])), *_commands(r)])
+
+
+_NUMBERED = re.compile(r"^## (\d+)\. ", re.MULTILINE)
+# where a kept section ends: the next heading `report` writes itself
+_STOP = re.compile(r"^## (\d+\. |Targets$|How `reshard save` gets there$|Notes$|Commands$)", re.MULTILINE)
+
+
+def _previous_sections(previous: str) -> dict[int, list[str]]:
+    """The numbered sections of a report (before the hub section, whose own "## 5." is not the report's), each
+    up to the next numbered section or the targets, as lines ending with a blank one."""
+    text = previous[: previous.index(MARK)] if MARK in previous else previous
+    out: dict[int, list[str]] = {}
+    for m in _NUMBERED.finditer(text):
+        stop = _STOP.search(text, m.end())
+        out.setdefault(
+            int(m.group(1)), [*text[m.start() : stop.start() if stop else None].rstrip("\n").split("\n"), ""]
+        )
+    return out
 
 
 def _machine(r: dict) -> list[str]:
@@ -168,7 +194,8 @@ def _vllm(r: dict) -> list[str]:
         f"{ck['arch']}, {ck['layers']} layers, {ck['bytes'] / GB:.2f} GB; `LLM(..., tensor_parallel_size={v['tp']}, "
         "enforce_eager=True, max_model_len=256, skip_tokenizer_init=True)` with VLLM_CPU_KVCACHE_SPACE=1 "
         "VLLM_CPU_OMP_THREADS_BIND=nobind, page cache dropped before each engine. *weights*: the largest "
-        '"Loading weights took X seconds" its workers log; *engine*: LLM() construction, start to ready.',
+        '"Loading weights took X seconds" its workers log; *engine*: LLM() construction, start to ready. '
+        f"Measured on {r['started']} (a run that skips this section keeps this text, date and all).",
         "| loader | weights s (median) | runs s | engine s (median) |",
         "|---|---:|---|---:|",
         [
@@ -271,6 +298,11 @@ def targets(r: dict) -> list[str]:
             f"{'yes' if ok else 'no'} |"
         )
     return [*out, ""]
+
+
+def previous(path: Path) -> str:
+    """The report `path` holds now, whose skipped sections a rewrite keeps ("" where there is none)."""
+    return path.read_text() if path.exists() else ""
 
 
 def keep_hub_section(path: Path, text: str) -> str:
