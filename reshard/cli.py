@@ -229,7 +229,8 @@ def _unwritable(e: StdoutUnwritable, args: list[str]) -> None:
     release_notes(e.notes)
     writes = args[:1] in (["save"], ["merge"], ["assemble"]) and not _HELP.intersection(args)  # help: it never ran
     done = " (the command itself had finished: `reshard verify` the output it wrote)" if writes else ""
-    _fail(f"cannot write the result to stdout: {e}{done}", ExitCode.BAD_OUTPUT, False, "OutputError")
+    failed = f"; the command had failed: {e.failed}" if e.failed else ""  # as a --json failure's object lost
+    _fail(f"cannot write the result to stdout: {e}{failed}{done}", ExitCode.BAD_OUTPUT, False, "OutputError")
 
 
 _READ_ONLY = frozenset(("verify", "plan"))  # commands that write nothing

@@ -101,8 +101,10 @@ class CorruptError(ReshardError):
 
 class StdoutUnwritable(Exception):
     """stdout cannot be written (a file on a full disk, EIO): the command's result cannot be delivered.
-    `notes`: those of the --json object that was lost, for stderr (reshard.cli)."""
+    `notes`: those of the --json object that was lost, for stderr (reshard.cli); `failed`: why the command
+    failed, where the result lost was a failure's (a failing verify's report), for the one error line."""
 
     def __init__(self, e: OSError, notes: list[str] | None = None) -> None:
         super().__init__(e.strerror or str(e))
         self.notes = list(notes or ())
+        self.failed: str | None = None

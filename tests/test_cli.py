@@ -508,6 +508,33 @@ def test_the_notes_of_a_json_object_that_cannot_be_written_go_to_stderr(unchecke
     assert (p.returncode, p.stderr.splitlines()) == (5, [*notes, line])
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+def test_a_failing_verify_whose_report_cannot_be_written_says_so_in_one_line(tiny, tmp_path, stdout, json_flag):
+    """verify's report is its result, a failing one's too: stdout a full disk or closed, exit 5 and one line that
+    says why verify failed, as a failing command's --json object lost does; it was two `reshard: error:` lines,
+    verify's own first."""
+    out = tmp_path / "out"
+    save(str(tiny("llama")), out, tp=2)
+    rank = out / "model-rank-1-part-0.safetensors"
+    rank.write_bytes(rank.read_bytes()[:-8])
+    code, _, err = run("verify", str(out), *json_flag)
+    assert code == 7 and err.count("\n") == 1 and err.startswith("reshard: error: verify: corrupt"), err
+    command = [sys.executable, "-m", "reshard", "verify", str(out), *json_flag]
+    if stdout == "full":
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        why = "No space left on device"
+    else:
+        p = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+        why = "it was closed when reshard started"
+    failed = err.removeprefix("reshard: error: ")
+    assert (p.returncode, p.stderr) == (
+        5,
+        f"reshard: error: cannot write the result to stdout: {why}; the command had failed: {failed}",
+    )
+
+
 def test_the_notes_of_a_failure_whose_object_a_closed_pipe_lost_go_to_stderr(unchecked):
     """stdout a pipe whose reader is gone: a failing command's object is lost, its error line (and exit code) are
     not; nor, now, its notes."""

@@ -11,7 +11,7 @@ import click
 
 from reshard.commands.options import Location, json_option, revision_option
 from reshard.console import byte_progress, emit_json, human_bytes, kept_notes, note, stdout
-from reshard.errors import ExitCode, printable
+from reshard.errors import ExitCode, StdoutUnwritable, printable
 
 if TYPE_CHECKING:
     from reshard.verify import Report
@@ -154,10 +154,26 @@ def verify_cmd(ctx, out_dir, strict, tp, ep, pp, checksums, against, deep, revis
             emit_json(obj)
         else:
             _render(report, seconds)
-    finally:  # also when stdout was closed by its reader: the verdict still reaches stderr
+    except StdoutUnwritable as e:  # the report is lost: the CLI's one line says so, and why verify failed
+        e.failed = None if report.ok else _failure(report)
+        raise
+    except BaseException:  # stdout closed by its reader (141): the verdict still reaches stderr
         if not report.ok:
             _fail_line(report)
+        raise
+    if not report.ok:
+        _fail_line(report)
     ctx.exit(report.exit_code)
+
+
+def _failure(report: Report) -> str:
+    """Why verify failed, in one line: the first error, and how many more."""
+    first = report.first_error
+    assert first is not None
+    rest = len(report.errors) - 1
+    more = f" (and {rest} more error(s))" if rest else ""
+    what = "corrupt or incomplete" if report.exit_code == ExitCode.CORRUPT else "layout differs"
+    return " ".join(printable(f"verify: {what} (exit {report.exit_code}): {first.message}{more}").split())
 
 
 def _fail_line(report: Report) -> None:
@@ -165,13 +181,7 @@ def _fail_line(report: Report) -> None:
     stdout, is the result a CI job keeps; this line is what its log shows last)."""
     import sys
 
-    first = report.first_error
-    assert first is not None
-    rest = len(report.errors) - 1
-    more = f" (and {rest} more error(s))" if rest else ""
-    what = "corrupt or incomplete" if report.exit_code == ExitCode.CORRUPT else "layout differs"
-    line = " ".join(printable(f"verify: {what} (exit {report.exit_code}): {first.message}{more}").split())
-    print(f"reshard: error: {line}", file=sys.stderr, flush=True)
+    print(f"reshard: error: {_failure(report)}", file=sys.stderr, flush=True)
 
 
 def _render(report: Report, seconds: float) -> None:
