@@ -166,6 +166,22 @@ def test_a_store_that_reports_no_checksums_passes_once_hashed(saved, s3proxy, mo
     assert "checksums" in rep["checked"]
 
 
+def test_the_objects_a_store_cannot_vouch_for_are_hashed_with_progress(saved, s3proxy, monkeypatch):
+    """The read that hashes what the store reports no checksum for shows its progress on stderr, as --deep's
+    does (one line per 5 s, and the last, off a terminal); nothing under --json."""
+    from reshard.console import human_bytes
+
+    _hiding(s3proxy, monkeypatch)
+    monkeypatch.setenv("RESHARD_DISABLE_PROGRESS", "0")
+    size = human_bytes(sum(f["size"] for f in saved.manifest()["files"]))
+    for args in ([], ["--deep"]):
+        code, _, err = run("verify", saved.url, *args)
+        lines = [line for line in err.splitlines() if not line.startswith("note:")]
+        assert code == 0 and len(lines) == 1 and lines[0].startswith(f"hashing: {size} / {size} (100%, "), err
+    code, _, err = run("verify", saved.url, "--json")
+    assert (code, err) == (0, "")
+
+
 def test_a_store_that_reports_no_checksums_of_a_checksum_none_output_warns(s3env, tiny, s3proxy, monkeypatch):
     """--checksum none: the manifest has no digests to hash against; a warning, exit 0, nothing hashed."""
     out = bucket_output(s3env, tiny("llama"), tp=2, checksum="none")
