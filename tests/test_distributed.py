@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from reshard.errors import OutputError
 from reshard.manifest.pieces import assemble
 from reshard.plan import DEFAULT_MAX_PART
 from tests.fixtures.saving import save
+from tests.fixtures.torchrun import torchrun
 
 
 def tensors(folder):
@@ -97,13 +96,11 @@ def test_torchrun_two_processes_write_the_same_bytes(tiny, tmp_path):
     for spec in ("0-1", "2-3"):
         save(str(src), pieces, tp=4, max_part_size=DEFAULT_MAX_PART, ranks=spec)
     env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
-    cmd = [*torchrun, "-m", "reshard", "save", str(src), str(tmp_path / "tr"), "--tp", "4", "--json"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    p = torchrun(
+        tmp_path / "logs", ["-m", "reshard", "save", str(src), str(tmp_path / "tr"), "--tp", "4", "--json"], env
+    )
     assert p.returncode == 0, p.stderr[-2000:]
+    assert any((tmp_path / "logs").iterdir())  # torchrun's logs there, not in a /tmp/torchelastic_* left behind
     for r in range(4):
         name = f"model-rank-{r}-part-0.safetensors"
         # one job, one run id: byte for byte the files the single-process pieces wrote
@@ -121,12 +118,7 @@ def test_torchrun_into_a_locked_folder_fails_on_every_process(tiny, tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = str(sock.getsockname()[1])
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
-        cmd = [*torchrun, "-m", "reshard", "save", str(tiny("llama")), str(out), "--tp", "2"]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        p = torchrun(tmp_path / "logs", ["-m", "reshard", "save", str(tiny("llama")), str(out), "--tp", "2"], env)
         assert p.returncode != 0 and "another reshard run" in p.stderr, p.stderr[-2000:]
         assert not out.exists()
     finally:
@@ -159,11 +151,7 @@ def torchrun_counting(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess
     log.mkdir()
     env = {**os.environ, "RESHARD_DISABLE_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
-    p = subprocess.run([*torchrun, str(script), str(log), *args], env=env, capture_output=True, text=True, timeout=300)
+    p = torchrun(tmp_path / "logs", [str(script), str(log), *args], env)
     return p, {f.name: sorted(f.read_text().split()) for f in log.iterdir()}
 
 

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 from reshard.names import DEFAULT_MAX_PART
 from tests.fixtures.saving import save
+from tests.fixtures.torchrun import torchrun as run_torchrun
 
 
 def torchrun(args: list[str], env: dict, module: str = "reshard") -> subprocess.CompletedProcess:
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
-    return subprocess.run([*cmd, "-m", module, *args], env=env, capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory() as logs:
+        return run_torchrun(Path(logs), ["-m", module, *args], env)
 
 
 def test_two_processes_write_the_bytes_one_process_writes(tiny, tmp_path, s3server, s3bucket):
