@@ -18,7 +18,7 @@ sha256): sha256's CPU seconds per GB over the source here, beside each variant's
 `--baseline` a tree before the check gives the wall ratio.
 
 Reported per run: wall seconds (each including a final `sync`), peak RSS, and the peak disk use of
-the run's folder (HF_HOME + OUT_DIR + staging, st_blocks polled every 0.1 s). The source stays in
+the run's folder (HF_HOME + OUT_DIR + staging + TMPDIR, where `--stream` spills; st_blocks polled every 0.1 s). The source stays in
 the page cache (it is the "network" side); the page cache is not dropped, other helpers share the
 disk. Raw numbers go to --notes (markdown) and --work/hub-results.json.
 """
@@ -169,8 +169,10 @@ def one_run(v: str, rep: int, a: argparse.Namespace, work: Path, src: Path, endp
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir()
     home, out = run / "hf", run / "out"
+    (run / "tmp").mkdir()  # the temp folder, where --stream's bytes waiting for the sha256 go: counted too
     env = {
         **os.environ,
+        "TMPDIR": str(run / "tmp"),
         "HF_ENDPOINT": endpoint,
         "HF_HOME": str(home),
         "RESHARD_DISABLE_PROGRESS": "1",
@@ -241,7 +243,7 @@ def doc_section(text: str, r: dict) -> str:
         "on the snapshot; cached = the repo id (download and re-sharding overlapped, the source kept once in "
         "the HF cache); stream = the repo id with `--stream` (nothing stored); baseline = the repo-id save "
         "before this change (snapshot_download inside reshard, then the save). Every time includes a final "
-        "`sync`; disk peak = allocated blocks of HF_HOME + OUT_DIR + staging, polled every 0.1 s. The machine "
+        "`sync`; disk peak = allocated blocks of HF_HOME + OUT_DIR + staging + TMPDIR, polled every 0.1 s. The machine "
         "is shared (load average in the title): read the ratios, not the seconds.",
         "",
         text.replace("### hub bench", "####"),
