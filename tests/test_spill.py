@@ -32,11 +32,13 @@ def shuffled(size: int, n: int, swaps: int, rng: random.Random) -> list[tuple[in
     return order
 
 
+@pytest.mark.parametrize("limit", [None, 8 << 10])
 @pytest.mark.parametrize("budget", [0, 64 << 10, 256 << 10, 4 << 20])
-def test_a_hasher_with_a_spill_takes_in_again_what_taken_again_says(monkeypatch, tmp_path, budget):
-    """Out-of-order ranges fed to a hasher that holds 32 KiB in memory and spills up to `budget`: the digest is
-    the file's, the bytes `rest` reads again are exactly `taken_again(..., spill=budget)`, the spill never
-    holds more than its budget, and its files are gone at `close`."""
+def test_a_hasher_with_a_spill_takes_in_again_what_taken_again_says(monkeypatch, tmp_path, budget, limit):
+    """Out-of-order ranges fed to a hasher that holds `limit` (default PENDING, 32 KiB here) in memory, spills up
+    to `budget`, then holds up to PENDING in memory: the digest is the file's, the bytes `rest` reads again are
+    exactly `taken_again(..., spill=budget)`, the spill never holds more than its budget, and its files are gone
+    at `close`."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(prefixhash, "PENDING", 32 << 10)
     rng = random.Random(budget)
@@ -51,12 +53,12 @@ def test_a_hasher_with_a_spill_takes_in_again_what_taken_again_says(monkeypatch,
             taken.append(len(out))
 
         store = Spill(budget)
-        hasher = PrefixHasher(size, "f", spill=store)
+        hasher = PrefixHasher(size, "f", pending=limit, spill=store)
         for a, b in order:
             hasher.feed(a, data[a:b])
-            assert store.used <= budget
+            assert store.used <= budget and hasher.held <= prefixhash.PENDING
         assert hasher.rest(read) == hashlib.sha256(data).hexdigest()
-        assert sum(taken) == taken_again((("f", a, b) for a, b in order), spill=budget)
+        assert sum(taken) == taken_again((("f", a, b) for a, b in order), limit, spill=budget)
         if trial and budget >= size:
             assert not taken  # everything waited on disk
         store.close()
@@ -169,3 +171,11 @@ def test_an_moe_streamed_out_of_file_order_fetches_each_byte_once(hub, moe, monk
     assert f"about {human_bytes(some)} of its " in told[0] and "at most " in told[0]
     assert rank_bytes(tmp_path / "some") == rank_bytes(ref)
     assert not list(tmp.iterdir())
+    blocked = tmp_path / "a-file"  # a temp folder where nothing can be made: fetched again as without a spill
+    blocked.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(blocked))
+    again, told = stream(hub, src, tmp_path / "blocked", monkeypatch, None)
+    assert again == none and rank_bytes(tmp_path / "blocked") == rank_bytes(ref)
+    assert [line.split(" (")[0] for line in told] == [
+        f"note: --stream: cannot keep bytes waiting for the sha256 on disk in {blocked}"
+    ]

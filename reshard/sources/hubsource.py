@@ -319,7 +319,7 @@ class HubReader(AlignedReader):
                     seen.add(key)
                     yield key
 
-        budget = self.spill.budget if self.spill is not None else 0
+        budget = self.spill.budget if self.spill is not None else None
         with paused_gc():
             limits = [h.limit for name, h in self.hashers.items() if name not in self.blobs and h.limit is not None]
             at = {name: h.pos for name, h in self.hashers.items()}

@@ -108,14 +108,22 @@ class PrefixHasher:
             if pos == self.pos:
                 self._hash(view)
                 self._drain()
-            elif pos not in self.pending and self.held + len(view) <= (PENDING if self.limit is None else self.limit):
-                self.pending[pos] = bytes(view)
-                heapq.heappush(self.starts, pos)
-                self.held += len(view)
-            elif pos not in self.pending and self.spill is not None and self._put(pos, view):
-                pass
-            else:
+            elif pos in self.pending or not self._hold(pos, view):
                 heapq.heappush(self.claims, (pos, end, digest(view)))
+
+    def _hold(self, pos: int, view: memoryview) -> bool:
+        """Hold `view` (at `pos`) in memory within the bound, else in the spill where it has room, else
+        in memory within PENDING (a spill full or that cannot be written: as without one)."""
+        n = len(view)
+        if self.held + n > (PENDING if self.limit is None else self.limit):
+            if self.spill is None or self._put(pos, view):
+                return self.spill is not None
+            if self.held + n > PENDING:
+                return False
+        self.pending[pos] = bytes(view)
+        heapq.heappush(self.starts, pos)
+        self.held += n
+        return True
 
     def _put(self, pos: int, view: memoryview) -> bool:
         """Hold `view` (at `pos`) in the spill, where it fits."""
@@ -218,15 +226,15 @@ def taken_again(
     ranges: Iterable[tuple[str, int, int]],
     pending: int | None = None,
     at: dict[str, int] | None = None,
-    spill: int = 0,
+    spill: int | None = None,
 ) -> int:
     """Bytes `PrefixHasher` would claim, and `rest` take in again, were the save's reads `ranges`
     ((file, start, end), in the order they are made) fed to each file's hasher in that order: with
     `--stream` a second download of them. A read that starts where its file's hash has got to
     advances it (and the held reads it reaches); one ahead is held while the held bytes stay within
     `pending` (default PENDING), then spilled while the spill (`spill` bytes, all files; a file's
-    part freed when none of its spilled bytes waits, as `Spill.empty`) has room; one beyond is
-    claimed. `at`: where each file's hash is now (its header is fed first). An estimate where reads
+    part freed when none of its spilled bytes waits, as `Spill.empty`) has room, then (a spill
+    given, even of 0 bytes) held while they stay within PENDING; one beyond is claimed. `at`: where each file's hash is now (its header is fed first). An estimate where reads
     finish out of order on several connections, exact when they are fed in order
     (tests/test_hub_stream_hash.py, tests/test_spill.py)."""
     limit = PENDING if pending is None else pending
@@ -236,18 +244,20 @@ def taken_again(
     waits: dict[str, int] = {}  # per file: spilled bytes waiting
     written: dict[str, int] = {}  # per file: bytes in its spill
     used = again = 0
+    room = spill or 0
+    most = limit if spill is None else max(limit, PENDING)
     for file, start, end in ranges:
         here = pos.get(file, 0)
         if start > here:
             n = held_bytes.get(file, 0)
-            if n + end - start <= limit:
-                heapq.heappush(held.setdefault(file, []), (start, end, False))
-                held_bytes[file] = n + end - start
-            elif used + end - start <= spill:
+            if used + end - start <= room and n + end - start > limit:
                 heapq.heappush(held.setdefault(file, []), (start, end, True))
                 used += end - start
                 waits[file] = waits.get(file, 0) + end - start
                 written[file] = written.get(file, 0) + end - start
+            elif n + end - start <= most:
+                heapq.heappush(held.setdefault(file, []), (start, end, False))
+                held_bytes[file] = n + end - start
             else:
                 again += end - start
             continue

@@ -23,6 +23,7 @@ import threading
 import weakref
 from pathlib import Path
 
+from reshard.console import note
 from reshard.errors import SourceError
 from reshard.scratch import make_scratch_dir
 
@@ -87,8 +88,8 @@ class Spill:
                 if key not in self.files:
                     fd = os.open(self.folder / f"{len(self.files)}.spill", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                     self.files[key] = (fd, 0)
-            except OSError:
-                self.broken = True
+            except OSError as e:
+                self._break(e)
                 return None
             fd, at = self.files[key]
             self.files[key] = (fd, at + n)
@@ -98,11 +99,23 @@ class Spill:
             done = 0
             while done < n:
                 done += os.pwrite(fd, data[done:], at + done)
-        except OSError:
+        except OSError as e:
             with self.lock:
-                self.broken = True  # the bytes not kept: the caller fetches them again
+                self._break(e)  # the bytes not kept: the caller fetches them again
             return None
         return at
+
+    def _break(self, e: OSError) -> None:
+        """No more spilling (said once, in a note)."""
+        if self.broken:
+            return
+        self.broken = True
+        where = self.folder or tempfile.gettempdir()
+        note(
+            f"--stream: cannot keep bytes waiting for the sha256 on disk in {where} ({e.strerror or e}): "
+            "those read ahead of their file's hash from now on are held in memory (256 MiB per file) or "
+            "fetched a second time; set TMPDIR to a folder with more room"
+        )
 
     def get(self, key: str, at: int, n: int) -> bytes:
         """The `n` bytes put at `at` in `key`'s file."""
