@@ -10,7 +10,8 @@ hashed are the bytes the save used, read back from this run's own file.
 Each source file spills into its own append-only file, emptied (truncated) whenever none of its
 bytes is waiting, and removed at the end. Nothing spills where the temp folder (TMPDIR) is in memory
 (tmpfs: it would count against RAM, not disk), nor beyond half the folder's free space; a write
-that fails (ENOSPC) ends spilling, and what is not kept is fetched again, as before.
+that fails (ENOSPC) ends spilling (one note). What the spill does not keep is held in memory as
+without one (PENDING per file), and beyond that fetched again.
 """
 
 from __future__ import annotations
