@@ -8,8 +8,11 @@ global order shared by every rank, each with its `Read`s of source rows in chunk
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 from reshard.bulk import paused_gc
@@ -81,10 +84,28 @@ def _schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> l
     ]
 
 
-def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterator[Read]:
+def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterable[Read]:
     """The reads that make one tensor name's copies (`out`): one pass over each source in row
     chunks, or, where the pieces' order does not allow that, one read per piece. The block scales of
     FP8 sources it dequantises come first, whole."""
+    group = _group(out)
+    if group is None:
+        return _piecewise(out, tensors, chunk_bytes)
+    names, lo, hi = group  # an MoE layer's experts, every rank one `Stack` of them: made in bulk
+    infos = list(map(tensors.__getitem__, names))
+    if len(set(map(_GEOMETRY, infos))) == 1:
+        rb = _row_bytes(infos[0])
+        if hi - lo <= max(1, chunk_bytes // max(rb, 1)):  # each in one read (as `_stream` makes it)
+            args = zip(infos, repeat(lo * rb), repeat((hi - lo) * rb), repeat((lo, hi)), repeat(None), repeat(False))
+            return map(partial(tuple.__new__, Read), args)
+    return _stream(dict.fromkeys(names, (False, lo, hi)), tensors, chunk_bytes)
+
+
+_GEOMETRY = attrgetter("dtype", "shape")
+
+
+def _piecewise(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterator[Read]:
+    """`_reads` of any pieces: what `_survey` finds of them."""
     scales, sources, streamable = _survey(out)
     for name in scales:
         yield Read(tensors[name], 0, tensors[name].nbytes, None, scale=True)
@@ -96,6 +117,12 @@ def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: in
                     (a, *_), (b, *_) = bounds(q)
                     yield _whole(info, (h, i)) if q.up else _rows(info, a, b, (h, i))
         return
+    yield from _stream(sources, tensors, chunk_bytes)
+
+
+def _stream(sources: Sources, tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterator[Read]:
+    """One pass over each of `sources`, in order: a whole read of those up-sampled, else their rows
+    in chunks; a run of sources of one geometry, all in one chunk (a layer's experts), made at once."""
     # by dtype and shape (an MoE layer's are a few): bytes per row, rows per chunk
     geometry: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
     new = tuple.__new__
@@ -119,6 +146,26 @@ def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: in
 
 if Read._fields != ("info", "start", "nbytes", "rows", "piece", "scale"):  # what `_reads` builds by position
     raise AssertionError("Read's fields changed: update `_reads`")
+
+
+def _group(out: list[OutTensor]) -> tuple[tuple[str, ...], int, int] | None:
+    """Where every copy of the name is one `Stack` of the same distinct sources (a layer's experts
+    under TP: every rank takes its rows of each): those sources and the span of rows they are read
+    for, which is what `_survey` finds of them (no block scale, no up-sampling, streamable); else None."""
+    first = out[0].pieces
+    if len(first) != 1 or type(first[0]) is not Stack:
+        return None
+    names = first[0].sources
+    lo, hi = first[0].start[0], first[0].stop[0]
+    for t in out[1:]:
+        pieces = t.pieces
+        if len(pieces) != 1 or type(pieces[0]) is not Stack or pieces[0].sources != names:
+            return None
+        a, b = pieces[0].start[0], pieces[0].stop[0]
+        lo, hi = (lo if lo < a else a), (hi if hi > b else b)
+    if not names or len(set(names)) != len(names):
+        return None  # sources repeated: not one pass (`_survey` says so)
+    return names, lo, hi
 
 
 def _whole(info: TensorInfo, piece: tuple[int, int] | None = None) -> Read:

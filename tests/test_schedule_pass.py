@@ -12,7 +12,7 @@ import pytest
 
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.layout import Layout
-from reshard.plan import Cols, Fill, OutFile, OutTensor, Plan, Slice, build_plan, flat, natural_key
+from reshard.plan import Cols, Fill, OutFile, OutTensor, Plan, Slice, Stack, build_plan, flat, natural_key
 from reshard.schedule import Read, Step, _row_bytes, bounds, schedule
 from reshard.sources import open_source
 from tests.fixtures.releases import RELEASES, cut, write_header_only
@@ -174,10 +174,24 @@ TRICKY = {
     "scalar": [[Slice("z", (), ())]],
     "dequantised": [[Slice("q", (0, 0), (2, 4), scale="qs"), Slice("q", (2, 0), (4, 4), scale="qs")]],
     "padded": [[Slice("a", (0, 0), (4, 2), pad=(4, 4))]],
+    # experts as `Stack`s (every rank the same sources: made in bulk, `schedule._group`), and what is not that
+    "stacks, rows per rank": [[Stack(("a", "b"), (2, 0), (4, 4))], [Stack(("a", "b"), (0, 0), (1, 4))]],
+    "stacks, one row each": [[Stack(("b", "a"), (1, 0), (2, 4))], [Stack(("b", "a"), (1, 0), (2, 4))]],
+    "stacks of two shapes": [[Stack(("a", "c"), (0, 0), (2, 4))], [Stack(("a", "c"), (2, 0), (4, 4))]],
+    "stacks repeating a source": [[Stack(("a", "b", "a"), (0, 0), (2, 4))], [Stack(("a", "b", "a"), (2, 0), (4, 4))]],
+    "stacks of other sources": [[Stack(("a", "b"), (0, 0), (4, 4))], [Stack(("c", "d"), (0, 0), (4, 4))]],
+    "a stack and a slice": [
+        [Stack(("a", "b"), (0, 0), (2, 4))],
+        [Stack(("a",), (2, 0), (4, 4)), Slice("b", (2, 0), (4, 4))],
+    ],
+    "two stacks on a rank": [
+        [Stack(("a",), (0, 0), (2, 4)), Stack(("b",), (0, 0), (2, 4))],
+        [Stack(("a", "b"), (2, 0), (4, 4))],
+    ],
 }
 INFOS = {
     "a": info("a", (4, 4)), "b": info("b", (4, 4)), "s": info("s", (2, 2), "F32"), "z": info("z", (), "F32"),
-    "q": info("q", (4, 4), "F8_E4M3"), "qs": info("qs", (1, 1), "F32"),
+    "q": info("q", (4, 4), "F8_E4M3"), "qs": info("qs", (1, 1), "F32"), "c": info("c", (8, 4)), "d": info("d", (4, 4)),
 }  # fmt: skip
 
 
