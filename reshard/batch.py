@@ -22,7 +22,7 @@ exactly those of the piece-by-piece path (tests/test_execute_batch.py compares b
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
@@ -65,27 +65,23 @@ def uniform(step: Step, tensors: list[OutTensor], limit: int) -> Uniform | None:
     info0 = first.info
     if first.piece is not None or first.scale or first.nbytes > limit:
         return None
-    pos: dict[str, int] = {}
-    for i, r in enumerate(reads):
-        info = r.info
-        if (
-            r.piece is not None
-            or r.scale
-            or r.rows != first.rows
-            or r.nbytes != first.nbytes
-            or info.dtype != info0.dtype
-            or info.shape != info0.shape
-        ):
-            return None
-        pos[info.name] = i
+    # every read as the first: no piece, no scale, the same rows and bytes of sources of one dtype and
+    # shape (checked in C-level loops: a layer's experts are thousands of reads)
+    if len(set(map(_READ, reads))) != 1:
+        return None
+    infos = list(map(_INFO, reads))
+    if len(set(map(_TENSOR, infos))) != 1:
+        return None
+    pos = dict(zip(map(_NAME, infos), range(len(reads)), strict=True))
     if len(pos) != len(reads):
         return None  # a source read twice (row chunks): not one read per source
     lo = first.rows[0] if first.rows is not None else 0
     full = shape_of(info0)
     rows = first.rows[1] - first.rows[0] if first.rows is not None else full[0]
     index, sel, ups = [], [], set()
+    known: dict[tuple[str, ...], np.ndarray | None] = {}  # a Stack's sources (every TP rank's are the same): indices
     for t in tensors:
-        got = _holder(t, pos, lo, rows, full)
+        got = _holder(t, pos, lo, rows, full, known)
         if got is None:
             return None
         index.append(got[0])
@@ -98,20 +94,35 @@ def uniform(step: Step, tensors: list[OutTensor], limit: int) -> Uniform | None:
     return u if u.grown <= limit else None
 
 
+_READ = attrgetter("piece", "scale", "rows", "nbytes")
+_INFO = attrgetter("info")
+_TENSOR = attrgetter("dtype", "shape")
+_NAME = attrgetter("name")
 _GEOMETRY = attrgetter("start", "stop", "up", "pad", "perm", "step", "scale")
 _PLAIN = (None, None, 1, None)  # pad, perm, step, scale of a plain slice
 
 
 def _holder(
-    t: OutTensor, pos: dict[str, int], lo: int, rows: int, full: tuple[int, ...]
+    t: OutTensor,
+    pos: dict[str, int],
+    lo: int,
+    rows: int,
+    full: tuple[int, ...],
+    known: dict[tuple[str, ...], np.ndarray | None],
 ) -> tuple[np.ndarray, tuple[slice, ...], tuple[int, ...] | None] | None:
     """One holder's read indices, slice and up-sampling, or None (checked with C-level loops: an MoE
-    layer's holder has thousands of pieces, or one `Stack` of them)."""
+    layer's holder has thousands of pieces, or one `Stack` of them; `known`: the indices of the
+    Stacks' sources met before, or None where they are not increasing reads)."""
     pieces = t.pieces
     up = None
     if len(pieces) == 1 and type(pieces[0]) is Stack:
         names, n = pieces[0].sources, len(pieces[0].sources)
         a, b = pieces[0].start, pieces[0].stop
+        if names not in known:
+            known[names] = _increasing(map(pos.__getitem__, names), n)
+        index = known[names]
+        if index is None:
+            return None
     else:
         if not pieces or any(type(p) is not Slice for p in pieces):
             return None
@@ -126,14 +137,10 @@ def _holder(
             if len(up) != len(full) or rows != full[0]:
                 return None  # up-sampling takes whole reads
             rows = rows * up[0]
-        names, n = map(_SOURCE, pieces), len(pieces)
         a, b = bounds(pieces[0])
-    try:
-        index = np.fromiter(map(pos.__getitem__, names), np.int64, n)
-    except KeyError:
-        return None
-    if len(index) > 1 and not bool(np.all(index[1:] > index[:-1])):
-        return None
+        index = _increasing(map(pos.__getitem__, map(_SOURCE, pieces)), len(pieces))
+        if index is None:
+            return None
     if a[0] < lo or b[0] > lo + rows:
         return None
     sel = (slice(a[0] - lo, b[0] - lo), *(slice(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
@@ -141,6 +148,18 @@ def _holder(
 
 
 _SOURCE = attrgetter("source")
+
+
+def _increasing(indices: Iterator[int], n: int) -> np.ndarray | None:
+    """The `n` read indices as an array where they increase; None where they do not, or a source is
+    not one of the step's reads (KeyError)."""
+    try:
+        index = np.fromiter(indices, np.int64, n)
+    except KeyError:
+        return None
+    if len(index) > 1 and not bool(np.all(index[1:] > index[:-1])):
+        return None
+    return index
 
 
 def fill(buf: memoryview, get: Callable[[], tuple[memoryview, Lease]], count: int, nbytes: int) -> None:

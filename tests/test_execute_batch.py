@@ -106,3 +106,41 @@ def test_wide_views_hold_the_bytes_take_picks():
             want = np.take(reads[(slice(None), *sel)], np.arange(shape[0]), axis=0)
             assert got.tobytes() == want.tobytes() and got.nbytes == want.nbytes
             assert np.shares_memory(got, reads)
+
+
+def test_a_step_with_any_read_unlike_the_first_is_not_uniform(tiny):
+    """`uniform` checks its reads in bulk: one read with other rows, bytes, dtype or shape, a piece of
+    its own, a block scale, or a source read twice makes the step go piece by piece; so does a rank
+    whose experts come out of the reads' order (the ranks' Stacks share their sources' indices)."""
+    from dataclasses import replace
+
+    from reshard.layout import Layout
+    from reshard.plan import build_plan
+    from reshard.schedule import schedule
+
+    ckpt = open_source(str(tiny("qwen3-moe"))).checkpoint
+    steps = schedule(build_plan(ckpt, Layout(tp=2)), ckpt.tensors, 1 << 20)
+    w13 = next(s for s in steps if s.name.endswith("experts.w13_weight"))
+    tensors = [t for _, t in w13.slots]
+    batch_min = batch.MIN_READS
+    try:
+        batch.MIN_READS = 2
+        assert batch.uniform(w13, tensors, 1 << 20) is not None
+        r = w13.reads[-1]
+        (r0, r1), info = r.rows, r.info
+        for odd in (
+            r._replace(rows=(r0, r1 - 1)),
+            r._replace(nbytes=r.nbytes - 2),
+            r._replace(info=info._replace(dtype="F16")),
+            r._replace(info=info._replace(shape=(info.shape[0] // 2, info.shape[1] * 2))),
+            r._replace(piece=(0, 0)),
+            r._replace(scale=True),
+            r._replace(info=w13.reads[0].info),  # the first source read twice
+        ):
+            assert batch.uniform(replace(w13, reads=(*w13.reads[:-1], odd)), tensors, 1 << 20) is None, odd
+        stack = tensors[1].pieces[0]
+        swapped = replace(stack, sources=(stack.sources[1], stack.sources[0], *stack.sources[2:]))
+        other = [tensors[0], replace(tensors[1], pieces=(swapped,))]
+        assert batch.uniform(w13, other, 1 << 20) is None
+    finally:
+        batch.MIN_READS = batch_min
