@@ -8,11 +8,10 @@ global order shared by every rank, each with its `Read`s of source rows in chunk
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from itertools import repeat
-from operator import attrgetter
+from itertools import groupby, repeat
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from reshard.bulk import paused_gc
@@ -84,64 +83,69 @@ def _schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> l
     ]
 
 
-def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterable[Read]:
+def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Read]:
     """The reads that make one tensor name's copies (`out`): one pass over each source in row
     chunks, or, where the pieces' order does not allow that, one read per piece. The block scales of
     FP8 sources it dequantises come first, whole."""
-    group = _group(out)
-    if group is None:
-        return _piecewise(out, tensors, chunk_bytes)
-    names, lo, hi = group  # an MoE layer's experts, every rank one `Stack` of them: made in bulk
-    infos = list(map(tensors.__getitem__, names))
-    if len(set(map(_GEOMETRY, infos))) == 1:
-        rb = _row_bytes(infos[0])
-        if hi - lo <= max(1, chunk_bytes // max(rb, 1)):  # each in one read (as `_stream` makes it)
-            args = zip(infos, repeat(lo * rb), repeat((hi - lo) * rb), repeat((lo, hi)), repeat(None), repeat(False))
-            return map(partial(tuple.__new__, Read), args)
-    return _stream(dict.fromkeys(names, (False, lo, hi)), tensors, chunk_bytes)
-
-
-_GEOMETRY = attrgetter("dtype", "shape")
-
-
-def _piecewise(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterator[Read]:
-    """`_reads` of any pieces: what `_survey` finds of them."""
     scales, sources, streamable = _survey(out)
-    for name in scales:
-        yield Read(tensors[name], 0, tensors[name].nbytes, None, scale=True)
+    reads = [Read(tensors[name], 0, tensors[name].nbytes, None, scale=True) for name in scales]
     if not streamable:
         for h, t in enumerate(out):
             for i, p in enumerate(flat(t.pieces)):
                 for q in p.parts if isinstance(p, Cols) else (p,) if isinstance(p, Slice) else ():
                     info = tensors[q.source]
                     (a, *_), (b, *_) = bounds(q)
-                    yield _whole(info, (h, i)) if q.up else _rows(info, a, b, (h, i))
-        return
-    yield from _stream(sources, tensors, chunk_bytes)
+                    reads.append(_whole(info, (h, i)) if q.up else _rows(info, a, b, (h, i)))
+        return reads
+    return reads + _stream(sources, tensors, chunk_bytes)
 
 
-def _stream(sources: Sources, tensors: dict[str, TensorInfo], chunk_bytes: int) -> Iterator[Read]:
+def _stream(sources: Sources, tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Read]:
     """One pass over each of `sources`, in order: a whole read of those up-sampled, else their rows
-    in chunks; a run of sources of one geometry, all in one chunk (a layer's experts), made at once."""
+    in chunks. A run of sources read for the same rows (a `Stack`'s: a layer's experts), of one
+    geometry and each in one chunk, is made at once."""
+    reads: list[Read] = []
     # by dtype and shape (an MoE layer's are a few): bytes per row, rows per chunk
     geometry: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
     new = tuple.__new__
-    for (up, lo, hi), info in zip(sources.values(), map(tensors.__getitem__, sources), strict=True):
+    infos = map(tensors.__getitem__, sources)
+    for (up, lo, hi), run in groupby(zip(sources.values(), infos, strict=True), key=_SPAN):
+        run = list(map(_INFO, run))
         if up:
-            yield _whole(info)
+            reads.extend(map(_whole, run))
             continue
-        key = (info.dtype, info.shape)
-        got = geometry.get(key)
-        if got is None:
-            rb = _row_bytes(info)
-            got = geometry[key] = (rb, max(1, chunk_bytes // max(rb, 1)))
-        rb, per = got
-        if hi - lo <= per:  # one chunk: most sources (an expert's tensor)
-            yield new(Read, (info, lo * rb, (hi - lo) * rb, (lo, hi), None, False))
-            continue
-        for c0 in range(lo, hi, per):
-            c1 = min(c0 + per, hi)
-            yield new(Read, (info, c0 * rb, (c1 - c0) * rb, (c0, c1), None, False))
+        if len(run) > 1 and len(set(map(_GEOMETRY, run))) == 1:
+            rb, per = _chunks(geometry, run[0], chunk_bytes)
+            if hi - lo <= per:
+                args = zip(run, repeat(lo * rb), repeat((hi - lo) * rb), repeat((lo, hi)), repeat(None), repeat(False))
+                reads.extend(map(partial(new, Read), args))
+                continue
+        for info in run:
+            rb, per = _chunks(geometry, info, chunk_bytes)
+            if hi - lo <= per:  # one chunk: most sources (an expert's tensor)
+                reads.append(new(Read, (info, lo * rb, (hi - lo) * rb, (lo, hi), None, False)))
+                continue
+            for c0 in range(lo, hi, per):
+                c1 = min(c0 + per, hi)
+                reads.append(new(Read, (info, c0 * rb, (c1 - c0) * rb, (c0, c1), None, False)))
+    return reads
+
+
+_SPAN = itemgetter(0)
+_INFO = itemgetter(1)
+_GEOMETRY = attrgetter("dtype", "shape")
+
+
+def _chunks(
+    geometry: dict[tuple[str, tuple[int, ...]], tuple[int, int]], info: TensorInfo, chunk_bytes: int
+) -> tuple[int, int]:
+    """Bytes per row of `info` and rows per chunk, kept in `geometry` by dtype and shape."""
+    key = (info.dtype, info.shape)
+    got = geometry.get(key)
+    if got is None:
+        rb = _row_bytes(info)
+        got = geometry[key] = (rb, max(1, chunk_bytes // max(rb, 1)))
+    return got
 
 
 if Read._fields != ("info", "start", "nbytes", "rows", "piece", "scale"):  # what `_reads` builds by position
@@ -151,7 +155,7 @@ if Read._fields != ("info", "start", "nbytes", "rows", "piece", "scale"):  # wha
 def _group(out: list[OutTensor]) -> tuple[tuple[str, ...], int, int] | None:
     """Where every copy of the name is one `Stack` of the same distinct sources (a layer's experts
     under TP: every rank takes its rows of each): those sources and the span of rows they are read
-    for, which is what `_survey` finds of them (no block scale, no up-sampling, streamable); else None."""
+    for, all `_survey` needs to know of them (no block scale, no up-sampling, streamable); else None."""
     first = out[0].pieces
     if len(first) != 1 or type(first[0]) is not Stack:
         return None
@@ -191,6 +195,10 @@ def _survey(tensors: list[OutTensor]) -> tuple[dict[str, None], Sources, bool]:
       (each piece from its own read, whole), no source used before one used earlier, no rows read
       again unless the same single row of the previous piece (`Slice.row_of`).
     """
+    group = _group(tensors)
+    if group is not None:  # an MoE layer's experts, every rank one `Stack` of them (TP): at once
+        names, lo, hi = group
+        return {}, dict.fromkeys(names, (False, lo, hi)), True
     scales: dict[str, None] = {}
     sources: Sources = {}
     rank: dict[str, int] = {}
