@@ -211,7 +211,7 @@ def parse_header(
     for name, entry in obj.items():
         if type(entry) is tuple:
             dtype, shape, nbytes, begin = entry
-            tensors[name] = TensorInfo(name, dtype, shape, file_name, start + begin, nbytes)
+            tensors[name] = _new(TensorInfo, (name, dtype, shape, file_name, start + begin, nbytes))  # no __new__ call
             if nbytes and in_order:
                 in_order = begin == pos
                 pos = begin + nbytes
@@ -228,6 +228,9 @@ def parse_header(
     return tensors, {str(k): str(v) for k, v in meta.items()}, size
 
 
+_new = tuple.__new__
+
+
 class _Entries:
     """json's object_pairs_hook for one header of a file of `size` bytes whose data starts at `start`:
     an object spelled {"dtype", "shape", "data_offsets"} (in that order) that `_entry` would accept
@@ -236,7 +239,7 @@ class _Entries:
 
     def __init__(self, start: int, size: int) -> None:
         self.left = size - start  # bytes of the data section
-        self.shapes: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (dtype, *shape) -> shape, its bytes
+        self.shapes: dict[tuple, tuple[tuple[int, ...], int]] = {}  # (dtype, *shape, *its types) -> shape, bytes
 
     def hook(self, pairs: list[tuple[str, object]]) -> object:
         if len(pairs) == 3:
@@ -249,11 +252,13 @@ class _Entries:
                 and type(shape) is list
                 and type(offsets) is list
                 and len(offsets) == 2
-                and all(type(d) is int for d in shape)  # no bool or float: 1 == True == 1.0 as keys
             ):
-                key = (dtype, *shape)
-                known = self.shapes.get(key)
-                if known is None and dtype in ITEMSIZE and all(d >= 0 for d in shape):
+                try:  # the key holds each dim's type: no bool or float (1 == True == 1.0 as keys) finds an int's
+                    known = self.shapes.get((dtype, *shape, *map(type, shape)))
+                except TypeError:  # a dim that is a list or an object
+                    return dict(pairs)
+                if known is None and dtype in ITEMSIZE and all(type(d) is int and d >= 0 for d in shape):
+                    key = (dtype, *shape, *map(type, shape))
                     known = self.shapes[key] = (tuple(shape), math.prod(shape) * ITEMSIZE[dtype])
                 begin, end = offsets
                 if (

@@ -135,6 +135,15 @@ TRICKY = {
     "bool dimension": {"a": entry(shape=(True, 2), end=4)},
     "bool dimension after an int one": {"b": entry(shape=(1, 2), end=4), "a": entry(shape=(True, 2), begin=4, end=8)},
     "float dimension": {"a": {"dtype": "BF16", "shape": [2.0], "data_offsets": [0, 4]}},
+    # the hook's cache of shapes is keyed with each dimension's type: an int's shape is never found for another's
+    "int dimension after a bool one": {"a": entry(shape=(True, 2), end=4), "b": entry(shape=(1, 2), begin=4, end=8)},
+    "float dimension after an int one": {
+        "b": entry(shape=(2,)),
+        "a": {"dtype": "BF16", "shape": [2.0], "data_offsets": [4, 8]},
+    },
+    "list dimension": {"b": entry(shape=(2,)), "a": {"dtype": "BF16", "shape": [[2]], "data_offsets": [4, 8]}},
+    "object dimension": {"a": {"dtype": "BF16", "shape": [{"n": 2}], "data_offsets": [0, 4]}},
+    "null dimension": {"a": {"dtype": "BF16", "shape": [None], "data_offsets": [0, 4]}},
     "float offset": {"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4.0]}},
     "bool offset": {"a": {"dtype": "BF16", "shape": [1], "data_offsets": [False, 2]}},
     "negative dimension": {"a": entry(shape=(-2, 3), end=12)},
