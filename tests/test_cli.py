@@ -485,6 +485,17 @@ def unchecked(tiny, tmp_path_factory):
     return out
 
 
+def run_without_stdout(stdout: str, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`reshard ARGS` with stdout a full disk ("full") or closed ("closed"); the reason reshard gives for each."""
+    command = [sys.executable, "-m", "reshard", *args]
+    if stdout == "full":
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        return p, "No space left on device"
+    p = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+    return p, "it was closed when reshard started"
+
+
 @pytest.mark.parametrize("tp", ["1", "3"])
 @pytest.mark.parametrize("stdout", ["full", "closed"])
 def test_the_notes_of_a_json_object_that_cannot_be_written_go_to_stderr(unchecked, tp, stdout):
@@ -496,14 +507,7 @@ def test_the_notes_of_a_json_object_that_cannot_be_written_go_to_stderr(unchecke
     assert code == (0 if tp == "1" else 3) and json.loads(out)["notes"], err
     notes = [f"note: {n}" for n in json.loads(out)["notes"]]
     failed = "" if tp == "1" else f"; the command had failed: {json.loads(out)['error']['message']}"
-    command = [sys.executable, "-m", "reshard", *args]
-    if stdout == "full":
-        with open("/dev/full", "w") as full:
-            p = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
-        why = "No space left on device"
-    else:
-        p = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
-        why = "it was closed when reshard started"
+    p, why = run_without_stdout(stdout, *args)
     line = f"reshard: error: cannot write the result to stdout: {why}{failed}"
     assert (p.returncode, p.stderr.splitlines()) == (5, [*notes, line])
 
@@ -520,14 +524,7 @@ def test_a_failing_verify_whose_report_cannot_be_written_says_so_in_one_line(tin
     rank.write_bytes(rank.read_bytes()[:-8])
     code, _, err = run("verify", str(out), *json_flag)
     assert code == 7 and err.count("\n") == 1 and err.startswith("reshard: error: verify: corrupt"), err
-    command = [sys.executable, "-m", "reshard", "verify", str(out), *json_flag]
-    if stdout == "full":
-        with open("/dev/full", "w") as full:
-            p = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
-        why = "No space left on device"
-    else:
-        p = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
-        why = "it was closed when reshard started"
+    p, why = run_without_stdout(stdout, "verify", str(out), *json_flag)
     failed = err.removeprefix("reshard: error: ")
     assert (p.returncode, p.stderr) == (
         5,
