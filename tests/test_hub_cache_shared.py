@@ -31,6 +31,7 @@ def hub(checkpoint, monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("RESHARD_HUB_BACKOFF", "0.01")
     monkeypatch.setenv("RESHARD_HUB_RETRIES", "1")
+    monkeypatch.setenv("RESHARD_HUB_TIMEOUT", "2")  # how long a run waits for another that stores nothing more
     with serving(checkpoint) as server:
         monkeypatch.setattr(constants, "ENDPOINT", server.endpoint)
         yield server
@@ -80,3 +81,46 @@ def test_two_runs_filling_one_cache_both_check_every_file_and_leave_it_complete(
     blobs = weight_blobs(tmp_path)
     assert len(blobs) == 2 and all(name == digest for name, digest in blobs.items())
     assert not list((tmp_path / "hf").rglob("*.reshard-partial"))
+
+
+def read_half(source, reader) -> list:
+    """Every other tensor read (a run whose ranks need only some of each file); those not read."""
+    tensors = sorted(source.checkpoint.tensors.values(), key=lambda t: (t.file, t.offset))
+    try:
+        for t in tensors[::2]:
+            reader.read(t, 0, t.nbytes)
+    finally:
+        reader.close()
+    return tensors[1::2]
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["published", "changed-after"])
+def test_a_run_reads_the_rest_of_a_file_another_run_fills_from_its_published_blob(hub, tmp_path, monkeypatch, changed):
+    """B stores nothing of the files A fills and reads only half their tensors; for their sha256 it reads the
+    rest from the blobs A publishes, not from the Hub again: once A has finished, B's `finish` downloads
+    nothing. B still checks every file against the LFS sha256: a byte of A's blob changed after A published
+    it, where B read nothing, is exit 4."""
+    monkeypatch.setenv("RESHARD_HUB_SMALL", "0")  # each tensor its own range: the unread ones not fetched with others
+    a, b = open_source(REPO), open_source(REPO)
+    reader_a, reader_b = a.open_reader(), b.open_reader()
+    read_all(a, reader_a)
+    unread = read_half(b, reader_b)
+    a.finish()
+    if changed:
+        t = unread[0]
+        blob = next(
+            p
+            for p in (tmp_path / "hf" / "hub").rglob("blobs/*")
+            if len(p.name) == 64 and t.file in b.others and b.others[t.file].final == p
+        )
+        data = bytearray(blob.read_bytes())
+        data[t.offset] ^= 1
+        blob.write_bytes(bytes(data))
+    served = hub.served
+    if changed:
+        with pytest.raises(SourceError, match="is not the LFS sha256 the Hub commits to"):
+            b.finish()
+    else:
+        b.finish()
+        assert [r.check for r in b.checkpoint.checked] == ["hub-lfs-sha256 verified"] * 2
+    assert hub.served == served

@@ -5,9 +5,10 @@
 One process fills a partial blob at a time: it holds an exclusive `flock` on it until the blob is
 published, discarded or closed. Another run reading the same commit into the same cache at once (the
 processes of a torchrun save, `--ranks` pieces on one machine, two saves) finds it `busy` and stores
-nothing of that file: it fetches what it needs and checks it as `--stream` does. Two writers of one
-blob renamed it into place twice (the second rename failed: exit 4) and one could write its bytes
-through the blob the other had published, unchecked.
+nothing of that file: it fetches what it needs and checks it as `--stream` does, and for the rest of
+the file's sha256 it reads the blob the other run publishes (`published_by_another`) rather than
+fetching the whole file too. Two writers of one blob renamed it into place twice (the second rename
+failed: exit 4) and one could write its bytes through the blob the other had published, unchecked.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import contextlib
 import fcntl
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from reshard.errors import SourceError
@@ -169,3 +172,60 @@ def _claim(partial: Path) -> int | None:
         pass
     os.close(fd)
     return None
+
+
+def published_by_another(blob: Blob, quiet: float) -> Path | None:
+    """`blob` (busy: another run fills it), complete under its final name once that run has published it;
+    None where that run ended without publishing it, or stored nothing for `quiet` seconds (its range log
+    did not grow): then the caller fetches what it needs itself. Its bytes were checked by that run against
+    the sha256 they are named by, and the caller's own hash checks them again."""
+    last, since = -1, time.monotonic()
+    while True:
+        if _complete(blob):
+            return blob.final
+        try:
+            fd = os.open(blob.partial, os.O_RDONLY)
+        except FileNotFoundError:  # renamed into place (published) or deleted (discarded)
+            return blob.final if _complete(blob) else None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return blob.final if _complete(blob) else None  # not held: that run ended without publishing
+        except BlockingIOError:
+            pass  # still filled
+        except OSError:
+            return None  # no locks here: nothing to wait on
+        finally:
+            os.close(fd)
+        try:
+            grown = blob.log.stat().st_size
+        except OSError:
+            grown = last
+        now = time.monotonic()
+        if grown != last:
+            last, since = grown, now
+        elif now - since > quiet:
+            return None
+        time.sleep(0.05)
+
+
+def read_from(path: Path) -> Callable[[int, memoryview], None]:
+    """`read(pos, out)`: bytes [pos, pos + len(out)) of the file at `path`."""
+
+    def read(pos: int, out: memoryview) -> None:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(pos)
+            got = 0
+            while got < len(out):
+                n = f.readinto(out[got:])
+                if not n:
+                    raise SourceError(f"{path}: truncated while read", "run again")
+                got += n
+
+    return read
+
+
+def _complete(blob: Blob) -> bool:
+    try:
+        return blob.final.is_file() and blob.final.stat().st_size == blob.size
+    except OSError:
+        return False

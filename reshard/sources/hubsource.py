@@ -28,10 +28,9 @@ hashed: the header fetched for the plan is written over what an earlier run left
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import shutil
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,12 +43,12 @@ from reshard.format import MAX_HEADER, TensorInfo, parse_header
 from reshard.io.reader import AlignedReader, ByteRange, Prepared
 from reshard.manifest.schema import SourceFileRecord
 from reshard.sources import prefixhash
-from reshard.sources.hubblob import Blob
+from reshard.sources.hubblob import Blob, published_by_another, read_from
 from reshard.sources.hubgroups import Groups
 from reshard.sources.hubhttp import HubRepo, Meter
 from reshard.sources.hubshare import Shares
 from reshard.sources.hubsmall import expected
-from reshard.sources.integrity import GIT, HUB, UNCHECKED, mismatch
+from reshard.sources.integrity import GIT, HUB, UNCHECKED, mismatch, whole_digests
 from reshard.sources.local import read_config
 from reshard.sources.prefixhash import PrefixHasher, taken_again
 from reshard.sources.spill import Spill, usable
@@ -68,6 +67,7 @@ class HubSource(Source):
         self.blobs: dict[str, Blob] = {}
         self.heads: dict[str, bytes] = {}  # each file's first bytes (length and header), kept for the cache
         self.spill: Spill | None = None  # where bytes read ahead of a file's hash wait, for files stored nothing of
+        self.others: dict[str, Blob] = {}  # the blobs another run in this cache fills
         tensors: dict[str, TensorInfo] = {}
         sizes: dict[str, int] = {}
         with ThreadPoolExecutor(min(settings.HUB_CONNECTIONS.get(), len(files))) as pool:
@@ -127,6 +127,7 @@ class HubSource(Source):
             for name in ckpt.files:
                 blob = Blob(storage / "blobs" / self._blob_name(name), ckpt.file_sizes[name])
                 if blob.busy:  # another process fills it: this file is read as --stream reads it
+                    self.others[name] = blob
                     continue
                 self.blobs[name] = blob
                 if not blob.put_head(self.heads[name]):
@@ -181,22 +182,31 @@ class HubSource(Source):
     def finish(self) -> None:
         """After a successful save: check each file's sha256 (the bytes no tensor needed fetched,
         or read from the blob); cached mode: complete each blob and link it into the snapshot."""
-        try:
-            for name in self._checkpoint.files:  # stored nothing of (--stream, or another process fills its blob)
-                if name not in self.blobs:
-                    self._verify(name, lambda pos, buf, name=name: self.repo.fetch(name, pos, buf, self.meter.add))
-        finally:
-            if self.spill is not None:
-                self.spill.close()
-        if not self.stream:
+        if not self.stream:  # this run's blobs first: another run filling the same cache may be waiting for them
             try:
                 self._finish()
             except OSError as e:
                 raise SourceError(
                     f"cannot complete the Hugging Face cache: {e}", "use `save --stream` or set HF_HOME"
                 ) from e
+        try:
+            for name in self._checkpoint.files:  # stored nothing of (--stream, or another process fills its blob)
+                if name not in self.blobs:
+                    self._verify(name, self._rest_of(name))
+        finally:
+            if self.spill is not None:
+                self.spill.close()
         order = {name: i for i, name in enumerate(self._checkpoint.files)}
         self._checkpoint.checked.sort(key=lambda record: order[record.name])
+
+    def _rest_of(self, name: str) -> Callable[[int, memoryview], None]:
+        """How `name`'s sha256 reads the rest: from the blob another run here publishes (not fetched again)."""
+        other = self.others.get(name)
+        final = published_by_another(other, settings.HUB_TIMEOUT.get()) if other is not None else None
+        if final is None:
+            return lambda pos, buf: self.repo.fetch(name, pos, buf, self.meter.add)
+        self.meter.total -= self.hashers[name].unread()  # not downloaded after all
+        return read_from(final)
 
     def _finish(self) -> None:
         ckpt = self._checkpoint
@@ -237,7 +247,7 @@ class HubSource(Source):
             self._checkpoint.checked.append(SourceFileRecord(name, size, got, UNCHECKED))
             return
         if want[1] == "git":  # read once more, whole: the Hub keeps files over 10 MB in LFS
-            sha256, sha1 = _whole(read, size)
+            sha256, sha1 = whole_digests(read, size)
             if sha256 != got:
                 raise SourceError(
                     f"{where}: read twice, it gave other bytes the second time (sha256 {got[:12]}…, "
@@ -255,17 +265,6 @@ class HubSource(Source):
         if got != want[0]:
             raise mismatch(where, got, want[0], HUB, f"{hint}; nothing was published")
         self._checkpoint.checked.append(SourceFileRecord(name, size, got, HUB))
-
-
-def _whole(read, size: int) -> tuple[str, str]:
-    """(sha256, git blob sha1) of a file's bytes, read by `read(pos, out)` in blocks."""
-    sha256, sha1 = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size)
-    for pos in range(0, size, _FILL):
-        buf = memoryview(bytearray(min(_FILL, size - pos)))
-        read(pos, buf)
-        sha256.update(buf)
-        sha1.update(buf)
-    return sha256.hexdigest(), sha1.hexdigest()
 
 
 def _storage(ckpt: Checkpoint) -> Path:

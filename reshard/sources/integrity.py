@@ -18,6 +18,7 @@ A Hub file read by ranges is hashed from the ranges the save reads (reshard.sour
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Callable
@@ -158,3 +159,14 @@ def check_files(
             )
         out.append(SourceFileRecord(name, sizes.get(name, 0), got, how))
     return out
+
+
+def whole_digests(read: Callable[[int, memoryview], None], size: int, block: int = 64 << 20) -> tuple[str, str]:
+    """(sha256, git blob sha1) of a file's bytes, read by `read(pos, out)` in blocks."""
+    sha256, sha1 = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size)
+    for pos in range(0, size, block):
+        buf = memoryview(bytearray(min(block, size - pos)))
+        read(pos, buf)
+        sha256.update(buf)
+        sha1.update(buf)
+    return sha256.hexdigest(), sha1.hexdigest()
