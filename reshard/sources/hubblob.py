@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from reshard.console import note
 from reshard.errors import SourceError
 
 
@@ -180,6 +181,7 @@ def published_by_another(blob: Blob, quiet: float) -> Path | None:
     did not grow): then the caller fetches what it needs itself. Its bytes were checked by that run against
     the sha256 they are named by, and the caller's own hash checks them again."""
     last, since = -1, time.monotonic()
+    told = since + 5
     while True:
         if _complete(blob):
             return blob.final
@@ -205,6 +207,12 @@ def published_by_another(blob: Blob, quiet: float) -> Path | None:
             last, since = grown, now
         elif now - since > quiet:
             return None
+        if now > told:
+            told = float("inf")
+            note(
+                f"waiting for another run filling {blob.partial} in the Hugging Face cache, to read the rest of "
+                "that file for its sha256 from there rather than download it again"
+            )
         time.sleep(0.05)
 
 
