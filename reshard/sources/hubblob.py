@@ -41,7 +41,7 @@ class Blob:
         self.log_fd: int | None = None  # a partial blob's range log (a complete one has none)
         self.busy = False  # another process is filling the partial blob: this run stores nothing of the file
         while True:
-            if final.is_file() and final.stat().st_size == size:
+            if _complete(final, size):
                 self.starts, self.ends, self.fd = [0], [size], os.open(final, os.O_RDONLY)
                 return
             self.fd = _claim(self.partial)
@@ -183,15 +183,17 @@ def published_by_another(blob: Blob, quiet: float) -> Path | None:
     last, since = -1, time.monotonic()
     told = since + 5
     while True:
-        if _complete(blob):
+        if _complete(blob.final, blob.size):
             return blob.final
         try:
             fd = os.open(blob.partial, os.O_RDONLY)
         except FileNotFoundError:  # renamed into place (published) or deleted (discarded)
-            return blob.final if _complete(blob) else None
+            return blob.final if _complete(blob.final, blob.size) else None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return blob.final if _complete(blob) else None  # not held: that run ended without publishing
+            return (
+                blob.final if _complete(blob.final, blob.size) else None
+            )  # not held: that run ended without publishing
         except BlockingIOError:
             pass  # still filled
         except OSError:
@@ -232,8 +234,9 @@ def read_from(path: Path) -> Callable[[int, memoryview], None]:
     return read
 
 
-def _complete(blob: Blob) -> bool:
+def _complete(final: Path, size: int) -> bool:
+    """Whether the blob's final file is there, of its size (published: it was checked before its rename)."""
     try:
-        return blob.final.is_file() and blob.final.stat().st_size == blob.size
+        return final.is_file() and final.stat().st_size == size
     except OSError:
         return False

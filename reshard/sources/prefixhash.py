@@ -116,8 +116,10 @@ class PrefixHasher:
         in memory within PENDING (a spill full or that cannot be written: as without one)."""
         n = len(view)
         if self.held + n > (PENDING if self.limit is None else self.limit):
-            if self.spill is None or self._put(pos, view):
-                return self.spill is not None
+            if self.spill is None:
+                return False
+            if self._put(pos, view):
+                return True
             if self.held + n > PENDING:
                 return False
         self.pending[pos] = bytes(view)
@@ -136,7 +138,7 @@ class PrefixHasher:
         self.spilled += len(view)
         return True
 
-    def _take(self, p: int, n: int | None = None) -> bytes:
+    def _take(self, p: int, n: int | None = None) -> bytes | bytearray:
         """The held range at `p` (its first `n` bytes; the rest held on at p + n), out of `pending`."""
         held = self.pending.pop(p)
         if not isinstance(held, Spilled):

@@ -118,7 +118,7 @@ class Spill:
             "fetched a second time; set TMPDIR to a folder with more room"
         )
 
-    def get(self, key: str, at: int, n: int) -> bytes:
+    def get(self, key: str, at: int, n: int) -> bytearray:
         """The `n` bytes put at `at` in `key`'s file."""
         out = bytearray(n)
         view, done = memoryview(out), 0
@@ -130,7 +130,7 @@ class Spill:
                 done += got
         except OSError as e:
             raise SourceError(f"cannot read back the spilled bytes of {key} from {self.folder}: {e}") from e
-        return bytes(out)
+        return out  # not copied again into bytes: a range may be a chunk of 32 MiB
 
     def empty(self, key: str) -> None:
         """None of `key`'s bytes is waiting any more: its file emptied, its bytes free again."""
