@@ -34,7 +34,7 @@ import numpy as np
 from reshard.format import ITEMSIZE
 from reshard.io import writer
 from reshard.io.dtypes import Caster, upsample
-from reshard.io.memory import Lease, Memory
+from reshard.io.memory import ALIGN, Lease, Memory, Reused
 from reshard.plan import OutTensor, Slice, Stack, count
 from reshard.schedule import Read, Step, bounds, shape_of
 
@@ -264,9 +264,18 @@ class Batches:
     ) -> None:
         self.mem, self.get, self.batch_bytes, self.cast, self.progress = mem, get, batch_bytes, cast, progress
         self.size: int | None = None
+        self.cur: Reused | None = None  # the batch buffer being filled (one reference ours), to `off`
+        self.off = 0
 
-    def emit(self, reads: Sequence[Read], holders: Sequence[Holder], u: Uniform) -> None:
-        """Take the step's `reads` from the prefetcher, in order, and write every holder's pieces."""
+    def emit(
+        self,
+        reads: Sequence[Read],
+        holders: Sequence[Holder],
+        u: Uniform,
+        read_batch: Callable[[Sequence[Read], memoryview, int], None] | None = None,
+    ) -> None:
+        """Take the step's `reads` from the prefetcher, in order (or read them with `read_batch`
+        where given: `AlignedReader.read_batch`), and write every holder's pieces."""
         n, get = len(reads), self.get
         if self.size is None:  # two buffers for the run, reused: no page faults, no heap to fragment
             self.size = self.mem.reserve(2 * self.batch_bytes) // 2
@@ -274,10 +283,13 @@ class Batches:
         per = batch_reads(u, self.size)
         for base in range(0, n, per):
             k = min(per, n - base)
-            buf = self.mem.take_reused(self.size, 2)
+            buf, off = self._region(k * u.nbytes)
             try:
-                fill(memoryview(buf.buf), get, k, u.nbytes)
-                batch = np.frombuffer(buf.buf, np.uint8, k * u.nbytes).reshape((k, *u.shape))
+                if read_batch is None:
+                    fill(memoryview(buf.buf)[off:], get, k, u.nbytes)
+                else:
+                    read_batch(reads[base : base + k], memoryview(buf.buf)[off : off + k * u.nbytes], u.nbytes)
+                batch = np.frombuffer(buf.buf, np.uint8, k * u.nbytes, off).reshape((k, *u.shape))
                 if u.up is None:
                     self._hand_out(u, batch, base, holders, buf)
                 else:
@@ -287,6 +299,28 @@ class Batches:
         for h in holders:
             if h.cursor != count(h.tensor.pieces):
                 raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
+
+    def _region(self, nbytes: int) -> tuple[Reused, int]:
+        """Where the next batch goes: after the last one in the same buffer while it fits (a page
+        boundary apart), else at the start of the other. A layer's experts at EP are a few MB a step,
+        and the writers hold their views until a 4 MiB stage goes to disk, ten steps later: a buffer
+        per step made the main thread wait for them (and them write early) every other step."""
+        assert self.size is not None
+        if self.cur is None or self.off + nbytes > self.size:
+            if self.cur is not None:
+                self.cur.release()
+                self.cur = None
+            self.cur, self.off = self.mem.take_reused(self.size, 2), 0
+        off = self.off
+        self.off += -(-nbytes // ALIGN) * ALIGN
+        self.cur.hold()
+        return self.cur, off
+
+    def close(self) -> None:
+        """Give back the buffer being filled (the run's end, or its failure)."""
+        if self.cur is not None:
+            self.cur.release()
+            self.cur = None
 
     def _hand_out(
         self, u: Uniform, batch: np.ndarray, base: int, holders: Sequence[Holder], lease: Lease, lend: bool = True

@@ -19,7 +19,10 @@ Threads overlap so that a save runs at the disk's speed (docs/benchmarks.md):
 - the main thread (here) takes those chunks in order and hands every rank *views* of its rows: no
   copy. An MoE layer's experts (a uniform step: hundreds of small reads of one shape, each rank
   taking the same slice of each) go in batches (`reshard.batch`): small reads copied into a reused
-  batch buffer, each rank's share of a batch handed over as one view;
+  batch buffer, each rank's share of a batch handed over as one view. Where those reads' files are
+  in the page cache, the main thread copies them out of it into the batch buffer itself
+  (`AlignedReader.inline`), not through the reader threads: at 200k reads of a few KB the threads'
+  hand-over of each read cost more than the read;
 - one writer thread per open output file (`reshard.io.worker`) gathers strided views (column
   slices) into an aligned stage and hashes it (BLAKE3 by default); contiguous views that line up
   with the file go to disk from the read buffer itself. That file's I/O thread writes with O_DIRECT
@@ -41,12 +44,13 @@ from pathlib import Path
 
 import numpy as np
 
-from reshard.batch import Batches, uniform
+from reshard.batch import Batches, Uniform, uniform
 from reshard.checkpoint import Reader, Source
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.io.dtypes import Caster, dequantize_fp8, fill_bytes, pad_rows, upsample
 from reshard.io.memory import Lease, Memory, metadata_budget
 from reshard.io.prefetch import Prefetcher
+from reshard.io.reader import AlignedReader
 from reshard.io.worker import Worker
 from reshard.io.writer import FileWriter, Sink, Written
 from reshard.plan import Cols, Fill, OutFile, OutTensor, Plan, Slice, flat
@@ -164,6 +168,7 @@ class Executor:
         self.closing: list[Worker] = []
         self.done: list[Written] = []
         self.prefetch: Prefetcher | None = None
+        self.batches: Batches | None = None
         self.scales: dict[str, np.ndarray] = {}  # the step's block scales (Read.scale), by name
 
     def header(self, f: OutFile) -> bytes:
@@ -183,13 +188,16 @@ class Executor:
             if not f.tensors:
                 self.done.append(self.sink(f, self.header(f)).close(self.sync))
         try:
-            self.prefetch = Prefetcher(self.reader, self.mem, [r for step in steps for r in step.reads])
+            uniforms = [uniform(step, [t for _, t in step.slots], self.batch_bytes) for step in steps]
+            inline = [u is not None and self._inline(step) for step, u in zip(steps, uniforms, strict=True)]
+            ahead = [r for step, i in zip(steps, inline, strict=True) if not i for r in step.reads]
+            self.prefetch = Prefetcher(self.reader, self.mem, ahead)
             self.batches = Batches(self.mem, self.prefetch.get, self.batch_bytes, self.cast, self.progress)
-            for step in steps:
+            for step, u, i in zip(steps, uniforms, inline, strict=True):
                 holders = [_Holder(t, self._writer(f)) for f, t in step.slots]
                 for h in holders:
                     h.writer.begin(h.tensor)
-                self._emit(step, holders)
+                self._emit(step, holders, u, i)
                 for name in step.closes:
                     w = self.open.pop(name)
                     w.close(self.sync)
@@ -206,6 +214,8 @@ class Executor:
                 w.thread.join()
             raise
         finally:
+            if self.batches is not None:
+                self.batches.close()
             if self.prefetch is not None:
                 self.prefetch.stop()
             self.reader.close()
@@ -224,12 +234,19 @@ class Executor:
 
     # ---- one step: a tensor name, all ranks ----------------------------------------------------
 
-    def _emit(self, step: Step, holders: list[_Holder]) -> None:
-        """Take the step's reads from the prefetcher, in order, and emit every holder's pieces."""
-        assert self.prefetch is not None
-        u = uniform(step, [h.tensor for h in holders], self.batch_bytes)
+    def _inline(self, step: Step) -> bool:
+        """Whether a uniform step's reads are made where they are used (`AlignedReader.inline`), not
+        read ahead by the reader threads."""
+        if not isinstance(self.reader, AlignedReader):
+            return False
+        return all(map(self.reader.inline, {r.info.file for r in step.reads}))
+
+    def _emit(self, step: Step, holders: list[_Holder], u: Uniform | None, inline: bool) -> None:
+        """Take the step's reads from the prefetcher, in order (or, `inline`, from the reader as the
+        uniform step `u` uses them), and emit every holder's pieces."""
+        assert self.prefetch is not None and self.batches is not None
         if u is not None:
-            self.batches.emit(step.reads, holders, u)
+            self.batches.emit(step.reads, holders, u, self.reader.read_batch if inline else None)
             return
         for h in holders:  # a piece at a time: experts' stacks as their slices (the reads are the same)
             pieces = flat(h.tensor.pieces)

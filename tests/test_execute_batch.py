@@ -9,6 +9,7 @@ import pytest
 import reshard.batch as batch
 import reshard.execute as ex
 import reshard.io.writer as wr
+from reshard.io.reader import FileReader
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.sources import open_source
 from tests.fixtures.saving import save
@@ -34,12 +35,19 @@ def _data(path) -> bytes:
 )
 @pytest.mark.parametrize("reads", [3, 4096], ids=["three-reads-a-batch", "one-batch"])
 @pytest.mark.parametrize("numpy_copy", [False, True], ids=["memoryview-copies", "numpy-copies"])
+@pytest.mark.parametrize("inline", [True, False], ids=["read-by-main-thread", "read-ahead"])
 def test_uniform_steps_write_the_bytes_of_the_piece_path(
-    tiny, tmp_path, monkeypatch, arch, tp, ep, dtype, reads, numpy_copy
+    tiny, tmp_path, monkeypatch, arch, tp, ep, dtype, reads, numpy_copy, inline
 ):
     src = str(tiny(arch))
     if numpy_copy:  # reads copied into the batch by numpy (larger reads: NUMPY_COPY), not as memoryviews
         monkeypatch.setattr(wr, "NUMPY_COPY", 1)
+    # the source in the page cache: its uniform steps read by the main thread (FileReader.read_batch),
+    # or not: read ahead by the reader threads and copied into the batch
+    monkeypatch.setattr(FileReader, "inline", lambda self, file: inline)
+    batch_reads = []
+    read_batch = FileReader.read_batch
+    monkeypatch.setattr(FileReader, "read_batch", lambda self, *a: batch_reads.append(1) or read_batch(self, *a))
     experts = [t.nbytes for t in open_source(src).checkpoint.tensors.values() if ".experts." in t.name]
     chunk = reads * max(experts)  # a batch holds `reads` of the largest expert tensors
     monkeypatch.setattr(batch, "MIN_READS", 2)  # the tiny models have 8 experts
@@ -54,6 +62,7 @@ def test_uniform_steps_write_the_bytes_of_the_piece_path(
     monkeypatch.setattr(ex, "uniform", counting)
     fast = save(src, tmp_path / "a", tp=tp, ep=ep, dtype=dtype, max_part_size=DEFAULT_MAX_PART, chunk_bytes=chunk)
     assert sum(used) >= 2, "no uniform step taken: the test would compare the piece path with itself"
+    assert (len(batch_reads) >= 2) == inline
     if arch.endswith("-fp8") and not ep:  # TP: the experts' block scales in the backend's finer blocks
         assert sum(grown) >= 2, "no up-sampled uniform step taken"
     monkeypatch.setattr(ex, "uniform", lambda step, tensors, limit: None)
@@ -144,3 +153,31 @@ def test_a_step_with_any_read_unlike_the_first_is_not_uniform(tiny):
         assert batch.uniform(w13, other, 1 << 20) is None
     finally:
         batch.MIN_READS = batch_min
+
+
+def test_small_batches_share_a_buffer_while_they_fit():
+    """A layer's experts at EP are a few MB a step, which the writers hold (as views) until their
+    stage goes to disk several steps later: consecutive batches go one after the other into the same
+    buffer (page-aligned), so that the main thread does not wait for the writers every other step."""
+    from reshard.io.dtypes import Caster
+    from reshard.io.memory import ALIGN, Memory
+
+    mem = Memory(64 << 20, 1 << 20)
+    b = batch.Batches(mem, lambda: None, 1 << 20, Caster("cpu"), lambda n: None)
+    b.size = mem.reserve(2 << 20) // 2
+    held = []  # the writers' views: none given back during the test
+    first, off = b._region(5000)
+    assert off == 0
+    held.append(first)
+    for want in (ALIGN * 2, ALIGN * 4):
+        buf, off = b._region(5000)
+        assert (buf, off) == (first, want)
+        held.append(buf)
+    other, off = b._region((1 << 20) - ALIGN)  # does not fit after them: the other buffer
+    assert other is not first and off == 0
+    held.append(other)
+    for buf in held:
+        buf.release()
+    assert first.refs == 0 and other.refs == 1  # the buffer being filled: held until `close`
+    b.close()
+    assert other.refs == 0 and len(mem.reused) == 2

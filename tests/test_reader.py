@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from reshard import settings
+from reshard.errors import SourceError
 from reshard.format import TensorInfo
 from reshard.io import direct as direct_module
 from reshard.io.direct import cached_share
@@ -164,3 +165,62 @@ def test_a_failing_source_disk_is_a_source_error(tiny, tmp_path, monkeypatch, di
     code, _, err = run("save", str(src), str(tmp_path / "out"), "--tp", "2")
     assert code == 4 and "cannot read" in err and ".safetensors: Input/output error" in err, err
     assert not (tmp_path / "out").exists()
+
+
+class _Read:
+    """One read (reshard.io.reader.ByteRange): bytes [start, start + nbytes) of tensor `info`."""
+
+    def __init__(self, info: TensorInfo, start: int, nbytes: int) -> None:
+        self.info, self.start, self.nbytes = info, start, nbytes
+
+
+def test_batch_reads_land_in_order_one_preadv_per_run_that_follows_on(tmp_path, monkeypatch):
+    """`read_batch` (a uniform step's reads of cached files, made by the main thread): every read's
+    bytes in its place, reads that follow each other in one file made with one system call."""
+    monkeypatch.setenv("RESHARD_DIRECT_READS", "auto")
+    a, b = os.urandom(64 * 256), os.urandom(64 * 256)
+    (tmp_path / "a.safetensors").write_bytes(a)
+    (tmp_path / "b.safetensors").write_bytes(b)
+    info = {
+        (f, k): TensorInfo(f"{f}{k}", "U8", (64,), f"{f}.safetensors", 64 * k, 64) for f in "ab" for k in range(256)
+    }
+    # a run of 3, a gap, a run of 2, the other file (a run of 2), back to the first file (out of order)
+    order = [("a", 0), ("a", 1), ("a", 2), ("a", 5), ("a", 6), ("b", 7), ("b", 8), ("a", 3)]
+    reads = [_Read(info[key], 0, 64) for key in order]
+    monkeypatch.setattr(direct_module, "_cachestat", lambda fd, size: 1.0)  # in the page cache
+    reader = FileReader(tmp_path)
+    assert reader.inline("a.safetensors") and reader.inline("b.safetensors")
+    calls = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, pos: calls.append(pos) or preadv(fd, bufs, pos))
+    out = memoryview(bytearray(64 * len(order)))
+    reader.read_batch(reads, out, 64)
+    want = b"".join((a if f == "a" else b)[64 * k : 64 * k + 64] for f, k in order)
+    assert bytes(out) == want
+    assert calls == [0, 5 * 64, 7 * 64, 3 * 64]
+    reader.close()
+
+
+def test_batch_reads_only_of_cached_files_read_through_the_cache(tmp_path, monkeypatch, data_file):
+    path, _ = data_file
+    monkeypatch.setenv("RESHARD_DIRECT_READS", "1")  # every file with O_DIRECT: the reader threads read it
+    assert not FileReader(path.parent).inline(path.name)
+    monkeypatch.setenv("RESHARD_DIRECT_READS", "0")
+    reader = FileReader(path.parent)
+    monkeypatch.setattr(direct_module, "_cachestat", lambda fd, size: 0.1)  # mostly not in the cache
+    monkeypatch.setattr(direct_module, "_mincore", lambda fd, size: 0.1)
+    assert not reader.inline(path.name)  # read ahead by the reader threads, not waited for one at a time
+    reader.close()
+
+
+def test_a_batch_read_of_a_file_cut_short_is_a_source_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESHARD_DIRECT_READS", "0")
+    (tmp_path / "a.safetensors").write_bytes(os.urandom(64 * 4))
+    reads = [_Read(TensorInfo(f"t{k}", "U8", (64,), "a.safetensors", 64 * k, 64), 0, 64) for k in range(4)]
+    monkeypatch.setattr(direct_module, "_cachestat", lambda fd, size: 1.0)
+    reader = FileReader(tmp_path)
+    assert reader.inline("a.safetensors")
+    os.truncate(tmp_path / "a.safetensors", 64 * 3)
+    with pytest.raises(SourceError, match="truncated while reading t0"):
+        reader.read_batch(reads, memoryview(bytearray(64 * 4)), 64)
+    reader.close()
