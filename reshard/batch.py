@@ -277,9 +277,8 @@ class Batches:
         """Take the step's `reads` from the prefetcher, in order (or read them with `read_batch`
         where given: `AlignedReader.read_batch`), and write every holder's pieces."""
         n, get = len(reads), self.get
-        if self.size is None:  # two buffers for the run, reused: no page faults, no heap to fragment
-            self.size = self.mem.reserve(2 * self.batch_bytes) // 2
-            assert self.size == self.batch_bytes  # a uniform step's reads are at most batch_bytes each
+        self.reserve()
+        assert self.size is not None
         per = batch_reads(u, self.size)
         for base in range(0, n, per):
             k = min(per, n - base)
@@ -299,6 +298,12 @@ class Batches:
         for h in holders:
             if h.cursor != count(h.tensor.pieces):
                 raise AssertionError(f"{h.tensor.name}: pieces left unwritten")
+
+    def reserve(self) -> None:
+        """Set the two buffers' bytes aside in the fresh budget (once, when first needed)."""
+        if self.size is None:  # two buffers for the run, reused: no page faults, no heap to fragment
+            self.size = self.mem.reserve(2 * self.batch_bytes) // 2
+            assert self.size == self.batch_bytes  # a uniform step's reads are at most batch_bytes each
 
     def _region(self, nbytes: int) -> tuple[Reused, int]:
         """Where the next batch goes: after the last one in the same buffer while it fits (a page

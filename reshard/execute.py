@@ -21,7 +21,7 @@ Threads overlap so that a save runs at the disk's speed (docs/benchmarks.md):
   taking the same slice of each) go in batches (`reshard.batch`): small reads copied into a reused
   batch buffer, each rank's share of a batch handed over as one view. Where those reads' files are
   in the page cache, the main thread copies them out of it into the batch buffer itself
-  (`AlignedReader.inline`), not through the reader threads: at 200k reads of a few KB the threads'
+  (`reshard.spans`), not through the reader threads: at 200k reads of a few KB the threads'
   hand-over of each read cost more than the read;
 - one writer thread per open output file (`reshard.io.worker`) gathers strided views (column
   slices) into an aligned stage and hashes it (BLAKE3 by default); contiguous views that line up
@@ -50,11 +50,11 @@ from reshard.format import ITEMSIZE, TensorInfo
 from reshard.io.dtypes import Caster, dequantize_fp8, fill_bytes, pad_rows, upsample
 from reshard.io.memory import Lease, Memory, metadata_budget
 from reshard.io.prefetch import Prefetcher
-from reshard.io.reader import AlignedReader
 from reshard.io.worker import Worker
 from reshard.io.writer import FileWriter, Sink, Written
 from reshard.plan import Cols, Fill, OutFile, OutTensor, Plan, Slice, flat
 from reshard.schedule import ALL_ROWS, DEFAULT_CHUNK, Read, Step, bounds, file_header, schedule, shape_of
+from reshard.spans import InlineReads, ReadBatch
 
 # ---- the executor ----------------------------------------------------------------------------------
 
@@ -189,15 +189,18 @@ class Executor:
                 self.done.append(self.sink(f, self.header(f)).close(self.sync))
         try:
             uniforms = [uniform(step, [t for _, t in step.slots], self.batch_bytes) for step in steps]
-            inline = [u is not None and self._inline(step) for step, u in zip(steps, uniforms, strict=True)]
-            ahead = [r for step, i in zip(steps, inline, strict=True) if not i for r in step.reads]
-            self.prefetch = Prefetcher(self.reader, self.mem, ahead)
+            reads = InlineReads(self.reader, steps, [u is not None for u in uniforms])
+            self.prefetch = Prefetcher(self.reader, self.mem, reads.ahead)
             self.batches = Batches(self.mem, self.prefetch.get, self.batch_bytes, self.cast, self.progress)
-            for step, u, i in zip(steps, uniforms, inline, strict=True):
+            if reads.any:  # a buffer for stretches several steps read (reshard.spans), after the batches'
+                self.batches.reserve()
+                reads.plan(self.mem.reserve(self.batch_bytes))
+            for k, (step, u) in enumerate(zip(steps, uniforms, strict=True)):
+                read_batch = reads.at(k)
                 holders = [_Holder(t, self._writer(f)) for f, t in step.slots]
                 for h in holders:
                     h.writer.begin(h.tensor)
-                self._emit(step, holders, u, i)
+                self._emit(step, holders, u, read_batch)
                 for name in step.closes:
                     w = self.open.pop(name)
                     w.close(self.sync)
@@ -234,19 +237,13 @@ class Executor:
 
     # ---- one step: a tensor name, all ranks ----------------------------------------------------
 
-    def _inline(self, step: Step) -> bool:
-        """Whether a uniform step's reads are made where they are used (`AlignedReader.inline`), not
-        read ahead by the reader threads."""
-        if not isinstance(self.reader, AlignedReader):
-            return False
-        return all(map(self.reader.inline, {r.info.file for r in step.reads}))
-
-    def _emit(self, step: Step, holders: list[_Holder], u: Uniform | None, inline: bool) -> None:
-        """Take the step's reads from the prefetcher, in order (or, `inline`, from the reader as the
-        uniform step `u` uses them), and emit every holder's pieces."""
+    def _emit(self, step: Step, holders: list[_Holder], u: Uniform | None, read_batch: ReadBatch | None) -> None:
+        """Take the step's reads from the prefetcher, in order (or, for the uniform step `u` where
+        given, with `read_batch`: `AlignedReader.read_batch`, `spans.copy_reads`), and emit every
+        holder's pieces."""
         assert self.prefetch is not None and self.batches is not None
         if u is not None:
-            self.batches.emit(step.reads, holders, u, self.reader.read_batch if inline else None)
+            self.batches.emit(step.reads, holders, u, read_batch)
             return
         for h in holders:  # a piece at a time: experts' stacks as their slices (the reads are the same)
             pieces = flat(h.tensor.pieces)

@@ -142,15 +142,20 @@ def test_cached_share_of_an_empty_file_is_unknown(tmp_path):
     assert cached_share(tmp_path / "e") is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
 @pytest.mark.parametrize("direct", ["0", "1"])
-def test_a_failing_source_disk_is_a_source_error(tiny, tmp_path, monkeypatch, direct):
+def test_a_failing_source_disk_is_a_source_error(tiny, tmp_path, monkeypatch, direct, arch):
     """EIO (or a stale, disconnected mount) reading a source shard is exit 4 naming the shard, through the page
-    cache as with O_DIRECT: it was told as `cannot write OUT_DIR` (exit 5), blaming the output's disk."""
+    cache as with O_DIRECT: it was told as `cannot write OUT_DIR` (exit 5), blaming the output's disk. The
+    MoE's experts (uniform steps: reshard.batch) are read by the main thread where they are cached
+    (reshard.spans), by the reader threads where not."""
     import errno
 
+    import reshard.batch
     from tests.fixtures.cli import run
 
-    src = tiny("llama")
+    monkeypatch.setattr(reshard.batch, "MIN_READS", 2)  # the tiny MoE has 8 experts
+    src = tiny(arch)
     real = os.preadv
 
     def preadv(fd, buffers, offset, *flags):
@@ -223,4 +228,28 @@ def test_a_batch_read_of_a_file_cut_short_is_a_source_error(tmp_path, monkeypatc
     os.truncate(tmp_path / "a.safetensors", 64 * 3)
     with pytest.raises(SourceError, match="truncated while reading t0"):
         reader.read_batch(reads, memoryview(bytearray(64 * 4)), 64)
+    reader.close()
+
+
+def test_a_span_read_of_a_file_cut_short_or_failing_is_a_source_error(tmp_path, monkeypatch):
+    """`read_span` (a stretch several uniform steps read, reshard.spans): errors as every other read's."""
+    import errno
+
+    (tmp_path / "a.safetensors").write_bytes(os.urandom(64 * 4))
+    t = TensorInfo("t0", "U8", (64,), "a.safetensors", 0, 64)
+    reader = FileReader(tmp_path)
+    reader.fd("a.safetensors")
+    out = memoryview(bytearray(64 * 4))
+    reader.read_span(t, 0, out)
+    assert bytes(out) == (tmp_path / "a.safetensors").read_bytes()
+    os.truncate(tmp_path / "a.safetensors", 64 * 3)
+    with pytest.raises(SourceError, match="truncated while reading t0"):
+        reader.read_span(t, 0, out)
+
+    def eio(fd, buffers, offset, *flags):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "preadv", eio)
+    with pytest.raises(SourceError, match=r"cannot read .*a\.safetensors: Input/output error"):
+        reader.read_span(t, 0, out[:64])
     reader.close()

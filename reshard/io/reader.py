@@ -83,6 +83,10 @@ class AlignedReader(abc.ABC):
         """Reads of `nbytes` each, of files `inline` said yes to, one after the other into `out`."""
         raise NotImplementedError
 
+    def read_span(self, t: TensorInfo, pos: int, out: memoryview) -> None:
+        """Bytes [pos, pos + len(out)) of the file of `t` (one `inline` said yes to) into `out`."""
+        raise NotImplementedError
+
     def expect(self, reads: Sequence[ByteRange]) -> None:
         """The reads to come, in order, told before the first is made (a Hub
         reader fetches bytes that several of them use once: reshard.sources.hubshare). Default: nothing."""
@@ -195,6 +199,13 @@ class FileReader(AlignedReader):
             except OSError as e:
                 raise self._read_error(info, e) from e
             i = j
+
+    def read_span(self, t: TensorInfo, pos: int, out: memoryview) -> None:
+        fd = self.fds[t.file]
+        try:
+            self._fill(fd, t, pos, out, len(out))
+        except OSError as e:
+            raise self._read_error(t, e) from e
 
     def _direct_fd(self, name: str) -> int | None:
         if name not in self.direct_fds:

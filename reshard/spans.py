@@ -1,0 +1,154 @@
+"""Where the reads of uniform steps of cached files are made: by the main thread, as it uses them.
+
+A uniform step (reshard.batch: an MoE layer's experts) whose files are in the page cache
+(`AlignedReader.inline`) is read by the main thread straight into the batch buffer, not read
+ahead by the reader threads: at 200k reads of a few KB their hand-over of each read cost more
+than the read (`InlineReads`).
+
+Uniform steps that between them read one stretch of a cached file: the stretch read once, whole.
+
+An MoE layer's experts lie side by side in their file (by name: each expert's down, gate and up
+projections), and the layer's uniform steps (reshard.batch: the stacked gate and up projections,
+then the down projections) read all of them, each step every other tensor. Read step by step, that
+was a `preadv` per expert's gate and up pair and one per down projection: 132k system calls and
+1.1 s of the main thread at 200k tensors of 4 KB (issue 28). Where consecutive uniform steps of
+files in the page cache (`AlignedReader.inline`) read, between them, every byte of one stretch of
+one file exactly once, and the stretch fits in the span buffer, it is read in one go and each step
+copies its reads out of it. Every source byte is still read once; a stretch with a byte no step
+reads, or one read twice, is not a span.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import pairwise
+from typing import NamedTuple
+
+from reshard.io.memory import aligned_buffer
+from reshard.io.reader import AlignedReader
+from reshard.schedule import Read, Step
+
+ReadBatch = Callable[[Sequence[Read], memoryview, int], None]  # AlignedReader.read_batch's contract
+
+MAX_STEPS = 8  # steps one span may serve (a layer's experts: 2 to 4 steps)
+
+
+class Span(NamedTuple):
+    """Bytes [lo, hi) of `file`, read by `steps` consecutive steps; `first`: a tensor read from it
+    (what an error names)."""
+
+    first: Read
+    lo: int
+    hi: int
+    steps: int
+
+
+def spans(steps: Sequence[Step], inline: Sequence[bool], limit: int) -> dict[int, Span]:
+    """The spans of `steps` (whose uniform steps of cached files `inline` marks), by the index of
+    the first step each serves: for each run of inline steps, from its start, the most steps (at most
+    MAX_STEPS, at most `limit` bytes) whose reads tile one stretch of one file."""
+    out: dict[int, Span] = {}
+    k, n = 0, len(steps)
+    while k < n:
+        if not inline[k]:
+            k += 1
+            continue
+        best, file, lo, hi, total = None, None, None, None, 0
+        m = k
+        while m < n and inline[m] and m - k < MAX_STEPS:
+            reads = steps[m].reads
+            total += sum(r.nbytes for r in reads)
+            if total > limit:
+                break
+            if file is None:
+                file, lo, hi = reads[0].info.file, _begin(reads[0]), _begin(reads[0])
+            if any(r.info.file != file for r in reads):
+                break
+            lo = min(lo, *map(_begin, reads))
+            hi = max(hi, *(_begin(r) + r.nbytes for r in reads))
+            if hi - lo == total and _tiled(steps[k : m + 1]):
+                best = Span(steps[k].reads[0], lo, hi, m - k + 1)
+            m += 1
+        if best is None:
+            k += 1
+        else:
+            out[k] = best
+            k += best.steps
+    return out
+
+
+def _begin(r: Read) -> int:
+    return r.info.offset + r.start
+
+
+def _tiled(steps: Sequence[Step]) -> bool:
+    """Whether the steps' reads (as many bytes as their stretch holds) overlap nowhere: then each
+    byte of it is read exactly once."""
+    ranges = sorted((_begin(r), r.nbytes) for s in steps for r in s.reads)
+    return all(a + size <= b for (a, size), (b, _) in pairwise(ranges))
+
+
+def copy_reads(span: memoryview, lo: int, reads: Sequence[Read], out: memoryview, nbytes: int) -> None:
+    """Reads of `nbytes` each, out of `span` (the file's bytes from `lo`), one after the other into
+    `out` (`AlignedReader.read_batch`'s contract); reads that follow each other in the file in one copy."""
+    n, i = len(reads), 0
+    while i < n:
+        pos = end = _begin(reads[i]) - lo
+        j = i
+        while j < n and _begin(reads[j]) - lo == end:
+            end += nbytes
+            j += 1
+        out[i * nbytes : j * nbytes] = span[pos:end]
+        i = j
+
+
+class InlineReads:
+    """Which of `steps` the main thread reads itself, and how: `uniform[k]` says whether step k is
+    uniform; `reader`'s `inline` which files are in the page cache. `ahead`: the reads left to the
+    reader threads, in order. `plan` finds the spans (with a buffer of `limit` bytes); `at(k)` is how
+    step k is read (None: from the reader threads), called for every step in order."""
+
+    def __init__(self, reader: object, steps: Sequence[Step], uniform: Sequence[bool]) -> None:
+        self.reader = reader if isinstance(reader, AlignedReader) else None
+        self.steps = steps
+        self.inline = [u and self._inline(step) for step, u in zip(steps, uniform, strict=True)]
+        self.ahead = [r for step, i in zip(steps, self.inline, strict=True) if not i for r in step.reads]
+        self.spans: dict[int, Span] = {}
+        self.limit = 0
+        self.buf: mmap.mmap | None = None
+        self.span: tuple[memoryview, int] | None = None  # the stretch read last, and where it starts
+        self.left = 0  # steps it still serves
+
+    def _inline(self, step: Step) -> bool:
+        return self.reader is not None and all(map(self.reader.inline, {r.info.file for r in step.reads}))
+
+    @property
+    def any(self) -> bool:
+        return any(self.inline)
+
+    def plan(self, limit: int) -> None:
+        self.limit = limit
+        self.spans = spans(self.steps, self.inline, limit)
+
+    def at(self, k: int) -> ReadBatch | None:
+        if k in self.spans:
+            self.span, self.left = self._read(self.spans[k]), self.spans[k].steps
+        if self.left:
+            assert self.span is not None
+            self.left -= 1
+            return partial(copy_reads, *self.span)
+        if self.inline[k]:
+            assert self.reader is not None
+            return self.reader.read_batch
+        return None
+
+    def _read(self, span: Span) -> tuple[memoryview, int]:
+        """The stretch read into the span buffer (made when first needed): its view, where it starts."""
+        assert self.reader is not None
+        if self.buf is None:
+            self.buf = aligned_buffer(self.limit)
+        view = memoryview(self.buf)[: span.hi - span.lo]
+        self.reader.read_span(span.first.info, span.lo, view)
+        return view, span.lo
