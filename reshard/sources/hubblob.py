@@ -9,6 +9,15 @@ nothing of that file: it fetches what it needs and checks it as `--stream` does,
 the file's sha256 it reads the blob the other run publishes (`published_by_another`) rather than
 fetching the whole file too. Two writers of one blob renamed it into place twice (the second rename
 failed: exit 4) and one could write its bytes through the blob the other had published, unchecked.
+
+A run can store a range twice, the second copy over the first: a span of bytes several reads use,
+not kept in memory and fetched again in one request with the bytes before it (reshard.sources.hubshare),
+or two reader threads fetching the same bytes at once. The blob is published under the sha256 checked,
+so it must hold the bytes hashed, whichever copy was stored last: each copy stored is fed to the file's
+PrefixHasher or compared by digest with a copy that was (hubshare, hubgroups), and the hasher proves
+every copy fed of a byte equal to the byte it hashed (reshard.sources.prefixhash), else exit 4 before
+the rename (tests/test_hub_blob_twice.py). A copy stored from a fetch that failed part-way is never fed,
+and the run fails with it: the next run reads it back from the blob and hashes it.
 """
 
 from __future__ import annotations
@@ -110,6 +119,8 @@ class Blob:
             got += n
 
     def store(self, data: memoryview, pos: int) -> None:
+        """`data` at `pos`, over whatever the blob held there. The caller feeds it to the file's hash or
+        compares it with a copy that was (the module docstring): a copy nobody checked is never published."""
         assert self.fd is not None
         done = 0
         while done < len(data):

@@ -22,7 +22,7 @@ the bytes hashed are the bytes used); `finish` hashes the rest (from the complet
 with --stream) and checks the LFS sha256 before the save publishes (reshard.sources.integrity); a file
 stored in git, not LFS, is read once more, whole, for its git blob sha1. A blob holds exactly the bytes
 hashed: the header fetched for the plan is written over what an earlier run left in a partial blob
-(`Blob.put_head`).
+(`Blob.put_head`), and a range fetched and stored twice is checked in both copies (reshard.sources.hubblob).
 """
 
 from __future__ import annotations
