@@ -24,6 +24,7 @@ import mmap
 from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import pairwise
+from operator import add
 from typing import NamedTuple
 
 from reshard.io.memory import aligned_buffer
@@ -49,28 +50,21 @@ def spans(steps: Sequence[Step], inline: Sequence[bool], limit: int) -> dict[int
     """The spans of `steps` (whose uniform steps of cached files `inline` marks), by the index of
     the first step each serves: for each run of inline steps, from its start, the most steps (at most
     MAX_STEPS, at most `limit` bytes) whose reads tile one stretch of one file."""
+    extents = [_extent(step) if i else None for step, i in zip(steps, inline, strict=True)]
     out: dict[int, Span] = {}
     k, n = 0, len(steps)
     while k < n:
-        if not inline[k]:
-            k += 1
-            continue
-        best, file, lo, hi, total = None, None, None, None, 0
-        m = k
-        while m < n and inline[m] and m - k < MAX_STEPS:
-            reads = steps[m].reads
-            total += sum(r.nbytes for r in reads)
-            if total > limit:
-                break
-            if file is None:
-                file, lo, hi = reads[0].info.file, _begin(reads[0]), _begin(reads[0])
-            if any(r.info.file != file for r in reads):
-                break
-            lo = min(lo, *map(_begin, reads))
-            hi = max(hi, *(_begin(r) + r.nbytes for r in reads))
-            if hi - lo == total and _tiled(steps[k : m + 1]):
-                best = Span(steps[k].reads[0], lo, hi, m - k + 1)
-            m += 1
+        best, m = None, k
+        first = extents[k]
+        if first is not None:
+            file, lo, hi, total = first[0], first[1], first[2], 0
+            while m < n and m - k < MAX_STEPS and (e := extents[m]) is not None and e[0] == file:
+                lo, hi, total = min(lo, e[1]), max(hi, e[2]), total + e[3]
+                if total > limit:
+                    break
+                if hi - lo == total and _tiled(steps[k : m + 1]):
+                    best = Span(steps[k].reads[0], lo, hi, m - k + 1)
+                m += 1
         if best is None:
             k += 1
         else:
@@ -79,25 +73,35 @@ def spans(steps: Sequence[Step], inline: Sequence[bool], limit: int) -> dict[int
     return out
 
 
-def _begin(r: Read) -> int:
-    return r.info.offset + r.start
+def _extent(step: Step) -> tuple[str, int, int, int] | None:
+    """The one file a step reads, the stretch [lo, hi) its reads span and their bytes; None where it
+    reads more than one file."""
+    reads = step.reads
+    file = reads[0].info.file
+    if any(r.info.file != file for r in reads):
+        return None
+    begins = [r.info.offset + r.start for r in reads]
+    sizes = [r.nbytes for r in reads]
+    return file, min(begins), max(map(add, begins, sizes)), sum(sizes)
 
 
 def _tiled(steps: Sequence[Step]) -> bool:
     """Whether the steps' reads (as many bytes as their stretch holds) overlap nowhere: then each
     byte of it is read exactly once."""
-    ranges = sorted((_begin(r), r.nbytes) for s in steps for r in s.reads)
+    ranges = sorted((r.info.offset + r.start, r.nbytes) for s in steps for r in s.reads)
     return all(a + size <= b for (a, size), (b, _) in pairwise(ranges))
 
 
 def copy_reads(span: memoryview, lo: int, reads: Sequence[Read], out: memoryview, nbytes: int) -> None:
     """Reads of `nbytes` each, out of `span` (the file's bytes from `lo`), one after the other into
     `out` (`AlignedReader.read_batch`'s contract); reads that follow each other in the file in one copy."""
-    n, i = len(reads), 0
+    begins = [r.info.offset + r.start - lo for r in reads]
+    n, i = len(begins), 0
     while i < n:
-        pos = end = _begin(reads[i]) - lo
-        j = i
-        while j < n and _begin(reads[j]) - lo == end:
+        pos = end = begins[i]
+        j = i + 1
+        end += nbytes
+        while j < n and begins[j] == end:
             end += nbytes
             j += 1
         out[i * nbytes : j * nbytes] = span[pos:end]
