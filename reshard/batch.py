@@ -254,15 +254,9 @@ class Batches:
     first needed). (Large reads cut where they were read, without that copy, cost a cold FP8 MoE
     save more CPU, not less: their rank pieces then went to disk as many small writes.)"""
 
-    def __init__(
-        self,
-        mem: Memory,
-        get: Callable[[], tuple[memoryview, Lease]],
-        batch_bytes: int,
-        cast: Caster,
-        progress: Callable[[int], None],
-    ) -> None:
-        self.mem, self.get, self.batch_bytes, self.cast, self.progress = mem, get, batch_bytes, cast, progress
+    def __init__(self, mem: Memory, batch_bytes: int, cast: Caster, progress: Callable[[int], None]) -> None:
+        self.mem, self.batch_bytes, self.cast, self.progress = mem, batch_bytes, cast, progress
+        self.get: Callable[[], tuple[memoryview, Lease]] | None = None  # the prefetcher's, set before the first emit
         self.size: int | None = None
         self.cur: Reused | None = None  # the batch buffer being filled (one reference ours), to `off`
         self.off = 0
@@ -285,6 +279,7 @@ class Batches:
             buf, off = self._region(k * u.nbytes)
             try:
                 if read_batch is None:
+                    assert get is not None
                     fill(memoryview(buf.buf)[off:], get, k, u.nbytes)
                 else:
                     read_batch(reads[base : base + k], memoryview(buf.buf)[off : off + k * u.nbytes], u.nbytes)

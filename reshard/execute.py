@@ -190,11 +190,12 @@ class Executor:
         try:
             uniforms = [uniform(step, [t for _, t in step.slots], self.batch_bytes) for step in steps]
             reads = InlineReads(self.reader, steps, [u is not None for u in uniforms])
-            self.prefetch = Prefetcher(self.reader, self.mem, reads.ahead)
-            self.batches = Batches(self.mem, self.prefetch.get, self.batch_bytes, self.cast, self.progress)
+            self.batches = Batches(self.mem, self.batch_bytes, self.cast, self.progress)
             if reads.any:  # a buffer for stretches several steps read (reshard.spans), after the batches'
                 self.batches.reserve()
                 reads.plan(self.mem.reserve(self.batch_bytes))
+            self.prefetch = Prefetcher(self.reader, self.mem, reads.ahead)
+            self.batches.get = self.prefetch.get
             for k, (step, u) in enumerate(zip(steps, uniforms, strict=True)):
                 read_batch = reads.at(k)
                 holders = [_Holder(t, self._writer(f)) for f, t in step.slots]

@@ -1,21 +1,21 @@
-"""Where the reads of uniform steps of cached files are made: by the main thread, as it uses them.
+"""Where the reads of uniform steps are made: by the main thread as it uses them, or read ahead.
 
-A uniform step (reshard.batch: an MoE layer's experts) whose files are in the page cache
-(`AlignedReader.inline`) is read by the main thread straight into the batch buffer, not read
-ahead by the reader threads: at 200k reads of a few KB their hand-over of each read cost more
-than the read (`InlineReads`).
-
-Uniform steps that between them read one stretch of a cached file: the stretch read once, whole.
+A uniform step (reshard.batch: an MoE layer's experts, hundreds of reads of one shape) whose files
+are in the page cache (`AlignedReader.inline`) is read by the main thread straight into the batch
+buffer, not read ahead by the reader threads: at 200k reads of a few KB their hand-over of each read
+cost more than the read (`InlineReads`).
 
 An MoE layer's experts lie side by side in their file (by name: each expert's down, gate and up
-projections), and the layer's uniform steps (reshard.batch: the stacked gate and up projections,
-then the down projections) read all of them, each step every other tensor. Read step by step, that
-was a `preadv` per expert's gate and up pair and one per down projection: 132k system calls and
-1.1 s of the main thread at 200k tensors of 4 KB (issue 28). Where consecutive uniform steps of
-files in the page cache (`AlignedReader.inline`) read, between them, every byte of one stretch of
-one file exactly once, and the stretch fits in the span buffer, it is read in one go and each step
-copies its reads out of it. Every source byte is still read once; a stretch with a byte no step
-reads, or one read twice, is not a span.
+projections), and the layer's uniform steps (the stacked gate and up projections, then the down
+projections) read all of them, each step every other tensor. Read step by step, that was a
+`preadv` per expert's gate and up pair and one per down projection: 132k system calls and 1.1 s of
+the main thread at 200k tensors of 4 KB (issue 28); not in the page cache, an O_DIRECT read of a
+page or two per tensor, ~50 us of system time each: 19 s where `cp` takes 1.7. Where consecutive
+uniform steps, of cached files or of small reads, read between them every byte of one stretch of
+one file exactly once, and the stretch fits in the span buffer, it is read in one go (with O_DIRECT
+where the file is read so) and each step copies its reads out of it: a span. Every source byte is
+still read once; a stretch with a byte no step reads, or one read twice, is not a span. A real
+release's layer (GBs of experts) is no span: its reads are large, read ahead as before.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from itertools import pairwise
 from operator import add
 from typing import NamedTuple
 
-from reshard.io.memory import aligned_buffer
+from reshard.io.memory import ALIGN, aligned_buffer
+from reshard.io.prefetch import SMALL_READ
 from reshard.io.reader import AlignedReader
 from reshard.schedule import Read, Step
 
@@ -110,15 +111,21 @@ def copy_reads(span: memoryview, lo: int, reads: Sequence[Read], out: memoryview
 
 class InlineReads:
     """Which of `steps` the main thread reads itself, and how: `uniform[k]` says whether step k is
-    uniform; `reader`'s `inline` which files are in the page cache. `ahead`: the reads left to the
-    reader threads, in order. `plan` finds the spans (with a buffer of `limit` bytes); `at(k)` is how
-    step k is read (None: from the reader threads), called for every step in order."""
+    uniform; `reader`'s `inline` which files are in the page cache. A uniform step of cached files is
+    read by the main thread (`AlignedReader.read_batch`); so is one of small reads (an expert of a few
+    KB) of a file not in the cache, where its stretch is a span (read whole, with O_DIRECT: one read
+    per 4 KB tensor cost ~50 us of system time each, 10x `cp` at 200k tensors). Call `plan` (the
+    span buffer's size), then `at(k)` for every step in order: how step k is read (None: by the
+    reader threads, which read `ahead`)."""
 
     def __init__(self, reader: object, steps: Sequence[Step], uniform: Sequence[bool]) -> None:
         self.reader = reader if isinstance(reader, AlignedReader) else None
         self.steps = steps
         self.inline = [u and self._inline(step) for step, u in zip(steps, uniform, strict=True)]
-        self.ahead = [r for step, i in zip(steps, self.inline, strict=True) if not i for r in step.reads]
+        spanning = self.reader is not None and self.reader.reads_spans
+        self.spannable = [
+            i or (u and spanning and _small(step)) for step, u, i in zip(steps, uniform, self.inline, strict=True)
+        ]
         self.spans: dict[int, Span] = {}
         self.limit = 0
         self.buf: mmap.mmap | None = None
@@ -130,11 +137,20 @@ class InlineReads:
 
     @property
     def any(self) -> bool:
-        return any(self.inline)
+        return any(self.spannable)
 
     def plan(self, limit: int) -> None:
+        """The spans, with a buffer of `limit` bytes (a stretch read with O_DIRECT takes up to a page
+        more at each end)."""
         self.limit = limit
-        self.spans = spans(self.steps, self.inline, limit)
+        self.spans = spans(self.steps, self.spannable, limit - 2 * ALIGN)
+
+    @property
+    def ahead(self) -> list[Read]:
+        """The reads the reader threads make, in order: those of the steps the main thread does not read."""
+        served = {k + d for k, s in self.spans.items() for d in range(s.steps)}
+        mine = [i or k in served for k, i in enumerate(self.inline)]
+        return [r for step, m in zip(self.steps, mine, strict=True) if not m for r in step.reads]
 
     def at(self, k: int) -> ReadBatch | None:
         if k in self.spans:
@@ -153,6 +169,10 @@ class InlineReads:
         assert self.reader is not None
         if self.buf is None:
             self.buf = aligned_buffer(self.limit)
-        view = memoryview(self.buf)[: span.hi - span.lo]
-        self.reader.read_span(span.first.info, span.lo, view)
+        view = self.reader.read_span(span.first.info, span.lo, span.hi - span.lo, memoryview(self.buf))
         return view, span.lo
+
+
+def _small(step: Step) -> bool:
+    """Reads small enough that one each costs more than the bytes (reshard.io.prefetch's runs)."""
+    return sum(r.nbytes for r in step.reads) <= SMALL_READ * len(step.reads)

@@ -35,16 +35,20 @@ def _data(path) -> bytes:
 )
 @pytest.mark.parametrize("reads", [3, 4096], ids=["three-reads-a-batch", "one-batch"])
 @pytest.mark.parametrize("numpy_copy", [False, True], ids=["memoryview-copies", "numpy-copies"])
-@pytest.mark.parametrize("inline", [True, False], ids=["read-by-main-thread", "read-ahead"])
+@pytest.mark.parametrize("how", ["cached", "not-cached", "read-ahead"])
 def test_uniform_steps_write_the_bytes_of_the_piece_path(
-    tiny, tmp_path, monkeypatch, arch, tp, ep, dtype, reads, numpy_copy, inline
+    tiny, tmp_path, monkeypatch, arch, tp, ep, dtype, reads, numpy_copy, how
 ):
     src = str(tiny(arch))
     if numpy_copy:  # reads copied into the batch by numpy (larger reads: NUMPY_COPY), not as memoryviews
         monkeypatch.setattr(wr, "NUMPY_COPY", 1)
-    # the source in the page cache: its uniform steps read by the main thread (FileReader.read_batch),
-    # or not: read ahead by the reader threads and copied into the batch
+    # the source in the page cache: its uniform steps read by the main thread (FileReader.read_batch,
+    # or whole stretches: reshard.spans); not in it: stretches of small reads read whole by the main
+    # thread, the rest read ahead by the reader threads; read-ahead: everything by the reader threads
+    inline = how == "cached"
     monkeypatch.setattr(FileReader, "inline", lambda self, file: inline)
+    if how == "read-ahead":
+        monkeypatch.setattr(FileReader, "reads_spans", False)
     batch_reads = []
     read_batch = FileReader.read_batch
     monkeypatch.setattr(FileReader, "read_batch", lambda self, *a: batch_reads.append(1) or read_batch(self, *a))
@@ -65,8 +69,11 @@ def test_uniform_steps_write_the_bytes_of_the_piece_path(
     monkeypatch.setattr(ex, "uniform", counting)
     fast = save(src, tmp_path / "a", tp=tp, ep=ep, dtype=dtype, max_part_size=DEFAULT_MAX_PART, chunk_bytes=chunk)
     assert sum(used) >= 2, "no uniform step taken: the test would compare the piece path with itself"
-    assert (len(batch_reads) + len(span_reads) >= 2) == inline
-    if inline and reads > 3 and arch in ("qwen3-moe", "mixtral"):  # a layer's experts: read whole, once
+    if how == "cached":
+        assert len(batch_reads) + len(span_reads) >= 2
+    else:
+        assert not batch_reads and (how == "not-cached" or not span_reads)
+    if how != "read-ahead" and reads > 3 and arch in ("qwen3-moe", "mixtral"):  # a layer's experts: read whole, once
         assert span_reads
     if arch.endswith("-fp8") and not ep:  # TP: the experts' block scales in the backend's finer blocks
         assert sum(grown) >= 2, "no up-sampled uniform step taken"
@@ -168,7 +175,7 @@ def test_small_batches_share_a_buffer_while_they_fit():
     from reshard.io.memory import ALIGN, Memory
 
     mem = Memory(64 << 20, 1 << 20)
-    b = batch.Batches(mem, lambda: None, 1 << 20, Caster("cpu"), lambda n: None)
+    b = batch.Batches(mem, 1 << 20, Caster("cpu"), lambda n: None)
     b.size = mem.reserve(2 << 20) // 2
     held = []  # the writers' views: none given back during the test
     first, off = b._region(5000)

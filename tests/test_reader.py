@@ -237,19 +237,36 @@ def test_a_span_read_of_a_file_cut_short_or_failing_is_a_source_error(tmp_path, 
 
     (tmp_path / "a.safetensors").write_bytes(os.urandom(64 * 4))
     t = TensorInfo("t0", "U8", (64,), "a.safetensors", 0, 64)
+    monkeypatch.setenv("RESHARD_DIRECT_READS", "0")
     reader = FileReader(tmp_path)
-    reader.fd("a.safetensors")
-    out = memoryview(bytearray(64 * 4))
-    reader.read_span(t, 0, out)
-    assert bytes(out) == (tmp_path / "a.safetensors").read_bytes()
+    buf = memoryview(aligned_buffer(3 * ALIGN))
+    got = reader.read_span(t, 0, 64 * 4, buf)
+    assert bytes(got) == (tmp_path / "a.safetensors").read_bytes()
     os.truncate(tmp_path / "a.safetensors", 64 * 3)
     with pytest.raises(SourceError, match="truncated while reading t0"):
-        reader.read_span(t, 0, out)
+        reader.read_span(t, 0, 64 * 4, buf)
 
     def eio(fd, buffers, offset, *flags):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "preadv", eio)
     with pytest.raises(SourceError, match=r"cannot read .*a\.safetensors: Input/output error"):
-        reader.read_span(t, 0, out[:64])
+        reader.read_span(t, 0, 64, buf)
+    reader.close()
+
+
+@pytest.mark.parametrize("mode", ["0", "1"])
+@pytest.mark.parametrize("pos, nbytes", [(0, 5 * ALIGN + 1234), (3, 10), (ALIGN - 1, ALIGN + 2), (2 * ALIGN, ALIGN)])
+def test_a_span_read_gives_the_file_bytes_through_the_cache_or_with_o_direct(monkeypatch, data_file, mode, pos, nbytes):
+    """`read_span`: a stretch read whole (reshard.spans), with O_DIRECT where the file is read so: the
+    block-aligned stretch around it, the bytes a view of it, the file's end cut short."""
+    path, data = data_file
+    if mode == "1" and not direct_io_works(path):
+        pytest.skip("O_DIRECT not supported here")
+    monkeypatch.setenv("RESHARD_DIRECT_READS", mode)
+    reader = FileReader(path.parent)
+    t = TensorInfo("w", "U8", (len(data),), path.name, 0, len(data))
+    got = reader.read_span(t, pos, nbytes, memoryview(aligned_buffer(nbytes + 2 * ALIGN)))
+    assert bytes(got) == data[pos : pos + nbytes]
+    assert (reader.direct_fds[path.name] is not None) == (mode == "1")
     reader.close()

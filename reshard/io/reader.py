@@ -83,8 +83,11 @@ class AlignedReader(abc.ABC):
         """Reads of `nbytes` each, of files `inline` said yes to, one after the other into `out`."""
         raise NotImplementedError
 
-    def read_span(self, t: TensorInfo, pos: int, out: memoryview) -> None:
-        """Bytes [pos, pos + len(out)) of the file of `t` (one `inline` said yes to) into `out`."""
+    reads_spans = False  # it has `read_span`
+
+    def read_span(self, t: TensorInfo, pos: int, nbytes: int, buf: memoryview) -> memoryview:
+        """Bytes [pos, pos + nbytes) of the file of `t`, read into `buf` (page-aligned, `nbytes` and
+        a page more at each end); a view of them."""
         raise NotImplementedError
 
     def expect(self, reads: Sequence[ByteRange]) -> None:
@@ -200,10 +203,29 @@ class FileReader(AlignedReader):
                 raise self._read_error(info, e) from e
             i = j
 
-    def read_span(self, t: TensorInfo, pos: int, out: memoryview) -> None:
-        fd = self.fds[t.file]
+    reads_spans = True
+
+    def read_span(self, t: TensorInfo, pos: int, nbytes: int, buf: memoryview) -> memoryview:
+        """With O_DIRECT where the file is read so (mostly not in the page cache): the block-aligned
+        stretch around the bytes, in one read."""
+        self.fd(t.file)
+        fd = self._direct_fd(t.file)
         try:
-            self._fill(fd, t, pos, out, len(out))
+            if fd is not None:
+                a0 = pos // ALIGN * ALIGN
+                a1 = -(-(pos + nbytes) // ALIGN) * ALIGN
+                try:
+                    self._fill(fd, t, a0, buf[: a1 - a0], pos + nbytes - a0)
+                    return buf[pos - a0 : pos - a0 + nbytes]
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    with self.lock:  # O_DIRECT refused for reads: buffered from now on
+                        if self.direct_fds.get(t.file) == fd:
+                            self.direct_fds[t.file] = None
+                            self.stale.append(fd)
+            self._fill(self.fds[t.file], t, pos, buf[:nbytes], nbytes)
+            return buf[:nbytes]
         except OSError as e:
             raise self._read_error(t, e) from e
 
