@@ -191,9 +191,12 @@ class Executor:
             uniforms = [uniform(step, [t for _, t in step.slots], self.batch_bytes) for step in steps]
             reads = InlineReads(self.reader, steps, [u is not None for u in uniforms])
             self.batches = Batches(self.mem, self.batch_bytes, self.cast, self.progress)
-            if reads.any:  # a buffer for stretches several steps read (reshard.spans), after the batches'
+            if reads.plan(
+                self.batch_bytes
+            ):  # a buffer for stretches steps read whole (reshard.spans), after the batches'
                 self.batches.reserve()
-                reads.plan(self.mem.reserve(self.batch_bytes))
+                got = self.mem.reserve(self.batch_bytes)
+                assert got == self.batch_bytes  # at most an eighth of the budget, under the quarter of what is left
             self.prefetch = Prefetcher(self.reader, self.mem, reads.ahead)
             self.batches.get = self.prefetch.get
             for k, (step, u) in enumerate(zip(steps, uniforms, strict=True)):

@@ -38,8 +38,8 @@ MAX_STEPS = 8  # steps one span may serve (a layer's experts: 2 to 4 steps)
 
 
 class Span(NamedTuple):
-    """Bytes [lo, hi) of `file`, read by `steps` consecutive steps; `first`: a tensor read from it
-    (what an error names)."""
+    """Bytes [lo, hi) of the file of `first` (a read of it: what an error names), read by `steps`
+    consecutive steps."""
 
     first: Read
     lo: int
@@ -47,11 +47,11 @@ class Span(NamedTuple):
     steps: int
 
 
-def spans(steps: Sequence[Step], inline: Sequence[bool], limit: int) -> dict[int, Span]:
-    """The spans of `steps` (whose uniform steps of cached files `inline` marks), by the index of
-    the first step each serves: for each run of inline steps, from its start, the most steps (at most
-    MAX_STEPS, at most `limit` bytes) whose reads tile one stretch of one file."""
-    extents = [_extent(step) if i else None for step, i in zip(steps, inline, strict=True)]
+def spans(steps: Sequence[Step], eligible: Sequence[bool], limit: int) -> dict[int, Span]:
+    """The spans of `steps` (of those `eligible` marks), by the index of the first step each serves:
+    from each eligible step, the most consecutive eligible steps (at most MAX_STEPS, at most `limit`
+    bytes) whose reads tile one stretch of one file."""
+    extents = [_extent(step) if e else None for step, e in zip(steps, eligible, strict=True)]
     out: dict[int, Span] = {}
     k, n = 0, len(steps)
     while k < n:
@@ -115,8 +115,8 @@ class InlineReads:
     read by the main thread (`AlignedReader.read_batch`); so is one of small reads (an expert of a few
     KB) of a file not in the cache, where its stretch is a span (read whole, with O_DIRECT: one read
     per 4 KB tensor cost ~50 us of system time each, 10x `cp` at 200k tensors). Call `plan` (the
-    span buffer's size), then `at(k)` for every step in order: how step k is read (None: by the
-    reader threads, which read `ahead`)."""
+    span buffer's largest size), then `at(k)` for every step in order: how step k is read (None: by
+    the reader threads, which read `ahead`)."""
 
     def __init__(self, reader: object, steps: Sequence[Step], uniform: Sequence[bool]) -> None:
         self.reader = reader if isinstance(reader, AlignedReader) else None
@@ -135,15 +135,13 @@ class InlineReads:
     def _inline(self, step: Step) -> bool:
         return self.reader is not None and all(map(self.reader.inline, {r.info.file for r in step.reads}))
 
-    @property
-    def any(self) -> bool:
-        return any(self.spannable)
-
-    def plan(self, limit: int) -> None:
-        """The spans, with a buffer of `limit` bytes (a stretch read with O_DIRECT takes up to a page
-        more at each end)."""
+    def plan(self, limit: int) -> bool:
+        """The spans, for a buffer of `limit` bytes (a stretch read with O_DIRECT takes up to a page
+        more at each end); whether there are any (the buffer is needed)."""
         self.limit = limit
-        self.spans = spans(self.steps, self.spannable, limit - 2 * ALIGN)
+        if any(self.spannable):
+            self.spans = spans(self.steps, self.spannable, limit - 2 * ALIGN)
+        return bool(self.spans)
 
     @property
     def ahead(self) -> list[Read]:
