@@ -270,3 +270,29 @@ def test_a_span_read_gives_the_file_bytes_through_the_cache_or_with_o_direct(mon
     assert bytes(got) == data[pos : pos + nbytes]
     assert (reader.direct_fds[path.name] is not None) == (mode == "1")
     reader.close()
+
+
+def test_a_span_read_falls_back_to_the_page_cache_where_o_direct_reads_are_refused(monkeypatch, data_file):
+    """A filesystem that opens a file with O_DIRECT but refuses its reads (EINVAL): the span is read
+    through the page cache, and so is every later read of that file."""
+    import errno
+
+    path, data = data_file
+    monkeypatch.setenv("RESHARD_DIRECT_READS", "1")
+    reader = FileReader(path.parent)
+    reader.fd(path.name)
+    direct = os.open(path, os.O_RDONLY)  # stands for the O_DIRECT descriptor
+    reader.direct_fds[path.name] = direct
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        if fd == direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    t = TensorInfo("w", "U8", (len(data),), path.name, 0, len(data))
+    got = reader.read_span(t, 5, 3 * ALIGN, memoryview(aligned_buffer(5 * ALIGN)))
+    assert bytes(got) == data[5 : 5 + 3 * ALIGN]
+    assert reader.direct_fds[path.name] is None
+    reader.close()
