@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from reshard.io.memory import ALIGN, aligned_buffer
 from reshard.io.prefetch import SMALL_READ
-from reshard.io.reader import AlignedReader
+from reshard.io.reader import AlignedReader, runs
 from reshard.schedule import Read, Step
 
 ReadBatch = Callable[[Sequence[Read], memoryview, int], None]  # AlignedReader.read_batch's contract
@@ -97,16 +97,8 @@ def copy_reads(span: memoryview, lo: int, reads: Sequence[Read], out: memoryview
     """Reads of `nbytes` each, out of `span` (the file's bytes from `lo`), one after the other into
     `out` (`AlignedReader.read_batch`'s contract); reads that follow each other in the file in one copy."""
     begins = [r.info.offset + r.start - lo for r in reads]
-    n, i = len(begins), 0
-    while i < n:
-        pos = end = begins[i]
-        j = i + 1
-        end += nbytes
-        while j < n and begins[j] == end:
-            end += nbytes
-            j += 1
-        out[i * nbytes : j * nbytes] = span[pos:end]
-        i = j
+    for i, j in runs(begins, nbytes):
+        out[i * nbytes : j * nbytes] = span[begins[i] : begins[i] + (j - i) * nbytes]
 
 
 class InlineReads:

@@ -20,7 +20,7 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -28,6 +28,18 @@ from reshard import settings
 from reshard.errors import SourceError, unreadable_source
 from reshard.format import TensorInfo
 from reshard.io.direct import ALIGN, cached_share, wants_direct
+
+
+def runs(begins: Sequence[int], nbytes: int, files: Sequence[str] | None = None) -> Iterator[tuple[int, int]]:
+    """[i, j) of each run of reads of `nbytes` each (starting at `begins`, in `files` where given)
+    that follow each other in their file: what one read, or one copy, can take."""
+    n, i = len(begins), 0
+    while i < n:
+        j = i + 1
+        while j < n and begins[j] == begins[j - 1] + nbytes and (files is None or files[j] == files[i]):
+            j += 1
+        yield i, j
+        i = j
 
 
 class Prepared(NamedTuple):
@@ -161,10 +173,7 @@ class FileReader(AlignedReader):
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise self._read_error(t, e) from e
-            with self.lock:  # O_DIRECT refused for reads: buffered from now on
-                if self.direct_fds.get(t.file) == fd:
-                    self.direct_fds[t.file] = None
-                    self.stale.append(fd)
+            self._refused(t.file, fd)
             return self.read(t, start, nbytes, region[:nbytes])
         return region[pos - a0 : pos - a0 + nbytes]
 
@@ -182,26 +191,15 @@ class FileReader(AlignedReader):
     def read_batch(self, reads: Sequence[ByteRange], out: memoryview, nbytes: int) -> None:
         """One `preadv` per run of reads that follow each other in their file (a layer's experts'
         gate and up projections lie side by side), straight into their places in `out`."""
-        n, i = len(reads), 0
-        while i < n:
-            r = reads[i]
-            info = r.info
-            pos = end = info.offset + r.start
-            j = i
-            while j < n:
-                q = reads[j]
-                if q.info.file != info.file or q.info.offset + q.start != end:
-                    break
-                end += nbytes
-                j += 1
-            dst = out[i * nbytes : j * nbytes]
+        begins = [r.info.offset + r.start for r in reads]
+        for i, j in runs(begins, nbytes, [r.info.file for r in reads]):
+            info, pos, dst = reads[i].info, begins[i], out[i * nbytes : j * nbytes]
             fd = self.fds[info.file]
             try:
                 if os.preadv(fd, [dst], pos) < len(dst):
                     self._fill(fd, info, pos, dst, len(dst))
             except OSError as e:
                 raise self._read_error(info, e) from e
-            i = j
 
     reads_spans = True
 
@@ -220,14 +218,18 @@ class FileReader(AlignedReader):
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
-                    with self.lock:  # O_DIRECT refused for reads: buffered from now on
-                        if self.direct_fds.get(t.file) == fd:
-                            self.direct_fds[t.file] = None
-                            self.stale.append(fd)
+                    self._refused(t.file, fd)
             self._fill(self.fds[t.file], t, pos, buf[:nbytes], nbytes)
             return buf[:nbytes]
         except OSError as e:
             raise self._read_error(t, e) from e
+
+    def _refused(self, name: str, fd: int) -> None:
+        """O_DIRECT descriptor `fd` of `name` had a read refused (EINVAL): read through the page cache from now on."""
+        with self.lock:
+            if self.direct_fds.get(name) == fd:
+                self.direct_fds[name] = None
+                self.stale.append(fd)
 
     def _direct_fd(self, name: str) -> int | None:
         if name not in self.direct_fds:
