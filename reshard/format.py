@@ -85,6 +85,13 @@ def read_header(
         a truncated file as the size it was written with, to tell which tensors the cut hits).
     follow: False for a file a manifest names (a symlink is refused, not followed).
     """
+    raw, size = read_raw_header(path, size=size, follow=follow)
+    return parse_header(raw, size, str(path), path.name)
+
+
+def read_raw_header(path: Path, *, size: int | None = None, follow: bool = True) -> tuple[bytes, int]:
+    """`read_header`'s reading half: the header's JSON bytes, unparsed, and the size of the file (or
+    `size`); the same SourceErrors for a file that cannot hold the header it announces."""
     try:
         fd = open_regular(path, follow=follow)
         with os.fdopen(fd, "rb") as f:
@@ -103,7 +110,7 @@ def read_header(
         raise SourceError(
             f"{path}: cannot read ({e.strerror})", "check the file's permissions, or download it again"
         ) from e
-    return parse_header(raw, size, str(path), path.name)
+    return raw, size
 
 
 # ---- files named by someone else: regular files only, never followed out, never waited on ------------

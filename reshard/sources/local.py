@@ -11,8 +11,9 @@ from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import SourceError, permission_denied, unreadable_source
 from reshard.folderview import FolderView
-from reshard.format import TensorInfo, kind, open_regular, read_at_most, read_header
+from reshard.format import TensorInfo, kind, open_regular, read_at_most
 from reshard.names import CONFIG, HF_QUANT_CONFIG, INDEX, SINGLE
+from reshard.sources.headers import read_headers
 from reshard.sources.integrity import Expected, Fix, check_files, local_expected
 from reshard.sources.validate import check_config, check_index
 
@@ -114,8 +115,7 @@ def _read_local(root: Path, ref: dict) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     sizes: dict[str, int] = {}
     with paused_gc():  # every tensor's record, no cycle among them (reshard.bulk)
-        for name in files:
-            found, _, size = read_header(root / name)
+        for name, (found, size) in read_headers(root, files):
             sizes[name] = size
             if tensors.keys() & found.keys():
                 key = next(k for k in found if k in tensors)
