@@ -176,3 +176,28 @@ def test_small_headers_stay_in_this_process(tmp_path, monkeypatch):
     files = shards(tmp_path, 3)
     monkeypatch.setattr(os, "fork", lambda: pytest.fail("forked for a few KB of headers"))
     assert read_all(tmp_path, files, 3) == read_all(tmp_path, files, 1)
+
+
+@pytest.mark.parametrize(
+    ("v2", "v1", "cpus"),
+    [
+        ("250000 100000\n", None, 3),  # 2.5 CPUs: 3 processes
+        ("max 100000\n", None, None),
+        (None, ("150000", "100000"), 2),
+        (None, ("-1", "100000"), None),
+        (None, None, None),
+    ],
+)
+def test_a_container_cpu_quota_bounds_the_processes(tmp_path, monkeypatch, v2, v1, cpus):
+    """A pod limited to a few CPUs sees every core of its node in its affinity: the quota counts."""
+    paths = (tmp_path / "cpu.max", tmp_path / "cfs_quota_us", tmp_path / "cfs_period_us")
+    if v2 is not None:
+        paths[0].write_text(v2)
+    if v1 is not None:
+        paths[1].write_text(v1[0])
+        paths[2].write_text(v1[1])
+    monkeypatch.setattr(headers, "CPU_MAX", tuple(map(str, paths)))
+    assert headers._cpu_quota() == cpus
+    monkeypatch.setattr(os, "listdir", lambda p: ["1"] if p == "/proc/self/task" else [])  # no other thread
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert headers._processes() == min(64, cpus or os.cpu_count())

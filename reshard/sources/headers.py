@@ -72,7 +72,28 @@ def _processes() -> int:
         threads = len(os.listdir("/proc/self/task"))  # the OS's count: threads of C libraries too
     except OSError:
         return 1
-    return len(os.sched_getaffinity(0)) if threads == 1 else 1
+    return min(len(os.sched_getaffinity(0)), _cpu_quota() or os.cpu_count() or 1) if threads == 1 else 1
+
+
+CPU_MAX = ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
+def _cpu_quota() -> int | None:
+    """The CPUs a container's quota allows (cgroup v2 `cpu.max`, or v1's CFS quota), rounded up;
+    None without one. A pod limited to 2 CPUs on a 64-core node still sees 64 in its affinity."""
+    v2, v1_quota, v1_period = CPU_MAX
+    try:
+        quota, period = Path(v2).read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota, period = Path(v1_quota).read_text().strip(), Path(v1_period).read_text().strip()
+        except OSError:
+            return None
+    try:
+        q, p = int(quota), int(period)  # "max" (v2) or -1 (v1): no quota
+    except ValueError:
+        return None
+    return max(1, -(-q // p)) if q > 0 and p > 0 else None
 
 
 def _shares(raws: list, processes: int) -> list[list[int]]:
