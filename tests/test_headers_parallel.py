@@ -201,3 +201,17 @@ def test_a_container_cpu_quota_bounds_the_processes(tmp_path, monkeypatch, v2, v
     monkeypatch.setattr(os, "listdir", lambda p: ["1"] if p == "/proc/self/task" else [])  # no other thread
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert headers._processes() == min(64, cpus or os.cpu_count())
+
+
+@pytest.mark.parametrize("refused", ["fork", "modules"])
+def test_no_process_to_be_had_parses_here(tmp_path, parallel, monkeypatch, refused):
+    """fork refused (EAGAIN: a pids limit) or a module refused by a tight `ulimit -v`: the headers are
+    parsed by this process, not reported as a source that cannot be read."""
+    files = shards(tmp_path, 4)
+    one = read_all(tmp_path, files, 1)
+    if refused == "fork":
+        monkeypatch.setattr(os, "fork", lambda: (_ for _ in ()).throw(OSError(11, "Resource temporarily unavailable")))
+    else:
+        monkeypatch.setattr(headers, "_modules", lambda: False)
+        monkeypatch.setattr(os, "fork", lambda: pytest.fail("forked without the modules its answer needs"))
+    assert read_all(tmp_path, files, 4) == one

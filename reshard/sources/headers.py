@@ -44,10 +44,17 @@ def read_headers(root: Path, files: list[str], processes: int | None = None) -> 
         except SourceError as e:
             raws.append(e)
     shares = _shares(raws, _processes() if processes is None else processes)
+    if len(shares) > 1 and not _modules():
+        shares = shares[:1]  # the rest parsed below, by this process
     results: dict[int, Parsed | SourceError | None] = {}
     live: dict[int, int] = {}  # pid -> the read end of its pipe, of each child not yet reaped
     try:
-        forked = [(_fork(root, files, raws, share, live), share) for share in shares[1:]]
+        forked = []
+        for share in shares[1:]:
+            try:
+                forked.append((_fork(root, files, raws, share, live), share))
+            except OSError:  # no process to be had (EAGAIN, ENOMEM): this share parsed below, here
+                break
         for i in shares[0]:
             results[i] = _parse(root, files[i], raws[i])
         for pid, share in forked:
@@ -62,6 +69,17 @@ def read_headers(root: Path, files: list[str], processes: int | None = None) -> 
         if isinstance(got, SourceError):
             raise got
         yield name, got
+
+
+def _modules() -> bool:
+    """Load what children and their answers need, here, before forking (one process never does);
+    whether it could be (a tight `ulimit -v` may refuse a module's library)."""
+    try:
+        import array  # noqa: F401
+        import pickle  # noqa: F401
+    except Exception:  # MemoryError, an ImportError, a SystemError from a module's init
+        return False
+    return True
 
 
 def _processes() -> int:
@@ -126,7 +144,6 @@ def _parse(root: Path, name: str, raw: tuple[bytes, int] | SourceError) -> Parse
 
 def _fork(root: Path, files: list[str], raws: list, share: list[int], live: dict[int, int]) -> int:
     """A child parsing `share`, entered in `live` with the read end of the pipe it answers through."""
-    import array  # noqa: F401  (here, not at the top: one process never loads them; the child has them)
     import pickle
 
     r, w = os.pipe()
