@@ -222,7 +222,7 @@ def _pack(tensors: dict[str, TensorInfo], size: int) -> tuple | None:
 
 
 def _unpack(names: bytes, table: list, ids: bytes, offsets: bytes, file: str, size: int) -> Parsed:
-    """`_pack`'s records again, in header order (~0.2 us a tensor)."""
+    """`_pack`'s records again, in header order (~0.4 us a tensor)."""
     import array
 
     if not ids:  # no tensor (`names` is "" for one named "" too)
