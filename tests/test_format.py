@@ -68,3 +68,16 @@ def test_read_header_rejects_overlap(tmp_path):
     raw += b" " * (-len(raw) % 8)
     with pytest.raises(SourceError, match="overlaps"):
         read_header(_write(tmp_path, struct.pack("<Q", len(raw)) + raw + bytes(12)))
+
+
+def test_records_are_the_tensor_infos_a_manifest_names():
+    """`records`: (dtype, shape) by name as TensorInfo at offset 0 of one file, sizes from the shapes, in order."""
+    from reshard.format import TensorInfo, records
+
+    src = {"b.w": ("BF16", (3, 4)), "a.s": ("F32", ()), "c.e": ("F8_E4M3", (0, 7)), "d.w": ("BF16", (3, 4))}
+    got = records(src, "virtual")
+    assert list(got) == list(src)
+    assert got == {
+        n: TensorInfo(n, d, s, "virtual", 0, {"BF16": 24, "F32": 4, "F8_E4M3": 0}[d]) for n, (d, s) in src.items()
+    }
+    assert all(type(t) is TensorInfo for t in got.values())

@@ -20,7 +20,7 @@ from pathlib import Path
 from reshard.checkpoint import Checkpoint, Reader, Source
 from reshard.errors import CorruptError, SourceError, UnsupportedError
 from reshard.folderview import FolderView, LocalView, view_manifest
-from reshard.format import ITEMSIZE, TensorInfo, open_regular
+from reshard.format import ITEMSIZE, TensorInfo, open_regular, records
 from reshard.hashing import NONE, hash_fd
 from reshard.manifest import FileRecord, Manifest, SideRecord
 from reshard.names import FILE_NAME_META, unlisted_rank_files
@@ -74,9 +74,7 @@ def read_output(view: FolderView, manifest: Manifest, root: Path, ref: dict) -> 
             f"{path}: its manifest records no source tensors (written by an older reshard)",
             "re-shard or merge from the original Hugging Face checkpoint",
         )
-    original = {
-        n: TensorInfo(n, d, s, VIRTUAL, 0, math.prod(s) * ITEMSIZE[d]) for n, (d, s) in manifest.source_tensors.items()
-    }
+    original = records(manifest.source_tensors, VIRTUAL)
     # every rank's tensors, planned again; which file of the rank holds each is the manifest's to say
     # (the --max-part-size the output was saved with is not recorded, and split them as it did)
     old = build_plan(

@@ -7,12 +7,11 @@ difference is told as vLLM's ShardedStateLoader would meet it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from reshard.checkpoint import Checkpoint
 from reshard.errors import SourceError, UnsupportedError
-from reshard.format import ITEMSIZE, TensorInfo
+from reshard.format import ITEMSIZE, TensorInfo, records
 from reshard.layout import Layout
 from reshard.names import MANIFEST
 from reshard.plan import OutTensor, Plan, build_plan, natural_key, num_experts
@@ -78,7 +77,7 @@ def _recorded_source(report: Report, folder: Folder) -> Checkpoint | None:
         msg = f"malformed source_tensors in {MANIFEST} ({unknown[0]}: unknown dtype)"
         report.add("manifest", msg, code=CORRUPT, file=MANIFEST)
         return None
-    tensors = {n: TensorInfo(n, d, s, MANIFEST, 0, math.prod(s) * ITEMSIZE[d]) for n, (d, s) in src.items()}
+    tensors = records(src, MANIFEST)
     return Checkpoint(None, config, tensors, [], folder.manifest.source)
 
 
