@@ -191,9 +191,8 @@ class Executor:
             uniforms = [uniform(step, [t for _, t in step.slots], self.batch_bytes) for step in steps]
             reads = InlineReads(self.reader, steps, [u is not None for u in uniforms])
             self.batches = Batches(self.mem, self.batch_bytes, self.cast, self.progress)
-            if reads.plan(
-                self.batch_bytes
-            ):  # a buffer for stretches steps read whole (reshard.spans), after the batches'
+            # a buffer for stretches steps read whole (reshard.spans), after the batches'
+            if reads.plan(self.batch_bytes):
                 self.batches.reserve()
                 got = self.mem.reserve(self.batch_bytes)
                 assert got == self.batch_bytes  # at most an eighth of the budget, under the quarter of what is left

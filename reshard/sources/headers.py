@@ -19,14 +19,13 @@ threads can deadlock the child on a lock one of them held, so a process with mor
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 from reshard.errors import SourceError
-from reshard.format import ITEMSIZE, TensorInfo, parse_header, read_raw_header
+from reshard.format import TensorInfo, parse_header, read_raw_header
 
 PARALLEL_MIN = 4 * 1024 * 1024  # header bytes in all below which one process parses them (a fork costs ms)
 MAX_CHILDREN = 7  # beyond ~8 processes this one's rebuilding of their records is the longer part
@@ -213,12 +212,11 @@ def _pack(tensors: dict[str, TensorInfo], size: int) -> tuple | None:
     names = "\0".join(tensors)
     if names.count("\0") != max(len(tensors) - 1, 0):
         return None
-    kinds: dict[tuple[str, tuple[int, ...]], int] = {}
-    ids = array.array("I", [kinds.setdefault((t.dtype, t.shape), len(kinds)) for t in tensors.values()])
+    kinds: dict[tuple[str, tuple[int, ...], int], int] = {}  # (dtype, shape, bytes) -> its index
+    ids = array.array("I", [kinds.setdefault((t.dtype, t.shape, t.nbytes), len(kinds)) for t in tensors.values()])
     offsets = array.array("q", [t.offset for t in tensors.values()])
     file = next(iter(tensors.values())).file if tensors else ""
-    table = [(dtype, shape, math.prod(shape) * ITEMSIZE[dtype]) for dtype, shape in kinds]
-    return names.encode("utf-8", "surrogatepass"), table, ids.tobytes(), offsets.tobytes(), file, size
+    return names.encode("utf-8", "surrogatepass"), list(kinds), ids.tobytes(), offsets.tobytes(), file, size
 
 
 def _unpack(names: bytes, table: list, ids: bytes, offsets: bytes, file: str, size: int) -> Parsed:
