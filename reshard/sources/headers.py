@@ -25,13 +25,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from reshard.errors import SourceError
-from reshard.format import TensorInfo, parse_header, read_raw_header
+from reshard.fastheader import Columns, build, scan
+from reshard.format import ITEMSIZE, TensorInfo, parse_header, read_raw_header
 
 PARALLEL_MIN = 4 * 1024 * 1024  # header bytes in all below which one process parses them (a fork costs ms)
 MAX_CHILDREN = 7  # beyond ~8 processes this one's rebuilding of their records is the longer part
 
 Parsed = tuple[dict[str, TensorInfo], int]  # a file's tensors by name, and the file's size
-_new = tuple.__new__
 
 
 def read_headers(root: Path, files: list[str], processes: int | None = None) -> Iterator[tuple[str, Parsed]]:
@@ -163,9 +163,11 @@ def _fork(root: Path, files: list[str], raws: list, share: list[int], live: dict
                 signal.signal(sig, signal.SIG_DFL)  # a Ctrl-C ends it at once; the parent reports it
             out = {}
             for i in share:
-                got = _parse(root, files[i], raws[i])
-                if not isinstance(got, SourceError):  # errors are the parent's to raise
-                    out[i] = _pack(*got)
+                out[i] = _scanned(raws[i], files[i])
+                if out[i] is None:  # not compact: parsed the general way, then packed
+                    got = _parse(root, files[i], raws[i])
+                    if not isinstance(got, SourceError):  # errors are the parent's to raise
+                        out[i] = _pack(*got)
             data = memoryview(pickle.dumps(out, pickle.HIGHEST_PROTOCOL))
             while data:
                 data = data[os.write(w, data) :]
@@ -203,6 +205,17 @@ def _collect(pid: int, live: dict[int, int], share: list[int]) -> dict[int, Pars
     return got
 
 
+def _scanned(raw: tuple[bytes, int] | SourceError, file: str) -> tuple | None:
+    """A compact header's columns (reshard.fastheader) as a child sends them, with no record made."""
+    import array
+
+    scanned = scan(raw[0], raw[1], ITEMSIZE) if not isinstance(raw, SourceError) else None
+    if scanned is None:
+        return None
+    names, kinds, ids, offsets = scanned[0]
+    return names, kinds, array.array("I", ids).tobytes(), array.array("q", offsets).tobytes(), file, raw[1]
+
+
 def _pack(tensors: dict[str, TensorInfo], size: int) -> tuple | None:
     """A file's records as a child sends them: the names in one string, each tensor's (dtype, shape)
     as an index into a table of the distinct ones, its offset in an array; None for names that hold
@@ -219,19 +232,15 @@ def _pack(tensors: dict[str, TensorInfo], size: int) -> tuple | None:
     return names.encode("utf-8", "surrogatepass"), list(kinds), ids.tobytes(), offsets.tobytes(), file, size
 
 
-def _unpack(names: bytes, table: list, ids: bytes, offsets: bytes, file: str, size: int) -> Parsed:
-    """`_pack`'s records again, in header order (~0.4 us a tensor)."""
+def _unpack(names: bytes, table: list, ids: bytes, offsets: bytes, file: str, size: int) -> Parsed | None:
+    """`_pack`'s or `_scanned`'s records again, in header order (C loops only: reshard.fastheader.build);
+    None where they do not make one record per name."""
     import array
 
     if not ids:  # no tensor (`names` is "" for one named "" too)
         return {}, size
-    kinds = list(map(table.__getitem__, array.array("I", ids)))
-    return {
-        n: _new(TensorInfo, (n, k[0], k[1], file, o, k[2]))
-        for n, k, o in zip(
-            names.decode("utf-8", "surrogatepass").split("\0"), kinds, array.array("q", offsets), strict=True
-        )
-    }, size
+    tensors = build(Columns(names, table, array.array("I", ids), array.array("q", offsets)), file, TensorInfo)
+    return (tensors, size) if tensors is not None else None
 
 
 def _end(pid: int, live: dict[int, int], kill: bool) -> bool:
