@@ -39,7 +39,7 @@ def test_a_tensor_short_of_its_declared_bytes_is_refused(tiny, tmp_path):
     """Defence in depth behind the planner's shape checks: a file whose tensor got fewer bytes than
     its header declares would be unreadable; the writer refuses it (exit 4), nothing is published."""
     from reshard.errors import SourceError
-    from reshard.io import FileReader
+    from reshard.io.reader import FileReader
     from reshard.plan import OutFile, OutTensor, Slice
     from reshard.plan import build_plan as plan_of
 

@@ -13,7 +13,7 @@ import pytest
 
 from reshard.errors import SourceError
 from reshard.format import TensorInfo
-from reshard.io import FileReader
+from reshard.io.reader import FileReader
 from reshard.io.memory import Memory
 from reshard.io.prefetch import RUN_READS, SMALL_READ, Prefetcher
 

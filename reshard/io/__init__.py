@@ -4,10 +4,9 @@
 - `writer`: the `Sink` protocol, `Written`, and `FileWriter` (staged, hashed, O_DIRECT writes);
 - `memory`: reused page-aligned slabs and the budget for fresh arrays (`Memory`, `Lease`);
 - `dtypes`: dtype casts and fill bytes;
-- `prefetch`: the reader threads; `worker`: the writer threads.
+- `prefetch`: the reader threads; `worker`: the writer threads;
+- `direct`: O_DIRECT and the page cache.
+
+Each is imported by name (`from reshard.io.reader import FileReader`): this package imports none of
+them, so what needs only `direct` (`reshard plan`, through `reshard.folderview`) does not load numpy.
 """
-
-from reshard.io.reader import AlignedReader, FileReader, Prepared
-from reshard.io.writer import FileWriter, Sink, Written
-
-__all__ = ["AlignedReader", "FileReader", "FileWriter", "Prepared", "Sink", "Written"]

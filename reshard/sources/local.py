@@ -74,7 +74,7 @@ class LocalSource(Source):
         return self._checkpoint
 
     def open_reader(self) -> Reader:
-        from reshard.io import FileReader  # numpy: only when bytes are read, not for planning
+        from reshard.io.reader import FileReader  # numpy: only when bytes are read, not for planning
 
         self.check()
         return FileReader(self.root)

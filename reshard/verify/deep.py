@@ -19,7 +19,7 @@ from reshard.execute import Executor, WriteOptions
 from reshard.folderview import FolderView
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.hashing import NONE, new_hasher
-from reshard.io import Sink, Written
+from reshard.io.writer import Sink, Written
 from reshard.io.memory import DEFAULT_MAX_MEMORY
 from reshard.plan import OutFile, OutTensor, Plan, natural_key
 from reshard.verify.keys import expected_by_rank
