@@ -13,9 +13,9 @@ import pytest
 
 from reshard.errors import SourceError
 from reshard.format import TensorInfo
-from reshard.io.reader import FileReader
 from reshard.io.memory import Memory
 from reshard.io.prefetch import RUN_READS, SMALL_READ, Prefetcher
+from reshard.io.reader import FileReader
 
 
 @dataclass(frozen=True)

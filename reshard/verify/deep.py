@@ -19,8 +19,8 @@ from reshard.execute import Executor, WriteOptions
 from reshard.folderview import FolderView
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.hashing import NONE, new_hasher
-from reshard.io.writer import Sink, Written
 from reshard.io.memory import DEFAULT_MAX_MEMORY
+from reshard.io.writer import Sink, Written
 from reshard.plan import OutFile, OutTensor, Plan, natural_key
 from reshard.verify.keys import expected_by_rank
 from reshard.verify.report import CORRUPT, CheckedFile, Progress, Report, advance_for
