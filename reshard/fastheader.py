@@ -1,12 +1,12 @@
 """A safetensors header spelled as the format's writers spell it, parsed in bulk (issue 28).
 
-The safetensors library, huggingface_hub's uploads and reshard itself write a header as compact JSON:
+The safetensors library (transformers' and vLLM's writer) and reshard write a header as compact JSON:
 `{"__metadata__":{...},"NAME":{"dtype":"BF16","shape":[a,b],"data_offsets":[begin,end]},...}`, the
 tensors back to back in header order, padded with spaces. For such a header one regular expression
 finds every entry's five fields at once, and every further step is a pass in C over the columns
 (`map`, `zip`, `compress`): no Python code runs per tensor. A 98,880-tensor header (11.8 MB) that
-json and the per-entry hook of `reshard.format.parse_header` parse in ~0.35 s is parsed here in
-~0.2 s.
+json and the per-entry hook of `reshard.format.parse_header` parse in 0.36-0.41 s is parsed here in
+0.25-0.28 s (the findall 0.11-0.13 s of it; docs/benchmarks.md).
 
 `parse_compact` accepts only what it can prove is exactly that text, and returns what
 `parse_header` would return for it; for anything else (spaces between tokens, an escape in a name,
@@ -15,9 +15,11 @@ None and `parse_header` parses the header as before, with its own checks and err
 raises for bad input.
 
 Why the entries found are the whole header: a match begins with `,"`, which never occurs inside a
-JSON string (a `"` there is escaped, so preceded by a backslash). The matches start where the
-metadata ends (or at the first entry) and their lengths sum to the span up to the closing `}}`; as
-they cannot overlap, they tile that span with no byte left between them.
+JSON string (a `"` there is escaped, so preceded by a backslash). The first match starts where the
+metadata ends (or at the first entry), and the matches' lengths sum to the span from there to the
+byte before the header's closing `}`, which must be the last entry's `}`. Matches cannot overlap, so
+a byte left between two of them would push the last match's end past that `}`, onto the header's
+own, and leave a `]` where the last entry's `}` was checked to be: they tile the span exactly.
 """
 
 from __future__ import annotations
