@@ -1,13 +1,14 @@
 """A local checkpoint's safetensors headers, parsed by several processes at once (issue 28).
 
-The headers of a 200k-tensor MoE are ~24 MB of JSON. Parsing them is Python's work under one GIL:
-json builds every entry's objects (~3.5 us a tensor on this project's machines, 0.7 s in all), and
+The headers of a 200k-tensor MoE are ~24 MB of JSON. Parsing them is work under one GIL (~2.5 us a
+tensor for a compact header, `reshard.fastheader`; ~3.5 us for another, 0.5-0.7 s in all), and
 threads would take turns at it. Where the machine has spare cores and the headers are large, this
 process reads every header's bytes itself, in file order, then forks children that parse a share of
-them each with the same `parse_header` (the same checks) and send back their records through a pipe
-(the names in one string, a table of the distinct (dtype, shape), the offsets in an array), while it
-parses its own share; rebuilding a child's records costs it ~0.4 us a tensor (0.7 s of headers took
-0.46-0.50 s on 2 cores). A container's CPU quota bounds the children as the affinity does.
+them each with the same checks and send back their records through a pipe, as columns (the names in
+one string, a table of the distinct (dtype, shape), the offsets in an array: a compact header's as
+`fastheader.scan` finds them, another's packed from `parse_header`'s records), while it parses its
+own share; rebuilding a child's records costs it ~0.5 us a tensor, in C loops (0.5 s of headers took
+0.34-0.36 s on 2 cores). A container's CPU quota bounds the children as the affinity does.
 
 Errors are the serial ones, in file order: a header this process cannot read or parse is raised
 when its turn comes, and whatever a child did not hand back whole (a damaged header, a child killed
