@@ -29,8 +29,8 @@ import math
 import operator
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping
-from itertools import compress, repeat
+from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 _INT = rb"(0|[1-9][0-9]*)"  # a JSON integer >= 0 (no sign, no leading zero)
@@ -57,8 +57,8 @@ class Columns(NamedTuple):
 
     names: bytes  # UTF-8 (surrogates passed through, as json decodes), joined by NUL (no name holds one)
     kinds: list[tuple[str, tuple[int, ...], int]]  # the distinct (dtype, shape, bytes)
-    kind_ids: list[int]  # each tensor's index into `kinds`
-    offsets: list[int]  # each tensor's first byte in the file
+    kind_ids: Sequence[int]  # each tensor's index into `kinds` (a list, or the array a child sent)
+    offsets: Sequence[int]  # each tensor's first byte in the file
 
 
 def parse_compact(
@@ -112,8 +112,8 @@ def _scan(raw: bytes, size: int, itemsize: Mapping[str, int]) -> tuple[Columns, 
     else:
         return None
     first = _ENTRY.search(body)
-    if first is None:
-        return None
+    if first is None or first[4] != b"0":  # the first entry must begin the data: else out of order (an
+        return None  # older writer's) or damaged, parsed the general way without a scan of every entry
     begin = first.start()
     found = _ENTRY.findall(body, begin)
     names, dtypes, shapes, starts, ends = zip(*found, strict=True)
@@ -146,11 +146,9 @@ def _scan(raw: bytes, size: int, itemsize: Mapping[str, int]) -> tuple[Columns, 
     past = list(map(int, ends))
     if list(map(operator.sub, past, first_byte)) != nbytes:  # each span as long as its shape needs
         return None
-    held_from, held_to = list(compress(first_byte, nbytes)), list(compress(past, nbytes))  # tensors with bytes
-    if held_from and (held_from[0] != 0 or held_from[1:] != held_to[:-1]):  # back to back from 0, in order
+    if first_byte[1:] != past[:-1]:  # back to back in header order (from 0: above), those of no bytes too
         return None
-    data = size - (8 + len(raw))
-    if (held_to[-1] if held_to else 0) != data or max(past) > data:  # the data covered exactly, nothing past it
+    if past[-1] != size - (8 + len(raw)):  # the data covered exactly
         return None
     offsets = list(map((8 + len(raw)).__add__, first_byte))
     return Columns(joined, kinds, kind_ids, offsets), meta

@@ -233,13 +233,13 @@ def parse_header(
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise SourceError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings)", _REDOWNLOAD)
     tensors: dict[str, TensorInfo] = {}
-    pos = 0  # where the next tensor with bytes begins while they run back to back in header order
-    in_order = True  # every entry checked by the hook, those with bytes back to back from 0 so far
+    pos = 0  # where the next tensor begins while they run back to back in header order
+    in_order = True  # every entry checked by the hook, back to back from 0 so far (those of no bytes too)
     for name, entry in obj.items():
         if type(entry) is tuple:
             dtype, shape, nbytes, begin = entry
             tensors[name] = _new(TensorInfo, (name, dtype, shape, file_name, start + begin, nbytes))  # no __new__ call
-            if nbytes and in_order:
+            if in_order:
                 in_order = begin == pos
                 pos = begin + nbytes
             continue
@@ -338,14 +338,15 @@ def _entry(path: str, name: str, entry: object, start: int, size: int, file_name
 
 
 def _check_spans(path: str, tensors: dict[str, TensorInfo], start: int) -> int:
-    """No tensor overlaps another or leaves a hole before it (the first one in offset order named);
-    returns where the data ends, relative to `start`."""
+    """In offset order every tensor begins where the one before it ends, from 0, those of no bytes
+    too (the safetensors library refuses one elsewhere: "invalid offset"), else the first that does
+    not is named; returns where the data ends, relative to `start`."""
     spans = sorted((t.offset - start, t.offset - start + t.nbytes, name) for name, t in tensors.items())
     pos = 0
     for begin, end, name in spans:
-        if begin != pos and end > begin:
+        if begin != pos:
             raise SourceError(f"{path}: tensor {name!r} overlaps or leaves a hole", _REDOWNLOAD)
-        pos = max(pos, end)
+        pos = end
     return pos
 
 

@@ -150,8 +150,10 @@ def test_other_spellings_give_what_the_general_parser_gives(spelling, monkeypatc
         assert outcome(changed, s) == general(changed, s, monkeypatch)
 
 
-def test_a_hole_before_the_first_tensor(monkeypatch):
-    raw, size = compact(metadata={"format": "pt"}, base=2)
+@pytest.mark.parametrize("entries", [ENTRIES, [("z", "F32", (0,)), ("a", "F32", (2,))]])
+def test_a_hole_before_the_first_tensor(entries, monkeypatch):
+    """Also behind a first tensor of no bytes, which may sit anywhere."""
+    raw, size = compact(entries, metadata={"format": "pt"}, base=2)
     assert fast(raw, size) is None
     assert outcome(raw, size)[0] == "error" and outcome(raw, size) == general(raw, size, monkeypatch)
 

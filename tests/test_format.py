@@ -70,6 +70,36 @@ def test_read_header_rejects_overlap(tmp_path):
         read_header(_write(tmp_path, struct.pack("<Q", len(raw)) + raw + bytes(12)))
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "spaced"])
+def test_tensors_of_no_bytes_where_the_safetensors_library_takes_them(tmp_path, compact):
+    """A tensor of no bytes must begin where a tensor ends (or at 0): the safetensors library, so
+    vLLM, refuses one inside another's bytes or behind a hole ("invalid offset"). Both parsers (the
+    bulk one takes the compact spelling) accept exactly what the library accepts."""
+    from safetensors import safe_open
+
+    a = ("a", {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]})
+    b = ("b", {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]})
+    verdicts = []
+    for at in (0, 4, 8, 12, 16, 24):
+        z = ("z", {"dtype": "BF16", "shape": [0, 3], "data_offsets": [at, at]})
+        for order in ([z, a, b], [a, z, b], [a, b, z]):
+            raw = json.dumps(dict(order), separators=(",", ":") if compact else (", ", ": ")).encode()
+            raw += b" " * (-len(raw) % 8)
+            path = _write(tmp_path, struct.pack("<Q", len(raw)) + raw + bytes(16))
+            try:
+                with safe_open(path, "np") as f:
+                    library = sorted(f.keys()) == ["a", "b", "z"]
+            except Exception:  # the library's SafetensorError
+                library = False
+            try:
+                ours = sorted(read_header(path)[0]) == ["a", "b", "z"]
+            except SourceError:
+                ours = False
+            verdicts.append((at, [k for k, _ in order], library, ours))
+    assert [v for v in verdicts if v[2] != v[3]] == []
+    assert {v[2] for v in verdicts} == {True, False}  # both verdicts met
+
+
 def test_records_are_the_tensor_infos_a_manifest_names():
     """`records`: (dtype, shape) by name as TensorInfo at offset 0 of one file, sizes from the shapes, in order."""
     from reshard.format import TensorInfo, records
