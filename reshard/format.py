@@ -338,9 +338,8 @@ def _entry(path: str, name: str, entry: object, start: int, size: int, file_name
 
 
 def _check_spans(path: str, tensors: dict[str, TensorInfo], start: int) -> int:
-    """In offset order every tensor begins where the one before it ends, from 0, those of no bytes
-    too (the safetensors library refuses one elsewhere: "invalid offset"), else the first that does
-    not is named; returns where the data ends, relative to `start`."""
+    """In offset order each tensor, of no bytes too (the safetensors library's "invalid offset"), begins
+    where the one before it ends, from 0 (else it is named); returns where the data ends, from `start`."""
     spans = sorted((t.offset - start, t.offset - start + t.nbytes, name) for name, t in tensors.items())
     pos = 0
     for begin, end, name in spans:
