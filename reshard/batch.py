@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from operator import attrgetter, lt
@@ -36,7 +36,7 @@ from reshard.io import writer
 from reshard.io.dtypes import Caster, upsample
 from reshard.io.memory import ALIGN, Lease, Memory, Reused
 from reshard.plan import OutTensor, Slice, Stack, count
-from reshard.schedule import Read, Step, bounds, shape_of
+from reshard.schedule import Group, Read, Step, bounds, shape_of
 
 MIN_READS = 16  # fewer reads than this: the piece-by-piece path is as fast
 
@@ -67,16 +67,20 @@ def uniform(step: Step, tensors: list[OutTensor], limit: int) -> Uniform | None:
     info0 = first.info
     if first.piece is not None or first.scale or first.nbytes > limit:
         return None
-    # every read as the first: no piece, no scale, the same rows and bytes of sources of one dtype and
-    # shape (checked in C-level loops: a layer's experts are thousands of reads)
-    if len(set(map(_READ, reads))) != 1:
-        return None
-    infos = list(map(_INFO, reads))
-    if len(set(map(_TENSOR, infos))) != 1:
-        return None
-    pos = dict(zip(map(_NAME, infos), range(len(reads)), strict=True))
-    if len(pos) != len(reads):
-        return None  # a source read twice (row chunks): not one read per source
+    if type(reads) is Group:  # so by construction: distinct sources, each read alike
+        names: Sequence[str] = reads.names
+    else:
+        # every read as the first: no piece, no scale, the same rows and bytes of sources of one dtype
+        # and shape (checked in C-level loops)
+        if len(set(map(_READ, reads))) != 1:
+            return None
+        infos = list(map(_INFO, reads))
+        if len(set(map(_TENSOR, infos))) != 1:
+            return None
+        names = list(map(_NAME, infos))
+        if len(set(names)) != len(names):
+            return None  # a source read twice (row chunks): not one read per source
+    pos = _Positions(names)
     lo = first.rows[0] if first.rows is not None else 0
     full = shape_of(info0)
     rows = first.rows[1] - first.rows[0] if first.rows is not None else full[0]
@@ -104,9 +108,37 @@ _GEOMETRY = attrgetter("start", "stop", "up", "pad", "perm", "step", "scale")
 _PLAIN = (None, None, 1, None)  # pad, perm, step, scale of a plain slice
 
 
+class _Positions:
+    """Where each of a step's sources is read (its index among the reads), for the holders' pieces."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = names
+        self.by_name: dict[str, int] | None = None
+
+    def of(self, sources: Iterable[str]) -> np.ndarray | None:
+        """The read indices of `sources` where they increase; None where they do not, or one is not
+        read by the step."""
+        if self.by_name is None:
+            self.by_name = dict(zip(self.names, range(len(self.names)), strict=True))
+        return _increasing(map(self.by_name.__getitem__, sources))
+
+    def of_stack(self, sources: tuple[str, ...]) -> np.ndarray | None:
+        """`of` for a `Stack`'s sources: where they are consecutive reads (every TP rank's stack is
+        all of them, an EP rank's its experts' run), found with a search and one comparison."""
+        names = self.names
+        if type(names) is tuple and sources:
+            try:
+                i = names.index(sources[0])
+            except ValueError:
+                return None
+            if names[i : i + len(sources)] == sources:
+                return np.arange(i, i + len(sources), dtype=np.int64)
+        return self.of(sources)
+
+
 def _holder(
     t: OutTensor,
-    pos: dict[str, int],
+    pos: _Positions,
     lo: int,
     rows: int,
     full: tuple[int, ...],
@@ -121,7 +153,7 @@ def _holder(
         names = pieces[0].sources
         a, b = pieces[0].start, pieces[0].stop
         if names not in known:
-            known[names] = _increasing(map(pos.__getitem__, names))
+            known[names] = pos.of_stack(names)
         index = known[names]
         if index is None:
             return None
@@ -140,7 +172,7 @@ def _holder(
                 return None  # up-sampling takes whole reads
             rows = rows * up[0]
         a, b = bounds(pieces[0])
-        index = _increasing(map(pos.__getitem__, map(_SOURCE, pieces)))
+        index = pos.of(map(_SOURCE, pieces))
         if index is None:
             return None
     if a[0] < lo or b[0] > lo + rows:

@@ -8,11 +8,12 @@ global order shared by every rank, each with its `Read`s of source rows in chunk
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import groupby, repeat
-from operator import attrgetter, itemgetter
-from typing import NamedTuple
+from operator import add, attrgetter, itemgetter
+from typing import NamedTuple, overload
 
 from reshard.bulk import paused_gc
 from reshard.format import ITEMSIZE, TensorInfo, encode_header
@@ -24,8 +25,8 @@ ALL_ROWS = 1 << 62
 
 
 class Read(NamedTuple):
-    """One source read: bytes [start, start + nbytes) of `info`. A named tuple: one is made per source
-    tensor (~200k in an MoE save), 2-3x faster than a frozen dataclass.
+    """One source read: bytes [start, start + nbytes) of `info`. A named tuple, 2-3x faster to make
+    than a frozen dataclass (an MoE layer's experts are a `Group` instead: no record each).
 
     rows: the source rows [r0, r1) it holds; None: the whole tensor (it is up-sampled).
     piece: None: fed to every rank's copy of the step's tensor (one pass over the source);
@@ -43,14 +44,70 @@ class Read(NamedTuple):
     scale: bool = False
 
 
+class Group(Sequence[Read]):
+    """The reads of a step whose sources are all read alike: the same bytes [start, start + nbytes)
+    (rows `rows`) of each of `infos`, distinct sources of one dtype and shape, each in one chunk. An
+    MoE layer's experts, one record for the layer (issue 28: a 200k-tensor save made 197,763 `Read`s,
+    and checked them one by one again in `reshard.batch` and `reshard.spans`).
+
+    A sequence of the `Read`s it stands for, made when asked (the reader threads' list, the
+    piece-by-piece path); the per-step paths take its columns instead: `names`, `offsets()`, `files()`.
+    """
+
+    __slots__ = ("infos", "names", "nbytes", "rows", "start")
+
+    def __init__(
+        self, infos: tuple[TensorInfo, ...], names: tuple[str, ...], start: int, nbytes: int, rows: tuple[int, int]
+    ) -> None:
+        self.infos, self.names, self.start, self.nbytes, self.rows = infos, names, start, nbytes, rows
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    @overload
+    def __getitem__(self, k: int) -> Read: ...
+    @overload
+    def __getitem__(self, k: slice) -> Group: ...
+    def __getitem__(self, k: int | slice) -> Read | Group:
+        if isinstance(k, slice):
+            return Group(self.infos[k], self.names[k], self.start, self.nbytes, self.rows)
+        return Read(self.infos[k], self.start, self.nbytes, self.rows)
+
+    def __iter__(self) -> Iterator[Read]:
+        n = len(self.infos)
+        args = zip(
+            self.infos, repeat(self.start, n), repeat(self.nbytes, n), repeat(self.rows, n), repeat(None), repeat(False)
+        )
+        return map(partial(tuple.__new__, Read), args)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Group({len(self)} reads of {self.nbytes} bytes from {self.start}, rows {self.rows})"
+
+    def offsets(self) -> list[int]:
+        """Where each read begins in its file."""
+        return list(map(add, map(_OFFSET, self.infos), repeat(self.start, len(self.infos))))
+
+    def files(self) -> list[str]:
+        return list(map(_FILE, self.infos))
+
+
+_OFFSET = attrgetter("offset")
+_FILE = attrgetter("file")
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One tensor name: every rank's copy of it (file, tensor), the reads that make them, and the
-    files whose last tensor it is."""
+    """One tensor name: every rank's copy of it (file, tensor), the reads that make them (a tuple,
+    or one `Group`), and the files whose last tensor it is."""
 
     name: str
     slots: tuple[tuple[OutFile, OutTensor], ...]
-    reads: tuple[Read, ...]
+    reads: tuple[Read, ...] | Group
     closes: tuple[str, ...]
 
 
@@ -76,18 +133,22 @@ def _schedule(plan: Plan, tensors: dict[str, TensorInfo], chunk_bytes: int) -> l
         Step(
             name,
             tuple(slots[name]),
-            tuple(_reads([t for _, t in slots[name]], tensors, chunk_bytes)),
+            _reads([t for _, t in slots[name]], tensors, chunk_bytes),
             tuple(f.name for f, _ in slots[name] if last[f.name] == name),
         )
         for name in order
     ]
 
 
-def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Read]:
+def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: int) -> tuple[Read, ...] | Group:
     """The reads that make one tensor name's copies (`out`): one pass over each source in row
     chunks, or, where the pieces' order does not allow that, one read per piece. The block scales of
-    FP8 sources it dequantises come first, whole."""
+    FP8 sources it dequantises come first, whole. Sources all read alike: one `Group`."""
     scales, sources, streamable = _survey(out)
+    if streamable and not scales:
+        group = _group_reads(sources, tensors, chunk_bytes)
+        if group is not None:
+            return group
     reads = [Read(tensors[name], 0, tensors[name].nbytes, None, scale=True) for name in scales]
     if not streamable:
         for h, t in enumerate(out):
@@ -96,8 +157,28 @@ def _reads(out: list[OutTensor], tensors: dict[str, TensorInfo], chunk_bytes: in
                     info = tensors[q.source]
                     (a, *_), (b, *_) = bounds(q)
                     reads.append(_whole(info, (h, i)) if q.up else _rows(info, a, b, (h, i)))
-        return reads
-    return reads + _stream(sources, tensors, chunk_bytes)
+        return tuple(reads)
+    return tuple(reads + _stream(sources, tensors, chunk_bytes))
+
+
+def _group_reads(sources: Sources, tensors: dict[str, TensorInfo], chunk_bytes: int) -> Group | None:
+    """`sources` as one `Group`: more than one, all read for the same rows (none up-sampled), of one
+    dtype and shape, each in one chunk; else None. (`sources` holds each name once.)"""
+    if len(sources) < 2:
+        return None
+    spans = set(sources.values())
+    if len(spans) != 1:
+        return None
+    ((up, lo, hi),) = spans
+    if up:
+        return None
+    infos = tuple(map(tensors.__getitem__, sources))
+    if len(set(map(_GEOMETRY, infos))) != 1:
+        return None
+    rb, per = _chunks({}, infos[0], chunk_bytes)
+    if hi - lo > per:
+        return None
+    return Group(infos, tuple(sources), lo * rb, (hi - lo) * rb, (lo, hi))
 
 
 def _stream(sources: Sources, tensors: dict[str, TensorInfo], chunk_bytes: int) -> list[Read]:

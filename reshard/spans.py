@@ -21,16 +21,16 @@ release's layer (GBs of experts) is no span: its reads are large, read ahead as 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from itertools import pairwise
-from operator import add
+from itertools import pairwise, repeat
+from operator import add, attrgetter
 from typing import NamedTuple
 
 from reshard.io.memory import ALIGN, aligned_buffer
 from reshard.io.prefetch import SMALL_READ
-from reshard.io.reader import AlignedReader, runs
-from reshard.schedule import Read, Step
+from reshard.io.reader import AlignedReader, files, offsets, runs
+from reshard.schedule import Group, Read, Step
 
 ReadBatch = Callable[[Sequence[Read], memoryview, int], None]  # AlignedReader.read_batch's contract
 
@@ -78,27 +78,37 @@ def _extent(step: Step) -> tuple[str, int, int, int] | None:
     """The one file a step reads, the stretch [lo, hi) its reads span and their bytes; None where it
     reads more than one file."""
     reads = step.reads
-    file = reads[0].info.file
-    if any(r.info.file != file for r in reads):
+    names = set(files(reads))
+    if len(names) != 1:
         return None
-    begins = [r.info.offset + r.start for r in reads]
+    begins = offsets(reads)
+    if type(reads) is Group:  # each of `nbytes`
+        return names.pop(), min(begins), max(begins) + reads.nbytes, len(reads) * reads.nbytes
     sizes = [r.nbytes for r in reads]
-    return file, min(begins), max(map(add, begins, sizes)), sum(sizes)
+    return names.pop(), min(begins), max(map(add, begins, sizes)), sum(sizes)
 
 
 def _tiled(steps: Sequence[Step]) -> bool:
     """Whether the steps' reads (as many bytes as their stretch holds) overlap nowhere: then each
     byte of it is read exactly once."""
-    ranges = sorted((r.info.offset + r.start, r.nbytes) for s in steps for r in s.reads)
+    ranges = sorted(x for s in steps for x in zip(offsets(s.reads), _sizes(s.reads), strict=True))
     return all(a + size <= b for (a, size), (b, _) in pairwise(ranges))
+
+
+def _sizes(reads: Sequence[Read]) -> Iterable[int]:
+    return repeat(reads.nbytes, len(reads)) if type(reads) is Group else map(_NBYTES, reads)
+
+
+_NBYTES = attrgetter("nbytes")
 
 
 def copy_reads(span: memoryview, lo: int, reads: Sequence[Read], out: memoryview, nbytes: int) -> None:
     """Reads of `nbytes` each, out of `span` (the file's bytes from `lo`), one after the other into
     `out` (`AlignedReader.read_batch`'s contract); reads that follow each other in the file in one copy."""
-    begins = [r.info.offset + r.start - lo for r in reads]
+    begins = offsets(reads)
     for i, j in runs(begins, nbytes):
-        out[i * nbytes : j * nbytes] = span[begins[i] : begins[i] + (j - i) * nbytes]
+        a = begins[i] - lo
+        out[i * nbytes : j * nbytes] = span[a : a + (j - i) * nbytes]
 
 
 class InlineReads:
@@ -125,7 +135,7 @@ class InlineReads:
         self.left = 0  # steps it still serves
 
     def _inline(self, step: Step) -> bool:
-        return self.reader is not None and all(map(self.reader.inline, {r.info.file for r in step.reads}))
+        return self.reader is not None and all(map(self.reader.inline, set(files(step.reads))))
 
     def plan(self, limit: int) -> bool:
         """The spans, for a buffer of `limit` bytes (a stretch read with O_DIRECT takes up to a page
@@ -165,4 +175,4 @@ class InlineReads:
 
 def _small(step: Step) -> bool:
     """Reads small enough that one each costs more than the bytes (reshard.io.prefetch's runs)."""
-    return sum(r.nbytes for r in step.reads) <= SMALL_READ * len(step.reads)
+    return sum(_sizes(step.reads)) <= SMALL_READ * len(step.reads)

@@ -13,7 +13,7 @@ import pytest
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.layout import Layout
 from reshard.plan import Cols, Fill, OutFile, OutTensor, Plan, Slice, Stack, build_plan, flat, natural_key
-from reshard.schedule import Read, Step, _row_bytes, bounds, schedule
+from reshard.schedule import Group, Read, Step, _row_bytes, bounds, schedule
 from reshard.sources import open_source
 from tests.fixtures.releases import RELEASES, cut, write_header_only
 from tests.fixtures.synthetic import QWEN3_235B_A22B_FP8, synthetic_checkpoint
@@ -119,10 +119,30 @@ def flat_plan(plan: Plan) -> Plan:
 
 
 def same(plan: Plan, tensors: dict[str, TensorInfo], chunk: int) -> int:
-    """The schedule equals the old one's of the same plan, its stacks as slices; how many reads."""
-    new = steps_of(schedule(plan, tensors, chunk))
-    assert new == steps_of(old_schedule(flat_plan(plan), tensors, chunk))
+    """The schedule equals the old one's of the same plan, its stacks as slices (a `Group` as the
+    reads it stands for, its columns as theirs); how many reads."""
+    steps = schedule(plan, tensors, chunk)
+    new = steps_of(steps)
+    old = steps_of(old_schedule(flat_plan(plan), tensors, chunk))
+    assert [(n, s, tuple(r), c) for n, s, r, c in new] == old
+    for step in steps:
+        reads = step.reads
+        if type(reads) is Group:  # since session 25: a layer's experts, one record
+            listed = list(reads)
+            assert reads.offsets() == [r.info.offset + r.start for r in listed]
+            assert reads.files() == [r.info.file for r in listed]
+            assert reads.names == tuple(r.info.name for r in listed)
+            assert [reads[k] for k in range(len(reads))] == listed
+            assert list(reads[1:-1:2]) == listed[1:-1:2] and type(reads[1:]) is Group
     return sum(len(s[2]) for s in new)
+
+
+def experts_grouped(plan: Plan, tensors: dict[str, TensorInfo]) -> bool:
+    """Whether every layer's experts' weights (w13, w2) are read as one `Group` each."""
+    steps = [
+        s for s in schedule(plan, tensors, 32 << 20) if s.name.endswith(("experts.w13_weight", "experts.w2_weight"))
+    ]
+    return bool(steps) and all(type(s.reads) is Group for s in steps)
 
 
 LAYOUTS = [Layout(tp=2), Layout(tp=4, ep=True), Layout(tp=2, pp=2)]
@@ -146,7 +166,9 @@ def test_release_and_synthetic_plans_schedule_as_before(tmp_path, layout):
         open_source(str(write_header_only(tmp_path / "k", cut(RELEASES["kimi-k2"], 2)))).checkpoint,
         synthetic_checkpoint({**QWEN3_235B_A22B_FP8, "num_hidden_layers": 2}, files=3),
     ):
-        assert same(build_plan(ckpt, layout), ckpt.tensors, 32 << 20) > 0
+        plan = build_plan(ckpt, layout)
+        assert same(plan, ckpt.tensors, 32 << 20) > 0
+        assert experts_grouped(plan, ckpt.tensors)
 
 
 def info(name: str, shape: tuple[int, ...], dtype: str = "BF16") -> TensorInfo:

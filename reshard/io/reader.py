@@ -42,6 +42,19 @@ def runs(begins: Sequence[int], nbytes: int, files: Sequence[str] | None = None)
         i = j
 
 
+def offsets(reads: Sequence[ByteRange]) -> list[int]:
+    """Where each read begins in its file (reads that know their columns, `reshard.schedule.Group`,
+    say so without a record each)."""
+    own = getattr(reads, "offsets", None)
+    return own() if own is not None else [r.info.offset + r.start for r in reads]
+
+
+def files(reads: Sequence[ByteRange]) -> list[str]:
+    """The file each read reads (as `offsets`)."""
+    own = getattr(reads, "files", None)
+    return own() if own is not None else [r.info.file for r in reads]
+
+
 class Prepared(NamedTuple):
     """How to make one read: with `fd` (an O_DIRECT descriptor; None: the ordinary read) from
     file offset `offset`, into a region of `size` bytes. (A named tuple: one per read, ~200k in an
@@ -191,8 +204,8 @@ class FileReader(AlignedReader):
     def read_batch(self, reads: Sequence[ByteRange], out: memoryview, nbytes: int) -> None:
         """One `preadv` per run of reads that follow each other in their file (a layer's experts'
         gate and up projections lie side by side), straight into their places in `out`."""
-        begins = [r.info.offset + r.start for r in reads]
-        for i, j in runs(begins, nbytes, [r.info.file for r in reads]):
+        begins = offsets(reads)
+        for i, j in runs(begins, nbytes, files(reads)):
             info, pos, dst = reads[i].info, begins[i], out[i * nbytes : j * nbytes]
             fd = self.fds[info.file]
             try:
