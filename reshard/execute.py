@@ -20,9 +20,10 @@ Threads overlap so that a save runs at the disk's speed (docs/benchmarks.md):
   copy. An MoE layer's experts (a uniform step: hundreds of small reads of one shape, each rank
   taking the same slice of each) go in batches (`reshard.batch`): small reads copied into a reused
   batch buffer, each rank's share of a batch handed over as one view. Where those reads' files are
-  in the page cache, the main thread copies them out of it into the batch buffer itself
-  (`reshard.spans`), not through the reader threads: at 200k reads of a few KB the threads'
-  hand-over of each read cost more than the read;
+  in the page cache, the main thread copies them out of it into the batch buffer itself, not
+  through the reader threads: at 200k reads of a few KB the threads' hand-over of each read cost
+  more than the read; where a layer's experts tile a stretch of a file, the reader threads read the
+  stretch ahead, whole, and the main thread copies the reads out of it (`reshard.spans`);
 - one writer thread per open output file (`reshard.io.worker`) gathers strided views (column
   slices) into an aligned stage and hashes it (BLAKE3 by default); contiguous views that line up
   with the file go to disk from the read buffer itself. That file's I/O thread writes with O_DIRECT
@@ -48,7 +49,7 @@ from reshard.batch import Batches, Uniform, uniform
 from reshard.checkpoint import Reader, Source
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.io.dtypes import Caster, dequantize_fp8, fill_bytes, pad_rows, upsample
-from reshard.io.memory import Lease, Memory, metadata_budget
+from reshard.io.memory import ALIGN, Lease, Memory, metadata_budget
 from reshard.io.prefetch import Prefetcher
 from reshard.io.worker import Worker
 from reshard.io.writer import FileWriter, Sink, Written
@@ -187,17 +188,16 @@ class Executor:
         for f in self.plan.files:
             if not f.tensors:
                 self.done.append(self.sink(f, self.header(f)).close(self.sync))
+        reads: InlineReads | None = None
         try:
             uniforms = [uniform(step, [t for _, t in step.slots], self.batch_bytes) for step in steps]
             reads = InlineReads(self.reader, steps, [u is not None for u in uniforms])
+            # stretches steps read whole (reshard.spans): in the reader threads' buffers (a page more
+            # at each end with O_DIRECT), each step's reads in a batch
+            reads.plan(self.batch_bytes - 2 * ALIGN)
             self.batches = Batches(self.mem, self.batch_bytes, self.cast, self.progress)
-            # a buffer for stretches steps read whole (reshard.spans), after the batches'
-            if reads.plan(self.batch_bytes):
-                self.batches.reserve()
-                got = self.mem.reserve(self.batch_bytes)
-                assert got == self.batch_bytes  # at most an eighth of the budget, under the quarter of what is left
             self.prefetch = Prefetcher(self.reader, self.mem, reads.ahead)
-            self.batches.get = self.prefetch.get
+            self.batches.get = reads.get = self.prefetch.get
             for k, (step, u) in enumerate(zip(steps, uniforms, strict=True)):
                 read_batch = reads.at(k)
                 holders = [_Holder(t, self._writer(f)) for f, t in step.slots]
@@ -220,6 +220,8 @@ class Executor:
                 w.thread.join()
             raise
         finally:
+            if reads is not None:
+                reads.close()
             if self.batches is not None:
                 self.batches.close()
             if self.prefetch is not None:

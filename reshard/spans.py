@@ -12,22 +12,23 @@ projections) read all of them, each step every other tensor. Read step by step, 
 the main thread at 200k tensors of 4 KB (issue 28); not in the page cache, an O_DIRECT read of a
 page or two per tensor, ~50 us of system time each: 19 s where `cp` takes 1.7. Where consecutive
 uniform steps, of cached files or of small reads, read between them every byte of one stretch of
-one file exactly once, and the stretch fits in the span buffer, it is read in one go (with O_DIRECT
-where the file is read so) and each step copies its reads out of it: a span. Every source byte is
-still read once; a stretch with a byte no step reads, or one read twice, is not a span. A real
-release's layer (GBs of experts) is no span: its reads are large, read ahead as before.
+one file exactly once, and the stretch fits in a batch buffer, it is one read (with O_DIRECT where
+the file is read so), made ahead by the reader threads like any other, and each step copies its
+reads out of it: a span. Every source byte is still read once; a stretch with a byte no step reads,
+or one read twice, is not a span. A real release's layer (GBs of experts) is no span: its reads are
+large, read ahead as before. (The main thread read the spans itself until session 25: 0.25-0.5 s of
+its time in a 200k-tensor save at EP, and one O_DIRECT read in flight at a time where not cached.)
 """
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import pairwise, repeat
 from operator import add, attrgetter
 from typing import NamedTuple
 
-from reshard.io.memory import ALIGN, aligned_buffer
+from reshard.io.memory import Lease
 from reshard.io.prefetch import SMALL_READ
 from reshard.io.reader import AlignedReader, files, offsets, runs
 from reshard.schedule import Group, Read, Step
@@ -38,13 +39,18 @@ MAX_STEPS = 8  # steps one span may serve (a layer's experts: 2 to 4 steps)
 
 
 class Span(NamedTuple):
-    """Bytes [lo, hi) of the file of `first` (a read of it: what an error names), read by `steps`
+    """Bytes [lo, hi) of the file of `first` (the read at lo: what an error names), read by `steps`
     consecutive steps."""
 
     first: Read
     lo: int
     hi: int
     steps: int
+
+    @property
+    def read(self) -> Read:
+        """The stretch as one read (the reader threads')."""
+        return Read(self.first.info, self.first.start, self.hi - self.lo, None)
 
 
 def spans(steps: Sequence[Step], eligible: Sequence[bool], limit: int) -> dict[int, Span]:
@@ -64,7 +70,7 @@ def spans(steps: Sequence[Step], eligible: Sequence[bool], limit: int) -> dict[i
                 if total > limit:
                     break
                 if hi - lo == total and _tiled(steps[k : m + 1]):
-                    best = Span(steps[k].reads[0], lo, hi, m - k + 1)
+                    best = Span(_read_at(steps[k : m + 1], lo), lo, hi, m - k + 1)
                 m += 1
         if best is None:
             k += 1
@@ -72,6 +78,15 @@ def spans(steps: Sequence[Step], eligible: Sequence[bool], limit: int) -> dict[i
             out[k] = best
             k += best.steps
     return out
+
+
+def _read_at(steps: Sequence[Step], pos: int) -> Read:
+    """The read of `steps` that begins at file position `pos`."""
+    for step in steps:
+        begins = offsets(step.reads)
+        if pos in begins:
+            return step.reads[begins.index(pos)]
+    raise AssertionError(f"no read begins at {pos}")
 
 
 def _extent(step: Step) -> tuple[str, int, int, int] | None:
@@ -114,11 +129,15 @@ def copy_reads(span: memoryview, lo: int, reads: Sequence[Read], out: memoryview
 class InlineReads:
     """Which of `steps` the main thread reads itself, and how: `uniform[k]` says whether step k is
     uniform; `reader`'s `inline` which files are in the page cache. A uniform step of cached files is
-    read by the main thread (`AlignedReader.read_batch`); so is one of small reads (an expert of a few
-    KB) of a file not in the cache, where its stretch is a span (read whole, with O_DIRECT: one read
-    per 4 KB tensor cost ~50 us of system time each, 10x `cp` at 200k tensors). Call `plan` (the
-    span buffer's largest size), then `at(k)` for every step in order: how step k is read (None: by
-    the reader threads, which read `ahead`)."""
+    read by the main thread (`AlignedReader.read_batch`). Consecutive uniform steps of cached files,
+    or of small reads (an expert of a few KB) of a file not in the cache (with O_DIRECT: one read per
+    4 KB tensor cost ~50 us of system time each, 10x `cp` at 200k tensors), whose reads tile a stretch
+    are a span: read whole, ahead, by the reader threads, and copied out of their buffer by the main
+    thread (read there, the stretches were 40% of its time in a 200k-tensor save at EP).
+
+    Call `plan` (the largest span), then `at(k)` for every step in order: how step k is read (None:
+    by the reader threads, which read `ahead`, spans included); `get` (the reader threads' hand-out)
+    must be set before. `close` gives back the span being served."""
 
     def __init__(self, reader: object, steps: Sequence[Step], uniform: Sequence[bool]) -> None:
         self.reader = reader if isinstance(reader, AlignedReader) else None
@@ -129,32 +148,39 @@ class InlineReads:
             i or (u and spanning and _small(step)) for step, u, i in zip(steps, uniform, self.inline, strict=True)
         ]
         self.spans: dict[int, Span] = {}
-        self.limit = 0
-        self.buf: mmap.mmap | None = None
-        self.span: tuple[memoryview, int] | None = None  # the stretch read last, and where it starts
+        self.get: Callable[[], tuple[memoryview, Lease]] | None = None
+        self.span: tuple[memoryview, int] | None = None  # the stretch being served, and where it starts
+        self.lease: Lease | None = None  # ... its memory
         self.left = 0  # steps it still serves
 
     def _inline(self, step: Step) -> bool:
         return self.reader is not None and all(map(self.reader.inline, set(files(step.reads))))
 
-    def plan(self, limit: int) -> bool:
-        """The spans, for a buffer of `limit` bytes (a stretch read with O_DIRECT takes up to a page
-        more at each end); whether there are any (the buffer is needed)."""
-        self.limit = limit
+    def plan(self, limit: int) -> None:
+        """The spans, of at most `limit` bytes each."""
         if any(self.spannable):
-            self.spans = spans(self.steps, self.spannable, limit - 2 * ALIGN)
-        return bool(self.spans)
+            self.spans = spans(self.steps, self.spannable, limit)
 
     @property
     def ahead(self) -> list[Read]:
-        """The reads the reader threads make, in order: those of the steps the main thread does not read."""
+        """The reads the reader threads make, in order: each span (where its first step is), and the
+        reads of the steps the main thread neither reads nor serves from a span."""
         served = {k + d for k, s in self.spans.items() for d in range(s.steps)}
-        mine = [i or k in served for k, i in enumerate(self.inline)]
-        return [r for step, m in zip(self.steps, mine, strict=True) if not m for r in step.reads]
+        out: list[Read] = []
+        for k, step in enumerate(self.steps):
+            if k in self.spans:
+                out.append(self.spans[k].read)
+            elif not (self.inline[k] or k in served):
+                out.extend(step.reads)
+        return out
 
     def at(self, k: int) -> ReadBatch | None:
+        if not self.left and self.lease is not None:
+            self.close()  # the span's steps are done: its memory back before this step's reads
         if k in self.spans:
-            self.span, self.left = self._read(self.spans[k]), self.spans[k].steps
+            assert self.get is not None
+            view, self.lease = self.get()
+            self.span, self.left = (view, self.spans[k].lo), self.spans[k].steps
         if self.left:
             assert self.span is not None
             self.left -= 1
@@ -164,13 +190,11 @@ class InlineReads:
             return self.reader.read_batch
         return None
 
-    def _read(self, span: Span) -> tuple[memoryview, int]:
-        """The stretch read into the span buffer (made when first needed): its view, where it starts."""
-        assert self.reader is not None
-        if self.buf is None:
-            self.buf = aligned_buffer(self.limit)
-        view = self.reader.read_span(span.first.info, span.lo, span.hi - span.lo, memoryview(self.buf))
-        return view, span.lo
+    def close(self) -> None:
+        """Give back the memory of the span being served."""
+        lease, self.lease, self.span = self.lease, None, None
+        if lease is not None:
+            lease.release()
 
 
 def _small(step: Step) -> bool:

@@ -9,6 +9,7 @@ import pytest
 import reshard.batch as batch
 import reshard.execute as ex
 import reshard.io.writer as wr
+import reshard.spans as spans
 from reshard.io.reader import FileReader
 from reshard.plan import DEFAULT_MAX_PART
 from reshard.sources import open_source
@@ -42,9 +43,9 @@ def test_uniform_steps_write_the_bytes_of_the_piece_path(
     src = str(tiny(arch))
     if numpy_copy:  # reads copied into the batch by numpy (larger reads: NUMPY_COPY), not as memoryviews
         monkeypatch.setattr(wr, "NUMPY_COPY", 1)
-    # the source in the page cache: its uniform steps read by the main thread (FileReader.read_batch,
-    # or whole stretches: reshard.spans); not in it: stretches of small reads read whole by the main
-    # thread, the rest read ahead by the reader threads; read-ahead: everything by the reader threads
+    # the source in the page cache: its uniform steps read by the main thread (FileReader.read_batch),
+    # or as whole stretches (reshard.spans, read ahead); not in it: stretches of small reads read whole,
+    # the rest read by the reader threads one by one; read-ahead: every read on its own
     inline = how == "cached"
     monkeypatch.setattr(FileReader, "inline", lambda self, file: inline)
     if how == "read-ahead":
@@ -52,9 +53,9 @@ def test_uniform_steps_write_the_bytes_of_the_piece_path(
     batch_reads = []
     read_batch = FileReader.read_batch
     monkeypatch.setattr(FileReader, "read_batch", lambda self, *a: batch_reads.append(1) or read_batch(self, *a))
-    span_reads = []  # stretches several steps read between them (reshard.spans)
-    read_span = FileReader.read_span
-    monkeypatch.setattr(FileReader, "read_span", lambda self, *a: span_reads.append(1) or read_span(self, *a))
+    span_reads = []  # steps served from stretches read whole (reshard.spans)
+    copy_reads = spans.copy_reads
+    monkeypatch.setattr(spans, "copy_reads", lambda *a: span_reads.append(1) or copy_reads(*a))
     experts = [t.nbytes for t in open_source(src).checkpoint.tensors.values() if ".experts." in t.name]
     chunk = reads * max(experts)  # a batch holds `reads` of the largest expert tensors
     monkeypatch.setattr(batch, "MIN_READS", 2)  # the tiny models have 8 experts

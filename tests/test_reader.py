@@ -231,8 +231,14 @@ def test_a_batch_read_of_a_file_cut_short_is_a_source_error(tmp_path, monkeypatc
     reader.close()
 
 
+def _stretch(reader: FileReader, t: TensorInfo, pos: int, nbytes: int, buf: memoryview) -> memoryview:
+    """Bytes [pos, pos + nbytes) of `t`'s file (past `t`'s end), read as the reader threads read a span."""
+    prepared = reader.prepare(t, pos - t.offset, nbytes)
+    return reader.read_prepared(t, pos - t.offset, nbytes, prepared, buf[: prepared.size])
+
+
 def test_a_span_read_of_a_file_cut_short_or_failing_is_a_source_error(tmp_path, monkeypatch):
-    """`read_span` (a stretch several uniform steps read, reshard.spans): errors as every other read's."""
+    """A stretch several uniform steps read (reshard.spans), read as one: errors as every other read's."""
     import errno
 
     (tmp_path / "a.safetensors").write_bytes(os.urandom(64 * 4))
@@ -240,33 +246,33 @@ def test_a_span_read_of_a_file_cut_short_or_failing_is_a_source_error(tmp_path, 
     monkeypatch.setenv("RESHARD_DIRECT_READS", "0")
     reader = FileReader(tmp_path)
     buf = memoryview(aligned_buffer(3 * ALIGN))
-    got = reader.read_span(t, 0, 64 * 4, buf)
+    got = _stretch(reader, t, 0, 64 * 4, buf)
     assert bytes(got) == (tmp_path / "a.safetensors").read_bytes()
     os.truncate(tmp_path / "a.safetensors", 64 * 3)
     with pytest.raises(SourceError, match="truncated while reading t0"):
-        reader.read_span(t, 0, 64 * 4, buf)
+        _stretch(reader, t, 0, 64 * 4, buf)
 
     def eio(fd, buffers, offset, *flags):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "preadv", eio)
     with pytest.raises(SourceError, match=r"cannot read .*a\.safetensors: Input/output error"):
-        reader.read_span(t, 0, 64, buf)
+        _stretch(reader, t, 0, 64, buf)
     reader.close()
 
 
 @pytest.mark.parametrize("mode", ["0", "1"])
 @pytest.mark.parametrize("pos, nbytes", [(0, 5 * ALIGN + 1234), (3, 10), (ALIGN - 1, ALIGN + 2), (2 * ALIGN, ALIGN)])
 def test_a_span_read_gives_the_file_bytes_through_the_cache_or_with_o_direct(monkeypatch, data_file, mode, pos, nbytes):
-    """`read_span`: a stretch read whole (reshard.spans), with O_DIRECT where the file is read so: the
-    block-aligned stretch around it, the bytes a view of it, the file's end cut short."""
+    """A stretch read whole (reshard.spans), with O_DIRECT where the file is read so: the block-aligned
+    stretch around it, the bytes a view of it, the file's end cut short."""
     path, data = data_file
     if mode == "1" and not direct_io_works(path):
         pytest.skip("O_DIRECT not supported here")
     monkeypatch.setenv("RESHARD_DIRECT_READS", mode)
     reader = FileReader(path.parent)
     t = TensorInfo("w", "U8", (len(data),), path.name, 0, len(data))
-    got = reader.read_span(t, pos, nbytes, memoryview(aligned_buffer(nbytes + 2 * ALIGN)))
+    got = _stretch(reader, t, pos, nbytes, memoryview(aligned_buffer(nbytes + 2 * ALIGN)))
     assert bytes(got) == data[pos : pos + nbytes]
     assert (reader.direct_fds[path.name] is not None) == (mode == "1")
     reader.close()
@@ -292,7 +298,7 @@ def test_a_span_read_falls_back_to_the_page_cache_where_o_direct_reads_are_refus
 
     monkeypatch.setattr(os, "preadv", preadv)
     t = TensorInfo("w", "U8", (len(data),), path.name, 0, len(data))
-    got = reader.read_span(t, 5, 3 * ALIGN, memoryview(aligned_buffer(5 * ALIGN)))
+    got = _stretch(reader, t, 5, 3 * ALIGN, memoryview(aligned_buffer(5 * ALIGN)))
     assert bytes(got) == data[5 : 5 + 3 * ALIGN]
     assert reader.direct_fds[path.name] is None
     reader.close()

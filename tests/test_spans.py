@@ -77,3 +77,46 @@ def test_copy_reads_puts_each_read_in_its_place(order):
         out = memoryview(bytearray(len(reads) * N))
         copy_reads(memoryview(data)[100:], 100, reads, out, N)
         assert bytes(out) == b"".join(data[r.info.offset : r.info.offset + N] for r in reads)
+
+
+class _Lease:
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self, n: int = 1) -> None:
+        self.released += n
+
+
+def test_spans_are_read_ahead_whole_and_their_memory_given_back_after_their_last_step(tmp_path, monkeypatch):
+    """The reader threads read each span as one read, where its first step is in their order (its
+    first byte's tensor named, for errors); the main thread takes it there and gives its memory back
+    as soon as its steps are done, before the next step's reads are taken: held longer, a reader
+    waiting for that memory to read the next span would wait for ever."""
+    from reshard.io.reader import FileReader
+    from reshard.spans import InlineReads
+
+    monkeypatch.setattr(FileReader, "inline", lambda self, file: True)
+    between = _step(_read(100, file="b.safetensors"))  # not uniform: read ahead as it is
+    steps = [*_layer(0), between, *_layer(24)]
+    reads = InlineReads(FileReader(tmp_path), steps, [True, True, False, True, True])
+    reads.plan(1 << 20)
+    first, second = reads.spans[0].read, reads.spans[3].read
+    assert (first.info.name, first.start, first.nbytes) == ("t0", 0, 24 * N)  # t0 (expert 0's down): the first byte
+    assert (second.info.name, second.nbytes) == ("t24", 24 * N)
+    assert reads.ahead == [first, *between.reads, second]
+    leases: list[_Lease] = []
+    stretch = bytes(range(256)) * (24 * N // 256)
+
+    def get():
+        leases.append(_Lease())
+        return memoryview(stretch), leases[-1]
+
+    reads.get = get
+    out = bytearray(16 * N)
+    reads.at(0)(steps[0].reads, memoryview(out), N)  # w13: gate and up of each expert, from the stretch
+    assert out == b"".join(stretch[(3 * e + p) * N : (3 * e + p + 1) * N] for e in range(8) for p in (1, 2))
+    assert reads.at(1) is not None and [x.released for x in leases] == [0]
+    assert reads.at(2) is None and [x.released for x in leases] == [1]  # given back before the next step
+    assert reads.at(3) is not None and reads.at(4) is not None and [x.released for x in leases] == [1, 0]
+    reads.close()
+    assert [x.released for x in leases] == [1, 1]

@@ -108,12 +108,9 @@ class AlignedReader(abc.ABC):
         """Reads of `nbytes` each, of files `inline` said yes to, one after the other into `out`."""
         raise NotImplementedError
 
-    reads_spans = False  # it has `read_span`
-
-    def read_span(self, t: TensorInfo, pos: int, nbytes: int, buf: memoryview) -> memoryview:
-        """Bytes [pos, pos + nbytes) of the file of `t`, read into `buf` (page-aligned, `nbytes` and
-        a page more at each end); a view of them."""
-        raise NotImplementedError
+    # a read may be a stretch of a file that holds several tensors (`reshard.spans`), read as one
+    # (`prepare`, `read_prepared`: its first tensor's, from a start within it, past its end)
+    reads_spans = False
 
     def expect(self, reads: Sequence[ByteRange]) -> None:
         """The reads to come, in order, told before the first is made (a Hub
@@ -215,27 +212,6 @@ class FileReader(AlignedReader):
                 raise self._read_error(info, e) from e
 
     reads_spans = True
-
-    def read_span(self, t: TensorInfo, pos: int, nbytes: int, buf: memoryview) -> memoryview:
-        """With O_DIRECT where the file is read so (mostly not in the page cache): the block-aligned
-        stretch around the bytes, in one read."""
-        self.fd(t.file)
-        fd = self._direct_fd(t.file)
-        try:
-            if fd is not None:
-                a0 = pos // ALIGN * ALIGN
-                a1 = -(-(pos + nbytes) // ALIGN) * ALIGN
-                try:
-                    self._fill(fd, t, a0, buf[: a1 - a0], pos + nbytes - a0)
-                    return buf[pos - a0 : pos - a0 + nbytes]
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    self._refused(t.file, fd)
-            self._fill(self.fds[t.file], t, pos, buf[:nbytes], nbytes)
-            return buf[:nbytes]
-        except OSError as e:
-            raise self._read_error(t, e) from e
 
     def _refused(self, name: str, fd: int) -> None:
         """O_DIRECT descriptor `fd` of `name` had a read refused (EINVAL): read through the page cache from now on."""
