@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from reshard import __version__
+from reshard.bulk import paused_gc
 from reshard.checkpoint import Checkpoint, Source
 from reshard.destination import Destination, Run, Staging, destination, refuse_on_bucket, refuse_own_source
 from reshard.distributed import Group, parse_ranks, ranks_tag, shared_run_id
@@ -178,7 +179,8 @@ def _source_tensors(ckpt: Checkpoint) -> dict[str, tuple[str, tuple[int, ...]]]:
     if ckpt.manifest is not None and ckpt.manifest.source_tensors is not None:
         return ckpt.manifest.source_tensors
     names = sorted(ckpt.tensors)  # unique; a record's shape is a tuple. In C loops: 0.13 -> 0.10 s per 200k
-    return dict(zip(names, map(_DTYPE_SHAPE, map(ckpt.tensors.__getitem__, names)), strict=True))
+    with paused_gc():  # a tuple per tensor, no cycle among them (reshard.bulk)
+        return dict(zip(names, map(_DTYPE_SHAPE, map(ckpt.tensors.__getitem__, names)), strict=True))
 
 
 _DTYPE_SHAPE = attrgetter("dtype", "shape")
