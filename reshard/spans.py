@@ -96,10 +96,7 @@ def _extent(step: Step) -> tuple[str, int, int, int] | None:
     names = set(files(reads))
     if len(names) != 1:
         return None
-    begins = offsets(reads)
-    if type(reads) is Group:  # each of `nbytes`
-        return names.pop(), min(begins), max(begins) + reads.nbytes, len(reads) * reads.nbytes
-    sizes = [r.nbytes for r in reads]
+    begins, sizes = offsets(reads), list(_sizes(reads))
     return names.pop(), min(begins), max(map(add, begins, sizes)), sum(sizes)
 
 
