@@ -95,6 +95,9 @@ class Group(Sequence[Read]):
     def files(self) -> list[str]:
         return list(map(_FILE, self.infos))
 
+    def sizes(self) -> list[int]:
+        return [self.nbytes] * len(self.infos)
+
 
 _OFFSET = attrgetter("offset")
 _FILE = attrgetter("file")

@@ -22,16 +22,16 @@ its time in a 200k-tensor save at EP, and one O_DIRECT read in flight at a time 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from itertools import pairwise, repeat
-from operator import add, attrgetter
+from itertools import pairwise
+from operator import add
 from typing import NamedTuple
 
 from reshard.io.memory import Lease
 from reshard.io.prefetch import SMALL_READ
-from reshard.io.reader import AlignedReader, files, offsets, runs
-from reshard.schedule import Group, Read, Step
+from reshard.io.reader import AlignedReader, files, offsets, runs, sizes
+from reshard.schedule import Read, Step
 
 ReadBatch = Callable[[Sequence[Read], memoryview, int], None]  # AlignedReader.read_batch's contract
 
@@ -96,22 +96,15 @@ def _extent(step: Step) -> tuple[str, int, int, int] | None:
     names = set(files(reads))
     if len(names) != 1:
         return None
-    begins, sizes = offsets(reads), list(_sizes(reads))
-    return names.pop(), min(begins), max(map(add, begins, sizes)), sum(sizes)
+    begins, lengths = offsets(reads), sizes(reads)
+    return names.pop(), min(begins), max(map(add, begins, lengths)), sum(lengths)
 
 
 def _tiled(steps: Sequence[Step]) -> bool:
     """Whether the steps' reads (as many bytes as their stretch holds) overlap nowhere: then each
     byte of it is read exactly once."""
-    ranges = sorted(x for s in steps for x in zip(offsets(s.reads), _sizes(s.reads), strict=True))
+    ranges = sorted(x for s in steps for x in zip(offsets(s.reads), sizes(s.reads), strict=True))
     return all(a + size <= b for (a, size), (b, _) in pairwise(ranges))
-
-
-def _sizes(reads: Sequence[Read]) -> Iterable[int]:
-    return repeat(reads.nbytes, len(reads)) if type(reads) is Group else map(_NBYTES, reads)
-
-
-_NBYTES = attrgetter("nbytes")
 
 
 def copy_reads(span: memoryview, lo: int, reads: Sequence[Read], out: memoryview, nbytes: int) -> None:
@@ -196,4 +189,4 @@ class InlineReads:
 
 def _small(step: Step) -> bool:
     """Reads small enough that one each costs more than the bytes (reshard.io.prefetch's runs)."""
-    return sum(_sizes(step.reads)) <= SMALL_READ * len(step.reads)
+    return sum(sizes(step.reads)) <= SMALL_READ * len(step.reads)

@@ -131,6 +131,7 @@ def same(plan: Plan, tensors: dict[str, TensorInfo], chunk: int) -> int:
             listed = list(reads)
             assert reads.offsets() == [r.info.offset + r.start for r in listed]
             assert reads.files() == [r.info.file for r in listed]
+            assert reads.sizes() == [r.nbytes for r in listed]
             assert reads.names == tuple(r.info.name for r in listed)
             assert [reads[k] for k in range(len(reads))] == listed
             assert list(reads[1:-1:2]) == listed[1:-1:2] and type(reads[1:]) is Group

@@ -55,6 +55,12 @@ def files(reads: Sequence[ByteRange]) -> list[str]:
     return own() if own is not None else [r.info.file for r in reads]
 
 
+def sizes(reads: Sequence[ByteRange]) -> list[int]:
+    """The bytes of each read (as `offsets`)."""
+    own = getattr(reads, "sizes", None)
+    return own() if own is not None else [r.nbytes for r in reads]
+
+
 class Prepared(NamedTuple):
     """How to make one read: with `fd` (an O_DIRECT descriptor; None: the ordinary read) from
     file offset `offset`, into a region of `size` bytes. (A named tuple: one per read, ~200k in an
