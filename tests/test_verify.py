@@ -479,6 +479,68 @@ def test_deep_names_flipped_tensor(clean, out):
     assert len(errors(rep)) == 1
 
 
+@pytest.mark.parametrize("window", [4097, 1 << 20])
+def test_deep_reads_each_file_in_windows(clean, out, monkeypatch, window):
+    """The compare reads a file `WINDOW` bytes at a time, whatever its tensors' sizes: one read per
+    window (not one per tensor, nor a buffer per write), the digest out of the windows, and a
+    flipped byte found where it is, across the windows' edges too."""
+    from reshard.verify import deep
+
+    monkeypatch.setattr(deep, "WINDOW", window)
+    fills: list[tuple[str, int]] = []
+    fill = deep._CompareSink._fill
+    monkeypatch.setattr(deep._CompareSink, "_fill", lambda s, off: fills.append((s.file.name, off)) or fill(s, off))
+    code, rep = run(clean[1], "--against", clean[0], "--deep")
+    assert code == 0, rep["findings"]
+    assert rep["stats"]["hashed_in_compare_bytes"] == rep["bytes"]
+    for name in (RANK0, RANK1):
+        tensors, _, _ = read_header(clean[1] / name)
+        start, size = min(t.offset for t in tensors.values()), (clean[1] / name).stat().st_size
+        got = [off for n, off in fills if n == name]
+        assert got == list(range(start, size, window))
+        if window == 1 << 20:
+            assert len(got) < len(tensors)  # a window served many tensors
+
+    info = tensor_at(out / RANK1, "model.layers.2.mlp.down_proj.weight")
+    edge = window - (info.offset - start) % window  # the first byte of the tensor's second window
+    assert edge < info.nbytes or window == 1 << 20
+    for at in (7, edge - 1, edge) if edge < info.nbytes else (7,):
+        flip(out / RANK1, info.offset + at)
+        code, rep = run(out, "--against", clean[0], "--deep", "--no-checksums")
+        flip(out / RANK1, info.offset + at)
+        assert code == 7
+        f = one(rep, "data", file=RANK1, tensor="model.layers.2.mlp.down_proj.weight")
+        assert f"byte {at} " in f["message"], f["message"]
+        assert len(errors(rep)) == 1
+
+
+def test_deep_compare_tells_a_file_that_ends_early(clean, tmp_path, monkeypatch):
+    """A file cut short under the compare (the structure check saw it whole): its tensor differs from
+    the byte where the file ends, and the file is not hashed."""
+    from reshard.folderview import LocalView
+    from reshard.plan import OutTensor
+    from reshard.verify import deep
+    from reshard.verify.report import CheckedFile
+
+    monkeypatch.setattr(deep, "WINDOW", 4096)
+    folder = Path(shutil.copytree(clean[1], tmp_path / "o"))
+    tensors, _, _ = read_header(folder / RANK0)
+    last = max(tensors.values(), key=lambda t: t.offset)
+    size = (folder / RANK0).stat().st_size
+    f = CheckedFile(RANK0, 0, 0, 0, size=size, tensors=tensors)
+    data = (folder / RANK0).read_bytes()
+    os.truncate(folder / RANK0, size - 5)
+    diffs: list = []
+    sink = deep._CompareSink(LocalView(folder), f, diffs, checksum="blake3")
+    for t in sorted(tensors.values(), key=lambda t: t.offset):
+        sink.begin(OutTensor(t.name, t.dtype, t.shape, ()))
+        sink.write(memoryview(data)[t.offset : t.offset + t.nbytes])
+    written = sink.close(sync=False)
+    assert written.digest is None
+    assert [name for _, name in diffs] == [last.name]
+    assert f"from byte {last.nbytes - 5} of it" in diffs[0][0]
+
+
 def _relist_side_file(out_dir, name):
     """Record `name`'s present bytes in the manifest, as a folder that lies would: the manifest's
     own checksums then pass, and only SOURCE can tell."""

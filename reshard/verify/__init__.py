@@ -33,6 +33,7 @@ from pathlib import Path
 from reshard import vllm_versions
 from reshard.folderview import FolderView, LocalView
 from reshard.hashing import NONE
+from reshard.io.memory import resident_bytes
 from reshard.manifest import Manifest
 from reshard.names import OLD, siblings
 from reshard.serve import PLUGIN_LOAD_FORMAT, plain_line, serve_in
@@ -82,6 +83,7 @@ def verify(
         ValueError: deep without against (a local folder).
         SourceError: `against` cannot be opened, or the bucket cannot be listed.
     """
+    rss_base = resident_bytes()  # the metadata read from here on counts inside a compare's memory
     view = open_view(out_dir)
     if deep and not against and view.local is not None:
         raise ValueError("deep needs against")
@@ -142,7 +144,8 @@ def verify(
     if deep and source is not None and plan is not None:
         report.checked.append("deep")
         files = [f for f in folder.files if f.ok]
-        compare(report, folder, plan, source, files, progress, hash_too=hash_too and folder.checksum != NONE)
+        hashing = hash_too and folder.checksum != NONE
+        compare(report, folder, plan, source, files, progress, hash_too=hashing, rss_base=rss_base)
         # the source's own sha256s, as a save checks them: bytes a Hub served wrong are the source's fault
         # (exit 4 naming its file), not differences of the output; a Hub source's cache is completed too
         source.finish()
@@ -151,7 +154,7 @@ def verify(
         damaged = integrity.check_sums(report, folder, progress, against, only)
         integrity.check_side_files(report, folder, only)
         if damaged and not deep:
-            locate(report, folder, damaged, plan, source, against, progress)
+            locate(report, folder, damaged, plan, source, against, progress, rss_base)
     elif folder.manifest is not None and not checksums:  # --no-checksums: the sizes, which cost nothing
         integrity.check_side_sizes(report, folder)
     _fill_stats(report.stats)

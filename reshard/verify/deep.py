@@ -20,13 +20,14 @@ from reshard.folderview import FolderView
 from reshard.format import ITEMSIZE, TensorInfo
 from reshard.hashing import NONE, new_hasher
 from reshard.io.memory import DEFAULT_MAX_MEMORY
-from reshard.io.writer import Sink, Written
+from reshard.io.writer import STAGE_BYTES, Sink, Written
 from reshard.plan import OutFile, OutTensor, Plan, natural_key
 from reshard.verify.keys import expected_by_rank
 from reshard.verify.report import CORRUPT, CheckedFile, Progress, Report, advance_for
 from reshard.verify.structure import Folder
 
 MAX_PER_FILE = 20  # differing tensors reported per file (the count of the rest is given)
+WINDOW = STAGE_BYTES  # an output file is read this many bytes at a time, twice per open file as a save's writers stage
 
 
 def compare(
@@ -38,10 +39,13 @@ def compare(
     progress: Progress | None,
     *,
     hash_too: bool,
+    rss_base: int | None = None,
 ) -> None:
     """Regenerate each file's tensors from the source with the executor; compare byte for byte.
 
     hash_too: compute each file's digest (the manifest's checksum) on the way when the compare reads all of it.
+    rss_base: the process's resident bytes before verify read any metadata: what it grew by since
+    counts inside the executor's memory (`WriteOptions.rss_base`), as in a save.
     """
     plan = _compare_plan(expected, files)
     total = sum(f.data_bytes for f in plan.files)
@@ -59,7 +63,8 @@ def compare(
     # the source's own reader: a reshard output as SOURCE is read back out of its rank files
     ckpt = source.checkpoint
     t0 = time.monotonic()
-    options = WriteOptions(checksum=NONE, max_memory=DEFAULT_MAX_MEMORY)  # the sinks hash, not the executor
+    # the sinks hash, not the executor
+    options = WriteOptions(checksum=NONE, max_memory=DEFAULT_MAX_MEMORY, rss_base=rss_base)
     reader, advance = source.open_reader(), advance_for(progress, "comparing", total)
     Executor(
         plan, reader, ckpt.tensors, folder.out, options, metadata={}, sync=False, sink=sink, progress=advance
@@ -103,12 +108,14 @@ def locate(
     source: Source | None,
     against: str | None,
     progress: Progress | None,
+    rss_base: int | None = None,
 ) -> None:
     """With --against (not --deep): compare the files whose checksum differs with the source, to
     name the damaged tensor."""
     if source is None or expected is None or source.checkpoint.root is None:
         return
-    compare(report, folder, expected, source, [f for f in damaged if f.ok], progress, hash_too=False)
+    files = [f for f in damaged if f.ok]
+    compare(report, folder, expected, source, files, progress, hash_too=False, rss_base=rss_base)
     for f in damaged:
         if f.ok and not any(x.kind == "data" for x in report.file_findings(f.name)):
             msg = f"{f.name}: every tensor equals what {against} produces: the change is in the header or its metadata"
@@ -130,9 +137,12 @@ class _CompareSink(Sink):
     """A Sink for the executor: compares each regenerated tensor with the file's bytes.
 
     The file is read where its own header puts each tensor, so the header's metadata (run id, ...)
-    does not matter. When the tensors arrive in file order, as reshard writes them, the reads are
-    sequential and cover the whole file; the digest is then computed on a helper thread as a side
-    effect, and the checksum pass skips the file.
+    does not matter. It is read WINDOW bytes at a time into two reused buffers, and every write
+    compared against the window that holds it: the reads and the memory stay the same whatever the
+    tensors' sizes (a buffer per write, as large as the executor's 32 MiB chunks, three per file, took
+    1.1 GB and a page fault per page; a pread per tiny tensor, a system call each). When the windows come in file order, as they do for reshard's own files, they
+    cover the whole file; the digest is then computed on a helper thread as a side effect, and the
+    checksum pass skips the file.
     """
 
     def __init__(self, view: FolderView, f: CheckedFile, diffs: list, *, checksum: str | None) -> None:
@@ -145,12 +155,15 @@ class _CompareSink(Sink):
         self.info: TensorInfo | None = None
         self.pos = 0
         self.bad = False
-        self.bufs = [bytearray(0) for _ in range(3)]  # rotated, so hashing can trail the compare
+        # made when first read into; rotated, so hashing trails the compare
+        self.bufs: list[bytearray | None] = [None, None]
+        self.pending: list[cf.Future | None] = [None, None]
         self.turn = 0
+        self.window = np.empty(0, np.uint8)  # the file's bytes [lo, hi)
+        self.lo = self.hi = 0
         self.hasher = None
         self.sha = None
         self.sha_pos = 0
-        self.pending: list[cf.Future | None] = [None, None, None]
         self.digest: str | None = None
         if checksum is not None:
             start = min((t.offset for t in f.tensors.values()), default=f.size)
@@ -167,49 +180,65 @@ class _CompareSink(Sink):
 
     def write(self, data: memoryview | bytes) -> None:
         got = np.frombuffer(data, np.uint8)
-        n = got.size
-        if n == 0:
-            return
-        off = self.info.offset + self.pos
-        i, view, done = self._read(off, n)
-        if not self.bad and (done < n or not _equal(got, np.frombuffer(view, np.uint8))):
-            self._tell(got, np.frombuffer(view, np.uint8), done)
-            self.bad = True
-        if self.sha is not None:
-            if off == self.sha_pos and done == n:
-                self.pending[i] = self.hasher.submit(self.sha.update, view)
-                self.sha_pos += n
-            else:
-                self._drop_hash()
+        n, a = got.size, 0
+        while a < n:
+            off = self.info.offset + self.pos + a
+            if not self.lo <= off < self.hi:
+                self._fill(off)
+                if self.hi <= off:  # the file ends before this byte
+                    if not self.bad:
+                        self._tell(got[a:], self.window[:0], a)
+                    break
+            k = min(n - a, self.hi - off)
+            have = self.window[off - self.lo : off - self.lo + k]
+            if not self.bad and not _equal(got[a : a + k], have):
+                self._tell(got[a : a + k], have, a)
+            a += k
         self.pos += n
 
-    def _read(self, off: int, n: int) -> tuple[int, memoryview, int]:
-        """The file's bytes [off, off + n) into the next free buffer: its index, the bytes, how many there were."""
+    def _fill(self, off: int) -> None:
+        """Read the window at `off` (up to WINDOW bytes: fewer at the file's end) into the next
+        buffer, once the hash of its previous bytes is done; hash the bytes past `sha_pos` in it."""
         i = self.turn
-        self.turn = (i + 1) % len(self.bufs)
+        self.turn = 1 - i
         if self.pending[i] is not None:
-            self.pending[i].result()  # the hash of this buffer's last contents is done
+            self.pending[i].result()
             self.pending[i] = None
-        if len(self.bufs[i]) < n:
-            self.bufs[i] = bytearray(n)
-        view = memoryview(self.bufs[i])[:n]
-        done = 0
+        buf = self.bufs[i]
+        if buf is None:
+            buf = self.bufs[i] = bytearray(WINDOW)
+        view = memoryview(buf)
         if self.fd < 0:  # a bucket folder: one ranged read
-            data = self.view.read_range(self.file.name, off, n)
+            size = self.file.size
+            data = self.view.read_range(self.file.name, off, WINDOW if size is None else min(WINDOW, size - off))
             view[: len(data)] = data
-            return i, view, len(data)
-        while done < n:
-            k = os.preadv(self.fd, [view[done:]], off + done)
-            if k == 0:
-                break
-            done += k
-        return i, view, done
+            m = len(data)
+        else:
+            m = 0
+            while m < WINDOW:
+                k = os.preadv(self.fd, [view[m:]], off + m)
+                if k == 0:
+                    break
+                m += k
+        self.window = np.frombuffer(buf, np.uint8)[:m]
+        self.lo, self.hi = off, off + m
+        if self.sha is None or self.sha_pos >= self.hi:
+            return
+        if self.sha_pos < off:  # a stretch no window holds: the checksum pass hashes the file
+            self._drop_hash()
+            return
+        self.pending[i] = self.hasher.submit(self.sha.update, view[self.sha_pos - off : m])
+        self.sha_pos = self.hi
 
-    def _tell(self, got: np.ndarray, have: np.ndarray, done: int) -> None:
+    def _tell(self, got: np.ndarray, have: np.ndarray, base: int) -> None:
+        """`got` (the tensor's bytes from `base` on) differs from `have` (the file's; shorter where
+        the file ends): note the first differing byte, once per tensor."""
+        self.bad = True
         info = self.info
-        diff = np.flatnonzero(got[:done] != have[:done])
-        first = int(diff[0]) if diff.size else done  # done < n: the file ends early
-        at = self.pos + first
+        done = have.size
+        diff = np.flatnonzero(got[:done] != have)
+        first = int(diff[0]) if diff.size else done  # the file ends early
+        at = self.pos + base + first
         elem = at // ITEMSIZE[info.dtype]
         self.diffs.append(
             (
@@ -224,6 +253,7 @@ class _CompareSink(Sink):
         if self.hasher is not None:
             self.hasher.shutdown(wait=True)
             self.hasher = None
+        self.pending = [None, None]
 
     def close(self, sync: bool) -> Written:
         if self.hasher is not None:
