@@ -479,32 +479,46 @@ def test_deep_names_flipped_tensor(clean, out):
     assert len(errors(rep)) == 1
 
 
-@pytest.mark.parametrize("window", [4097, 1 << 20])
-def test_deep_reads_each_file_in_windows(clean, out, monkeypatch, window):
+@pytest.mark.parametrize("window, reads", [(4097, "auto"), (3 * 4096, "1"), (1 << 20, "1"), (1 << 20, "0")], ids=str)
+def test_deep_reads_each_file_in_windows(clean, out, monkeypatch, tmp_path, window, reads):
     """The compare reads a file `WINDOW` bytes at a time, whatever its tensors' sizes: one read per
-    window (not one per tensor, nor a buffer per write), the digest out of the windows, and a
-    flipped byte found where it is, across the windows' edges too."""
+    window (not one per tensor, nor a buffer per write), with O_DIRECT where asked (RESHARD_DIRECT_READS;
+    "auto": a file mostly not in the page cache) and the windows are whole pages, the digest out of
+    the windows, and a flipped byte found where it is, across the windows' edges too."""
+    from reshard.io import direct
     from reshard.verify import deep
 
     monkeypatch.setattr(deep, "WINDOW", window)
-    fills: list[tuple[str, int]] = []
+    monkeypatch.setenv("RESHARD_DIRECT_READS", reads)
+    probe = os.open(tmp_path / "probe", os.O_CREAT | os.O_RDWR)
+    can = direct.enable(probe)  # this file system takes O_DIRECT
+    os.close(probe)
+    fills: list[tuple[str, int, bool]] = []  # (file, window start, read with O_DIRECT)
     fill = deep._CompareSink._fill
-    monkeypatch.setattr(deep._CompareSink, "_fill", lambda s, off: fills.append((s.file.name, off)) or fill(s, off))
+
+    def spy(sink, off):
+        fill(sink, off)
+        fills.append((sink.file.name, sink.lo, sink.direct))
+
+    monkeypatch.setattr(deep._CompareSink, "_fill", spy)
     code, rep = run(clean[1], "--against", clean[0], "--deep")
     assert code == 0, rep["findings"]
     assert rep["stats"]["hashed_in_compare_bytes"] == rep["bytes"]
     for name in (RANK0, RANK1):
         tensors, _, _ = read_header(clean[1] / name)
         start, size = min(t.offset for t in tensors.values()), (clean[1] / name).stat().st_size
-        got = [off for n, off in fills if n == name]
-        assert got == list(range(start, size, window))
+        first = start - start % 4096 if window % 4096 == 0 else start  # whole pages where the window is
+        got = [off for n, off, _ in fills if n == name]
+        assert got == list(range(first, size, window))
+        if reads != "auto":
+            assert {d for n, _, d in fills if n == name} == {reads == "1" and can}
         if window == 1 << 20:
             assert len(got) < len(tensors)  # a window served many tensors
 
     info = tensor_at(out / RANK1, "model.layers.2.mlp.down_proj.weight")
-    edge = window - (info.offset - start) % window  # the first byte of the tensor's second window
+    edge = window - (info.offset - first) % window  # the first byte of its second window (`first`: RANK1's)
     assert edge < info.nbytes or window == 1 << 20
-    for at in (7, edge - 1, edge) if edge < info.nbytes else (7,):
+    for at in (7, edge - 1, edge) if edge < info.nbytes else (7, info.nbytes - 1):
         flip(out / RANK1, info.offset + at)
         code, rep = run(out, "--against", clean[0], "--deep", "--no-checksums")
         flip(out / RANK1, info.offset + at)
