@@ -140,12 +140,12 @@ class _CompareSink(Sink):
     """A Sink for the executor: compares each regenerated tensor with the file's bytes.
 
     The file is read where its own header puts each tensor, so the header's metadata (run id, ...)
-    does not matter. It is read WINDOW bytes at a time into two reused buffers, and every write
+    does not matter. It is read WINDOW bytes at a time into two reused buffers, and every write is
     compared against the window that holds it: the reads and the memory stay the same whatever the
-    tensors' sizes (a buffer per write, as large as the executor's 32 MiB chunks, three per file, took
-    1.1 GB and a page fault per page; a pread per tiny tensor, a system call each). When the windows come in file order, as they do for reshard's own files, they
-    cover the whole file; the digest is then computed on a helper thread as a side effect, and the
-    checksum pass skips the file.
+    tensors' sizes (three buffers per file grown to the largest write took 1.1 GB for a 4.4 GB
+    output; a pread per write cost a system call per tiny tensor). When the windows come in file
+    order, as they do for reshard's own files, they cover the whole file; the digest is then
+    computed on a helper thread as a side effect, and the checksum pass skips the file.
     """
 
     def __init__(self, view: FolderView, f: CheckedFile, diffs: list, *, checksum: str | None) -> None:
