@@ -528,6 +528,53 @@ def test_deep_reads_each_file_in_windows(clean, out, monkeypatch, tmp_path, wind
         assert len(errors(rep)) == 1
 
 
+@pytest.mark.parametrize("where", ["window", "head"])
+def test_deep_tells_an_output_file_it_cannot_read(clean, monkeypatch, where):
+    """An I/O error reading an output file once the compare has begun (a failing disk: the checksum
+    pass after it fails too) is exit 7 with one `cannot read` finding for that file, worded as the
+    checksum pass words it, never an internal error (exit 1); the other file passes."""
+    import errno
+
+    from reshard.verify import deep
+
+    fds: set[int] = set()  # descriptors of RANK1 opened since the compare began, still open
+    armed = []
+    real_open = os.open
+    init = deep._CompareSink.__init__
+
+    def compare_sink(sink, *a, **k):
+        armed.append(True)
+        init(sink, *a, **k)
+
+    def open_(path, flags, *a, **k):
+        fd = real_open(path, flags, *a, **k)
+        if armed and str(path).endswith(RANK1):
+            fds.add(fd)
+        return fd
+
+    def failing(real):
+        def read(fd, *a):
+            if fd in fds:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, *a)
+
+        return read
+
+    def close(fd, real=os.close):
+        fds.discard(fd)  # its number is free for another file
+        real(fd)
+
+    monkeypatch.setattr(deep._CompareSink, "__init__", compare_sink)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "close", close)
+    for name in ("preadv", "readv", *(["pread"] if where == "head" else [])):
+        monkeypatch.setattr(os, name, failing(getattr(os, name)))
+    code, rep = run(clean[1], "--against", clean[0], "--deep")
+    assert armed and code == 7, rep["findings"]
+    assert [(f["kind"], f["file"]) for f in errors(rep)] == [("checksum", RANK1)]
+    assert errors(rep)[0]["message"] == f"{RANK1}: cannot read (Input/output error)"
+
+
 def test_deep_compare_tells_a_file_that_ends_early(clean, tmp_path, monkeypatch):
     """A file cut short under the compare (the structure check saw it whole): its tensor differs from
     the byte where the file ends, and the file is not hashed."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from reshard import settings
 from reshard.checkpoint import Source
+from reshard.errors import ReshardError
 from reshard.execute import Executor, WriteOptions
 from reshard.folderview import FolderView
 from reshard.format import ITEMSIZE, TensorInfo
@@ -79,6 +80,9 @@ def compare(
             infos[name].digest = s.digest
             report.count("hashed_in_compare_bytes", infos[name].size)
     for f in files:
+        s = sinks.get(f.name)
+        if s is not None and s.error is not None:  # as the checksum pass says it (Report.add keeps one)
+            report.add("checksum", f"{f.name}: cannot read ({s.error})", code=CORRUPT, file=f.name)
         _tell_diffs(report, f, diffs.get(f.name, []))
 
 
@@ -167,9 +171,14 @@ class _CompareSink(Sink):
         self.sha = None
         self.sha_pos = 0
         self.digest: str | None = None
+        self.error: str | None = None  # why the file could not be read (it is compared no further)
         if checksum is not None:
             start = min((t.offset for t in f.tensors.values()), default=f.size)
-            head = os.pread(self.fd, start, 0) if self.fd >= 0 else view.read_range(f.name, 0, start)
+            try:
+                head = os.pread(self.fd, start, 0) if self.fd >= 0 else view.read_range(f.name, 0, start)
+            except (OSError, ReshardError) as e:
+                self._failed(e)
+                return
             self.sha = new_hasher(checksum)
             self.sha.update(head)
             self.sha_pos = len(head)
@@ -189,12 +198,18 @@ class _CompareSink(Sink):
         self.bad = False
 
     def write(self, data: memoryview | bytes) -> None:
+        if self.error is not None:
+            return
         got = np.frombuffer(data, np.uint8)
         n, a = got.size, 0
         while a < n:
             off = self.info.offset + self.pos + a
             if not self.lo <= off < self.hi:
-                self._fill(off)
+                try:
+                    self._fill(off)
+                except (OSError, ReshardError) as e:
+                    self._failed(e)
+                    return
                 if self.hi <= off:  # the file ends before this byte
                     if not self.bad:
                         self._tell(got[a:], self.window[:0], a)
@@ -250,6 +265,10 @@ class _CompareSink(Sink):
             return
         self.pending[i] = self.hasher.submit(self.sha.update, view[self.sha_pos - off : m])
         self.sha_pos = self.hi
+
+    def _failed(self, e: OSError | ReshardError) -> None:
+        self.error = e.strerror if isinstance(e, OSError) else e.message
+        self._drop_hash()
 
     def _buffered(self) -> None:
         direct.disable(self.fd)

@@ -89,6 +89,7 @@ class Report:
     # how vLLM loads the folder when it passes: {"load_format", "strict", "model_loader_extra_config",
     # "serve"}; strict False: only with `--load-format reshard` and {"strict": false} (verify --lax)
     loads_with: dict | None = None
+    told: set[tuple] = field(default_factory=set, repr=False)  # what `add` recorded
     # `note: ...` lines (on stderr; with --json in its `notes`): how verify checked, not what it found: a bucket
     # whose store cannot vouch for its objects is hashed instead (verify/bucket.py)
     notes: list[str] = field(default_factory=list)
@@ -103,9 +104,13 @@ class Report:
         tensor: str | None = None,
         warn: bool = False,
     ) -> None:
-        """Record a finding: an error mapping to `code`, or with `warn` a warning (code 0)."""
-        sev = WARNING if warn else ERROR
-        self.findings.append(Finding(sev, kind, message, file, tensor, 0 if warn else code))
+        """Record a finding: an error mapping to `code`, or with `warn` a warning (code 0); one
+        already recorded is not recorded twice (a file the compare and the checksum pass both
+        failed to read)."""
+        finding = (WARNING if warn else ERROR, kind, message, file, tensor, 0 if warn else code)
+        if finding not in self.told:
+            self.told.add(finding)
+            self.findings.append(Finding(*finding))
 
     def count(self, stat: str, amount: float) -> None:
         """Add to one of `stats`' totals (bytes or seconds of a phase)."""
