@@ -278,3 +278,35 @@ def test_an_output_saved_without_checksums_says_so_when_read_back(tiny, tmp_path
     ):
         code, _, err = run(*args)
         assert code == 0 and "saved with --checksum none: its files' sizes were checked, not their bytes" in err, err
+
+
+@pytest.mark.parametrize("command", ["merge", "save"])
+def test_a_failing_disk_under_an_output_read_back_is_a_source_error(tiny, tmp_path, monkeypatch, command):
+    """EIO (a failing disk or mount) reading an output's rank file while merging or re-sharding it is
+    exit 4 naming that file, as for any source; it was told as `cannot write` the destination (exit 5)."""
+    import errno
+    import os
+
+    from reshard.sources import output_reader
+    from tests.fixtures.cli import run
+
+    out, dest = tmp_path / "o", tmp_path / "dest"
+    save(str(tiny("qwen3-moe")), out, tp=2, max_part_size=DEFAULT_MAX_PART)
+    armed = []  # the rank files are read back (their checks, before, read them too)
+    init = output_reader.OutputReader.__init__
+    monkeypatch.setattr(
+        output_reader.OutputReader, "__init__", lambda self, *a, **k: armed.append(1) or init(self, *a, **k)
+    )
+    real = os.pread
+
+    def pread(fd, n, offset):
+        if armed and os.readlink(f"/proc/self/fd/{fd}").endswith("model-rank-1-part-0.safetensors"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    args = ["merge", str(out), str(dest)] if command == "merge" else ["save", str(out), str(dest), "--tp", "1"]
+    code, _, err = run(*args)
+    assert armed and code == 4, err
+    assert f"cannot read {out / 'model-rank-1-part-0.safetensors'}: Input/output error" in err, err
+    assert not dest.exists()

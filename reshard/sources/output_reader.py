@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reshard.errors import CorruptError
+from reshard.errors import CorruptError, unreadable_source
 from reshard.format import ITEMSIZE, TensorInfo, open_regular
 
 if TYPE_CHECKING:
@@ -103,13 +103,16 @@ class OutputReader:
         self.group_lock = threading.Lock()  # the prefetcher's threads read at once
 
     def _pread(self, file: str, offset: int, nbytes: int) -> bytes:
-        fd = self.fds.get(file)
-        if fd is None:  # two threads may open it at once: one descriptor is kept
-            fd = open_regular(self.root / file, follow=False)
-            if self.fds.setdefault(file, fd) != fd:
-                os.close(fd)
-                fd = self.fds[file]
-        data = os.pread(fd, nbytes, offset)
+        try:
+            fd = self.fds.get(file)
+            if fd is None:  # two threads may open it at once: one descriptor is kept
+                fd = open_regular(self.root / file, follow=False)
+                if self.fds.setdefault(file, fd) != fd:
+                    os.close(fd)
+                    fd = self.fds[file]
+            data = os.pread(fd, nbytes, offset)
+        except OSError as e:  # a failing disk or mount: the source's (exit 4), not OUT_DIR's
+            raise unreadable_source(self.root / file, e) from e
         if len(data) != nbytes:
             raise CorruptError(f"{self.root / file}: truncated", "the output is damaged")
         return data
