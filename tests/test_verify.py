@@ -500,10 +500,20 @@ def test_deep_reads_each_file_in_windows(clean, out, monkeypatch, tmp_path, wind
         fill(sink, off)
         fills.append((sink.file.name, sink.lo, sink.direct))
 
+    freed = []  # per file: its windows let go once it is done (the compare keeps every sink to its end)
+    close = deep._CompareSink.close
+
+    def closing(sink, sync):
+        written = close(sink, sync)
+        freed.append(sink.bufs == [None, None] and sink.window.size == 0)
+        return written
+
     monkeypatch.setattr(deep._CompareSink, "_fill", spy)
+    monkeypatch.setattr(deep._CompareSink, "close", closing)
     code, rep = run(clean[1], "--against", clean[0], "--deep")
     assert code == 0, rep["findings"]
     assert rep["stats"]["hashed_in_compare_bytes"] == rep["bytes"]
+    assert freed == [True, True]
     for name in (RANK0, RANK1):
         tensors, _, _ = read_header(clean[1] / name)
         start, size = min(t.offset for t in tensors.values()), (clean[1] / name).stat().st_size

@@ -305,14 +305,22 @@ class _CompareSink(Sink):
             self.hasher = None
         if self.sha is not None and self.sha_pos == self.file.size:
             self.digest = self.sha.hexdigest()
+        self._free()
         if self.fd >= 0:
             os.close(self.fd)
         return Written(self.file.name, self.file.size or 0, self.digest)
+
+    def _free(self) -> None:
+        """Let go of the windows (no hash reads them now): the compare keeps every sink until its
+        end, and an output of many parts per rank would hold every file's windows."""
+        self.bufs, self.pending = [None, None], [None, None]
+        self.window = np.empty(0, np.uint8)
 
     def abort(self) -> None:
         if self.hasher is not None:
             self.hasher.shutdown(wait=True, cancel_futures=True)
             self.hasher = None
+        self._free()
         with contextlib.suppress(OSError):
             if self.fd >= 0:
                 os.close(self.fd)
